@@ -1,0 +1,41 @@
+# mxjax: two commands. `make test` and `make train` create .venv on first use.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: test test-slow bench train lint clean-venv
+
+# Python >= 3.12: python3.12 on PATH, else pyenv's 3.12, else a clear error.
+$(PY):
+	@set -e; \
+	if command -v python3.12 >/dev/null 2>&1 && python3.12 -c 'import sys' >/dev/null 2>&1; then PYBIN=python3.12; \
+	elif command -v pyenv >/dev/null 2>&1 && PYENV_VERSION=$$(pyenv versions --bare | grep -E '^3\.12(\.|$$)' | tail -1) && [ -n "$$PYENV_VERSION" ]; then \
+	  PYBIN="$$(PYENV_VERSION=$$PYENV_VERSION pyenv which python)"; \
+	elif ls $$HOME/.pyenv/versions/3.12*/bin/python3 >/dev/null 2>&1; then PYBIN=$$(ls -d $$HOME/.pyenv/versions/3.12*/bin/python3 | tail -1); \
+	else echo "error: mxjax needs Python >= 3.12. Install python3.12 (e.g. 'pyenv install 3.12' or your OS package) and re-run make." >&2; exit 1; fi; \
+	echo "creating $(VENV) with $$PYBIN ($$($$PYBIN --version))"; \
+	$$PYBIN -m venv $(VENV)
+
+# Reinstall only when pyproject.toml changed.
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -n 2 -q $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -n 2 -q -m slow $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	@for b in bench/quantize.py bench/dot_general.py bench/model.py bench/train_step.py; do \
+	  if [ -f $$b ]; then echo "== $$b"; $(PY) $$b || exit 1; fi; done
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check mxjax models train tests bench
+
+clean-venv:
+	rm -rf $(VENV)

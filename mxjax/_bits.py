@@ -1,0 +1,104 @@
+"""Exact fp32 helpers built from integer bit operations.
+
+XLA:CPU flushes fp32 subnormals to zero in float arithmetic (inputs and
+outputs). The quantizer must not, so every step whose operands or results can
+be subnormal is done here with integer ops. All functions are pure `jnp` and
+elementwise, so they also run inside Pallas kernel bodies.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+SIGN_MASK = 0x80000000
+ABS_MASK = 0x7FFFFFFF
+EXP_INF = 0x7F800000  # abs bits >= this: Inf or NaN
+
+
+def f32_bits(x: jnp.ndarray) -> jnp.ndarray:
+    """uint32 bit pattern of an f32 array."""
+    return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+
+
+def bits_f32(b: jnp.ndarray) -> jnp.ndarray:
+    """f32 array with bit pattern `b` (uint32)."""
+    return lax.bitcast_convert_type(b.astype(jnp.uint32), jnp.float32)
+
+
+def pow2(e: jnp.ndarray) -> jnp.ndarray:
+    """2.0**e as f32 for integer e in [-126, 127] (normal range), exactly."""
+    return bits_f32(((e.astype(jnp.int32) + 127) << 23).astype(jnp.uint32))
+
+
+def normalize(abs_bits: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Splits |x| (abs bits) into (biased exponent, 23-bit fraction), normalizing subnormals.
+
+    For a subnormal the biased exponent is <= 0 (as if the exponent field could go
+    negative), so |x| = 2^(exp-127) * (1 + frac/2^23) holds for every nonzero finite x.
+    Zero gives exponent -200 (below anything that matters) and fraction 0.
+    """
+    abs_bits = abs_bits.astype(jnp.uint32)
+    exp = (abs_bits >> 23).astype(jnp.int32)
+    frac = abs_bits & 0x7FFFFF
+    # Subnormal: value = frac * 2^-149; leading one at bit p = 31 - clz(frac).
+    p = 31 - lax.clz(frac).astype(jnp.int32)
+    shift = jnp.clip(23 - p, 0, 31).astype(jnp.uint32)
+    sub_frac = (frac << shift) & 0x7FFFFF
+    sub_exp = p - 22
+    is_sub = exp == 0
+    exp = jnp.where(is_sub, jnp.where(frac == 0, -200, sub_exp), exp)
+    frac = jnp.where(is_sub, sub_frac, frac)
+    return exp, frac
+
+
+def assemble(sign: jnp.ndarray, exp: jnp.ndarray, frac: jnp.ndarray) -> jnp.ndarray:
+    """f32 from sign bit (0/1), biased exponent (may be <= 0) and 23-bit fraction.
+
+    Exponents <= 0 produce the subnormal by a right shift of (1 << 23 | frac); the
+    bits shifted out must be zero (true for every use in mxjax: dequantized values
+    have at most 4 significant bits and are never below 2^-149). Exponents >= 255
+    give Inf. Exponents below -23 give zero.
+    """
+    sign_bits = sign.astype(jnp.uint32) << 31
+    exp = exp.astype(jnp.int32)
+    frac = frac.astype(jnp.uint32)
+    normal = (jnp.clip(exp, 1, 254).astype(jnp.uint32) << 23) | frac
+    sub_shift = jnp.clip(1 - exp, 0, 31).astype(jnp.uint32)
+    sub = ((frac | 0x800000) >> sub_shift) & 0x7FFFFF
+    sub = jnp.where(exp < -23, jnp.uint32(0), sub)
+    out = jnp.where(exp >= 1, normal, sub)
+    out = jnp.where(exp >= 255, jnp.uint32(EXP_INF), out)
+    return bits_f32(out | sign_bits)
+
+
+def ldexp(x: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
+    """x * 2^k for f32 x (subnormals included) and int32 k, without float ops.
+
+    Exact whenever the result is a normal f32 or the shifted-out bits are zero;
+    results below the subnormal range become (signed) zero, results above the
+    normal range become Inf. NaN/Inf inputs are returned unchanged.
+    """
+    bits = f32_bits(x)
+    sign = bits >> 31
+    abs_bits = bits & ABS_MASK
+    exp, frac = normalize(abs_bits)
+    out = assemble(sign, exp + k.astype(jnp.int32), frac)
+    out = jnp.where(abs_bits == 0, x.astype(jnp.float32), out)
+    return jnp.where(abs_bits >= EXP_INF, x.astype(jnp.float32), out)
+
+
+def exact_div(x: jnp.ndarray, d: jnp.ndarray) -> jnp.ndarray:
+    """Correctly rounded x / d for f32 x (subnormals included) and normal positive d.
+
+    A subnormal x is first scaled by 2^64 (exactly, with bit ops) so XLA's
+    denormals-are-zero cannot lose it; the quotient is scaled back by 2^-64,
+    which is exact whenever the true quotient is a normal f32. (Results in the
+    subnormal range are only ever rounded to zero by the element grids.)
+    """
+    x = x.astype(jnp.float32)
+    bits = f32_bits(x)
+    is_sub = ((bits & 0x7F800000) == 0) & ((bits & 0x7FFFFF) != 0)
+    up = ldexp(x, jnp.full(x.shape, 64, jnp.int32))
+    q_sub = ldexp(up / d, jnp.full(x.shape, -64, jnp.int32))
+    return jnp.where(is_sub, q_sub, x / d)

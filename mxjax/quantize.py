@@ -1,0 +1,469 @@
+"""Quantize, dequantize and fake-quantize to MX, NVFP4 and per-tensor FP8 formats.
+
+The numerics are specified in docs/NUMERICS.md and tested bit for bit against an
+independent numpy reference. Everything is pure `jnp` (jit/vmap friendly); the
+element-level helpers (`round_to_grid`, `decode_magnitude`, `e8m0_exponent`) are
+shared with the Pallas kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mxjax import _bits
+from mxjax import formats as F
+from mxjax.formats import ElementFormat, Format, Rounding, ScaleRule
+
+__all__ = [
+    "MXArray",
+    "quantize",
+    "dequantize",
+    "fake_quantize",
+    "round_to_grid",
+    "decode_magnitude",
+    "e8m0_exponent",
+]
+
+_FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+SR_PRESCALE = 0.75  # Tseng et al.: keep stochastic rounding away from saturation
+
+
+# --------------------------------------------------------------------------- #
+# Element level (pure, elementwise; reused by kernels)
+# --------------------------------------------------------------------------- #
+def round_to_grid(
+    y: jnp.ndarray, elem: ElementFormat, mode: Rounding, u: jnp.ndarray | None = None
+) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Rounds finite f32 `y` onto `elem`'s grid, saturating.
+
+    Args:
+      y: f32 array, finite; |y| is a normal f32 or zero (smaller values are zero
+        after XLA's flush, and would round to zero on every grid anyway).
+      elem: element format.
+      mode: rounding mode.
+      u: f32 uniforms in [0, 1), same shape as y, for STOCHASTIC.
+    Returns:
+      (sign uint32 0/1, magnitude code int32 in [0, elem.max_code]).
+    """
+    bits = _bits.f32_bits(y)
+    sign = bits >> 31
+    a = _bits.bits_f32(bits & _bits.ABS_MASK)
+    e = ((bits >> 23) & 0xFF).astype(jnp.int32) - 127
+    big_e = jnp.clip(e, elem.emin, elem.emax)
+    t = a * _bits.pow2(elem.mbits - big_e)  # exact: power-of-two scaling of a normal
+    if mode is Rounding.NEAREST_EVEN:
+        n = lax.round(t, lax.RoundingMethod.TO_NEAREST_EVEN)
+    elif mode is Rounding.NEAREST_AWAY:
+        n = lax.round(t, lax.RoundingMethod.AWAY_FROM_ZERO)
+    elif mode is Rounding.TOWARD_ZERO:
+        n = jnp.floor(t)
+    elif mode is Rounding.STOCHASTIC:
+        if u is None:
+            raise ValueError("u: STOCHASTIC rounding needs uniform random numbers")
+        fl = jnp.floor(t)
+        n = fl + (u < (t - fl)).astype(jnp.float32)
+    else:  # pragma: no cover - enum is closed
+        raise ValueError(f"rounding: unsupported {mode!r}")
+    # Saturate before the int conversion (huge t for values far above max).
+    n = jnp.minimum(n, float(2 ** (elem.mbits + 2)))
+    code = n.astype(jnp.int32) + ((big_e - elem.emin) << elem.mbits)
+    code = jnp.minimum(code, elem.max_code)
+    return sign, code
+
+
+def decode_magnitude(code: jnp.ndarray, elem: ElementFormat) -> jnp.ndarray:
+    """f32 magnitude of an element code (sign bit ignored); exact."""
+    mag = code.astype(jnp.int32) & (elem.sign_bit - 1)
+    field = mag >> elem.mbits
+    mant = mag & ((1 << elem.mbits) - 1)
+    is_sub = field == 0
+    n = jnp.where(is_sub, mant, mant + (1 << elem.mbits)).astype(jnp.float32)
+    exp = jnp.where(is_sub, elem.emin, field - 1 + elem.emin) - elem.mbits
+    return n * _bits.pow2(exp)
+
+
+def e8m0_exponent(amax_bits: jnp.ndarray, elem: ElementFormat, rule: ScaleRule) -> jnp.ndarray:
+    """Unclamped-then-clamped E8M0 scale exponent from the block amax's abs bits.
+
+    Args:
+      amax_bits: uint32 abs bits of the (finite, nonzero) block amax.
+    Returns:
+      int32 exponent s in [-127, 127]; scale = 2^s.
+    """
+    exp, frac = _bits.normalize(amax_bits)
+    e = exp - 127
+    if rule is ScaleRule.FLOOR:
+        bump = jnp.zeros_like(e)
+    elif rule is ScaleRule.EVEN:
+        # m rounded (ties away) to mbits reaches 2  <=>  m >= 2 - 2^-(mbits+1)
+        threshold = (1 << 23) - (1 << (23 - elem.mbits - 1))
+        bump = (frac >= threshold).astype(jnp.int32)
+    elif rule is ScaleRule.CEIL:
+        bump = (frac > 0).astype(jnp.int32)
+    elif rule is ScaleRule.RCEIL:
+        threshold = elem.max_mantissa_code << (23 - elem.mbits)
+        bump = (frac > threshold).astype(jnp.int32)
+    else:  # pragma: no cover
+        raise ValueError(f"scale_rule: unsupported {rule!r}")
+    return jnp.clip(e - elem.emax + bump, -127, 127)
+
+
+def _encode(sign: jnp.ndarray, code: jnp.ndarray, elem: ElementFormat) -> jnp.ndarray:
+    return (code | (sign.astype(jnp.int32) * elem.sign_bit)).astype(jnp.uint8)
+
+
+def _signed_value(code: jnp.ndarray, elem: ElementFormat) -> jnp.ndarray:
+    mag = decode_magnitude(code, elem)
+    neg = (code.astype(jnp.int32) & elem.sign_bit) != 0
+    return jnp.where(neg, -mag, mag)
+
+
+def _uniforms(key: jax.Array | None, shape: tuple[int, ...]) -> jnp.ndarray:
+    return jax.random.uniform(key, shape, jnp.float32)
+
+
+# --------------------------------------------------------------------------- #
+# MXArray
+# --------------------------------------------------------------------------- #
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class MXArray:
+    """A quantized array.
+
+    Attributes:
+      codes: uint8. E2M1 formats: two codes per byte along `axis` (first element
+        in the low nibble), length padded_n // 2 there. FP8 formats: one byte per
+        element (the float8 bit pattern), length padded_n.
+      scales: uint8 per block along `axis` (E8M0 bytes for MX formats, E4M3 bytes
+        for NVFP4), length padded_n // block_size there; None for per-tensor formats.
+      tensor_scale: f32 scalar (NVFP4, per-tensor FP8) or None.
+      shape: logical (unpadded) shape of the quantized array.
+      axis: non-negative block axis.
+      fmt: the Format.
+      sr_prescale: whether values were multiplied by 3/4 before rounding (dequantize
+        divides by 3/4).
+    """
+
+    codes: jnp.ndarray
+    scales: jnp.ndarray | None
+    tensor_scale: jnp.ndarray | None
+    shape: tuple[int, ...]
+    axis: int
+    fmt: Format
+    sr_prescale: bool = False
+
+    def tree_flatten(self):
+        return (self.codes, self.scales, self.tensor_scale), (
+            self.shape,
+            self.axis,
+            self.fmt,
+            self.sr_prescale,
+        )
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        codes, scales, tensor_scale = children
+        shape, axis, fmt, sr_prescale = aux
+        return cls(codes, scales, tensor_scale, shape, axis, fmt, sr_prescale)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes actually stored: codes + scales + tensor scale (padding included)."""
+        total = math.prod(self.codes.shape) * 1
+        if self.scales is not None:
+            total += math.prod(self.scales.shape)
+        if self.tensor_scale is not None:
+            total += 4
+        return total
+
+    @property
+    def dtype(self):
+        return self.fmt
+
+    def dequantize(self, dtype=jnp.float32) -> jnp.ndarray:
+        return dequantize(self, dtype)
+
+    def __repr__(self) -> str:
+        return f"MXArray(fmt={self.fmt!r}, shape={self.shape}, axis={self.axis}, nbytes={self.nbytes})"
+
+
+# --------------------------------------------------------------------------- #
+# Validation
+# --------------------------------------------------------------------------- #
+def _check_input(x: Any, fmt: Any, axis: int, scale_rule, rounding, key):
+    fmt = F.get(fmt)
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        x = jnp.asarray(x)
+    if not any(x.dtype == d for d in _FLOAT_DTYPES):
+        raise TypeError(f"x: expected a float32, bfloat16 or float16 array, got dtype {x.dtype}")
+    ndim = x.ndim
+    if ndim == 0:
+        raise ValueError("x: expected an array with at least one dimension, got a scalar")
+    if isinstance(axis, bool):
+        raise TypeError(f"axis: expected an int, got {axis!r}")
+    try:
+        axis = operator.index(axis)
+    except TypeError:
+        raise TypeError(f"axis: expected an int, got {axis!r}") from None
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis: {axis} is out of range for an array of rank {ndim}")
+    axis = axis % ndim
+    rounding = F.rounding(rounding)
+    if scale_rule is None:
+        scale_rule = ScaleRule.FLOOR
+    scale_rule = F.scale_rule(scale_rule)
+    if fmt.scale != "e8m0" and scale_rule is not ScaleRule.FLOOR and not fmt.is_passthrough:
+        raise ValueError(
+            f"scale_rule: {scale_rule.name} applies to E8M0-scaled MX formats only; "
+            f"{fmt.name} has a fixed scale computation (pass ScaleRule.FLOOR or None)"
+        )
+    if rounding is Rounding.STOCHASTIC and key is None:
+        raise ValueError("key: STOCHASTIC rounding needs a PRNG key (key=jax.random.key(...))")
+    return x, fmt, axis, scale_rule, rounding
+
+
+def _to_blocks(x: jnp.ndarray, axis: int, block: int) -> tuple[jnp.ndarray, int]:
+    """Moves `axis` last, pads it with zeros to a multiple of `block`."""
+    xm = jnp.moveaxis(x, axis, -1)
+    n = xm.shape[-1]
+    pad = (-n) % block
+    if pad:
+        xm = jnp.pad(xm, [(0, 0)] * (xm.ndim - 1) + [(0, pad)])
+    return xm, n
+
+
+# --------------------------------------------------------------------------- #
+# Core (axis last, padded): returns codes (unpacked, int32 per element), scale
+# info, and a function of the codes giving the dequantized values.
+# --------------------------------------------------------------------------- #
+def _quantize_mx(xb, elem, rule, mode, u, prescale):
+    """xb: f32 [..., nb, bs]. Returns (codes int/uint8 [..., nb, bs], scale bytes uint8 [..., nb], s int32 [..., nb, 1])."""
+    abs_bits = _bits.f32_bits(xb) & _bits.ABS_MASK
+    amax_bits = jnp.max(abs_bits, axis=-1, keepdims=True)
+    nonfinite = amax_bits >= _bits.EXP_INF
+    s = e8m0_exponent(amax_bits, elem, rule)
+    s = jnp.where(amax_bits == 0, 0, s)
+    y = _bits.ldexp(xb, -s)
+    if prescale:
+        y = y * jnp.float32(SR_PRESCALE)
+    y = jnp.where(nonfinite, 0.0, y)
+    sign, code = round_to_grid(y, elem, mode, u)
+    codes = _encode(sign, code, elem)
+    scale_bytes = jnp.where(nonfinite, 255, s + 127).astype(jnp.uint8)[..., 0]
+    return codes, scale_bytes
+
+
+def _dequant_mx(codes, scale_bytes, elem, prescale):
+    """codes uint8 [..., nb, bs], scale_bytes uint8 [..., nb] -> f32 [..., nb, bs]."""
+    v = _signed_value(codes, elem)
+    sb = scale_bytes.astype(jnp.int32)[..., None]
+    out = _bits.ldexp(v, sb - 127)
+    if prescale:
+        out = out / jnp.float32(SR_PRESCALE)
+    return jnp.where(sb == 255, jnp.float32(jnp.nan), out)
+
+
+def _tensor_scale(amax_bits, denom: float, floor_exp: int):
+    """max(amax / denom, 2^floor_exp); 1 for zero; NaN for non-finite."""
+    amax = _bits.bits_f32(amax_bits)
+    t = jnp.maximum(amax / jnp.float32(denom), jnp.float32(2.0**floor_exp))
+    t = jnp.where(amax_bits == 0, jnp.float32(1.0), t)
+    return jnp.where(amax_bits >= _bits.EXP_INF, jnp.float32(jnp.nan), t)
+
+
+def _nvfp4_floor_exp() -> int:
+    # d = block_scale * t >= 2^-9 * t and the smallest E2M1 value 0.5 * d must stay normal.
+    return -126 + 1 + 9
+
+
+def _pertensor_floor_exp(elem: ElementFormat) -> int:
+    # min_subnormal(elem) * t must stay a normal f32.
+    return -126 - (elem.emin - elem.mbits)
+
+
+def _quantize_nvfp4(xb, mode, u, prescale):
+    """xb f32 [..., nb, 16]. Returns codes, block-scale bytes [..., nb], tensor scale."""
+    elem = F.E2M1
+    abs_bits = _bits.f32_bits(xb) & _bits.ABS_MASK
+    t_bits = jnp.max(abs_bits)
+    t = _tensor_scale(t_bits, 6.0 * 448.0, _nvfp4_floor_exp())
+    amax_bits = jnp.max(abs_bits, axis=-1, keepdims=True)
+    amax = _bits.bits_f32(amax_bits)
+    finite = t_bits < _bits.EXP_INF
+    bs_sign, bs_code = round_to_grid(
+        jnp.where(finite, amax / (jnp.float32(6.0) * t), 0.0), F.E4M3, Rounding.NEAREST_EVEN
+    )
+    del bs_sign
+    block_scale = decode_magnitude(bs_code, F.E4M3)
+    d = block_scale * t
+    y = _bits.exact_div(xb, jnp.where(block_scale == 0, 1.0, d))
+    y = jnp.where((block_scale == 0) | ~finite, 0.0, y)
+    if prescale:
+        y = y * jnp.float32(SR_PRESCALE)
+    sign, code = round_to_grid(y, elem, mode, u)
+    return _encode(sign, code, elem), bs_code.astype(jnp.uint8)[..., 0], t
+
+
+def _dequant_nvfp4(codes, scale_bytes, t, prescale):
+    v = _signed_value(codes, F.E2M1)
+    d = decode_magnitude(scale_bytes, F.E4M3)[..., None] * t
+    out = v * d
+    if prescale:
+        out = out / jnp.float32(SR_PRESCALE)
+    return out
+
+
+def _quantize_pertensor(xf, elem, mode, u, prescale):
+    abs_bits = _bits.f32_bits(xf) & _bits.ABS_MASK
+    t_bits = jnp.max(abs_bits)
+    t = _tensor_scale(t_bits, elem.max_normal, _pertensor_floor_exp(elem))
+    finite = t_bits < _bits.EXP_INF
+    y = _bits.exact_div(xf, jnp.where(finite, t, 1.0))
+    y = jnp.where(finite, y, 0.0)
+    if prescale:
+        y = y * jnp.float32(SR_PRESCALE)
+    sign, code = round_to_grid(y, elem, mode, u)
+    return _encode(sign, code, elem), t
+
+
+def _dequant_pertensor(codes, t, elem, prescale):
+    out = _signed_value(codes, elem) * t
+    if prescale:
+        out = out / jnp.float32(SR_PRESCALE)
+    return out
+
+
+def _pack(codes: jnp.ndarray) -> jnp.ndarray:
+    """uint8 4-bit codes [..., n] (n even) -> [..., n // 2], first in low nibble."""
+    pairs = codes.reshape(codes.shape[:-1] + (codes.shape[-1] // 2, 2))
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def _unpack(packed: jnp.ndarray) -> jnp.ndarray:
+    lo = packed & 0x0F
+    hi = packed >> 4
+    return jnp.stack([lo, hi], axis=-1).reshape(packed.shape[:-1] + (packed.shape[-1] * 2,))
+
+
+def _core(x, fmt: Format, axis: int, rule: ScaleRule, mode: Rounding, key, prescale: bool):
+    """Quantizes; returns (codes [..., n_pad] unpacked, scales [..., nb] | None, t | None, n)."""
+    elem = fmt.element
+    block = fmt.block_size or 1
+    xm, n = _to_blocks(x.astype(jnp.float32), axis, block)
+    u = _uniforms(key, xm.shape) if mode is Rounding.STOCHASTIC else None
+    if fmt.is_per_tensor:
+        codes, t = _quantize_pertensor(xm, elem, mode, u, prescale)
+        return codes, None, t, n
+    lead = xm.shape[:-1]
+    nb = xm.shape[-1] // block
+    xb = xm.reshape(lead + (nb, block))
+    ub = None if u is None else u.reshape(xb.shape)
+    if fmt.scale == "e8m0":
+        codes, scales = _quantize_mx(xb, elem, rule, mode, ub, prescale)
+        t = None
+    else:
+        codes, scales, t = _quantize_nvfp4(xb, mode, ub, prescale)
+    return codes.reshape(xm.shape), scales, t, n
+
+
+def _dequant_core(codes, scales, t, fmt: Format, prescale: bool):
+    """codes [..., n_pad] (unpacked), scales [..., nb] -> f32 [..., n_pad]."""
+    elem = fmt.element
+    if fmt.is_per_tensor:
+        return _dequant_pertensor(codes, t, elem, prescale)
+    block = fmt.block_size
+    cb = codes.reshape(codes.shape[:-1] + (codes.shape[-1] // block, block))
+    if fmt.scale == "e8m0":
+        out = _dequant_mx(cb, scales, elem, prescale)
+    else:
+        out = _dequant_nvfp4(cb, scales, t, prescale)
+    return out.reshape(codes.shape)
+
+
+# --------------------------------------------------------------------------- #
+# Public API
+# --------------------------------------------------------------------------- #
+def quantize(
+    x: jnp.ndarray,
+    fmt: Format | str,
+    axis: int = -1,
+    *,
+    scale_rule: ScaleRule | str | None = ScaleRule.FLOOR,
+    rounding: Rounding | str = Rounding.NEAREST_EVEN,
+    key: jax.Array | None = None,
+    sr_prescale: bool = False,
+) -> MXArray:
+    """Quantizes `x` to `fmt` with blocks along `axis`.
+
+    Args:
+      x: float32/bfloat16/float16 array of any rank >= 1.
+      fmt: MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, FP8_E4M3, FP8_E5M2 (or name).
+      axis: the block (contraction) axis. Sizes not divisible by the block are
+        zero-padded internally.
+      scale_rule: E8M0 scale rule (MX formats); NVFP4 and per-tensor FP8 have a
+        fixed scale computation and accept only FLOOR/None.
+      rounding: element rounding.
+      key: PRNG key, required for STOCHASTIC rounding. The uniforms are
+        `jax.random.uniform(key, shape, f32)` with `shape` = x's shape with
+        `axis` moved last and padded to the block.
+      sr_prescale: multiply by 3/4 before rounding (dequantize divides by 3/4).
+    Returns:
+      MXArray (see its docstring for the layout).
+    """
+    x, fmt, axis, rule, mode = _check_input(x, fmt, axis, scale_rule, rounding, key)
+    if fmt.is_passthrough:
+        raise ValueError("fmt: BF16 is pass-through; there is nothing to quantize")
+    codes, scales, t, _ = _core(x, fmt, axis, rule, mode, key, sr_prescale)
+    if fmt.packed:
+        codes = _pack(codes)
+    codes = jnp.moveaxis(codes, -1, axis)
+    if scales is not None:
+        scales = jnp.moveaxis(scales, -1, axis)
+    return MXArray(codes, scales, t, tuple(x.shape), axis, fmt, bool(sr_prescale))
+
+
+def dequantize(q: MXArray, dtype=jnp.float32) -> jnp.ndarray:
+    """Values of `q` as `dtype` (default f32), with its logical shape.
+
+    Exact in f32 (subnormal results included); other dtypes are a cast of the
+    f32 values. A NaN block scale (0xFF) gives NaN for the whole block.
+    """
+    if not isinstance(q, MXArray):
+        raise TypeError(f"q: expected an MXArray, got {type(q).__name__}")
+    codes = jnp.moveaxis(q.codes, q.axis, -1)
+    if q.fmt.packed:
+        codes = _unpack(codes)
+    scales = None if q.scales is None else jnp.moveaxis(q.scales, q.axis, -1)
+    out = _dequant_core(codes, scales, q.tensor_scale, q.fmt, q.sr_prescale)
+    out = out[..., : q.shape[q.axis]]
+    return jnp.moveaxis(out, -1, q.axis).astype(dtype)
+
+
+def fake_quantize(
+    x: jnp.ndarray,
+    fmt: Format | str,
+    axis: int = -1,
+    *,
+    scale_rule: ScaleRule | str | None = ScaleRule.FLOOR,
+    rounding: Rounding | str = Rounding.NEAREST_EVEN,
+    key: jax.Array | None = None,
+    sr_prescale: bool = False,
+) -> jnp.ndarray:
+    """Quantize-dequantize in one fused pass: same shape and dtype as `x`.
+
+    Equals `dequantize(quantize(x, ...), x.dtype)` bit for bit without
+    materializing packed codes. BF16 (pass-through) returns `x` unchanged.
+    """
+    x, fmt, axis, rule, mode = _check_input(x, fmt, axis, scale_rule, rounding, key)
+    if fmt.is_passthrough:
+        return x
+    codes, scales, t, n = _core(x, fmt, axis, rule, mode, key, sr_prescale)
+    out = _dequant_core(codes, scales, t, fmt, sr_prescale)[..., :n]
+    return jnp.moveaxis(out, -1, axis).astype(x.dtype)
