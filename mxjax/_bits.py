@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-SIGN_MASK = 0x80000000
+SIGN_MASK = jnp.uint32(0x80000000)
 ABS_MASK = 0x7FFFFFFF
 EXP_INF = 0x7F800000  # abs bits >= this: Inf or NaN
 
@@ -86,6 +86,24 @@ def ldexp(x: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
     out = assemble(sign, exp + k.astype(jnp.int32), frac)
     out = jnp.where(abs_bits == 0, x.astype(jnp.float32), out)
     return jnp.where(abs_bits >= EXP_INF, x.astype(jnp.float32), out)
+
+
+def ldexp_normal(v: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
+    """v * 2^k for f32 v that is a normal number or zero (no NaN/Inf), int32 k.
+
+    The cheap path of `ldexp` (no subnormal normalization of the input); the result
+    may be subnormal (exact when the shifted-out bits are zero) or Inf.
+    """
+    bits = f32_bits(v)
+    sign = bits & SIGN_MASK
+    exp = ((bits >> 23) & 0xFF).astype(jnp.int32)
+    new = exp + k.astype(jnp.int32)
+    normal = (bits.astype(jnp.int32) + (k.astype(jnp.int32) << 23)).astype(jnp.uint32)
+    sub_shift = jnp.clip(1 - new, 0, 31).astype(jnp.uint32)
+    sub = (((bits & 0x7FFFFF) | 0x800000) >> sub_shift) | sign
+    out = jnp.where(new >= 1, normal, jnp.where(new >= -23, sub, sign))
+    out = jnp.where(new >= 255, sign | EXP_INF, out)
+    return bits_f32(jnp.where(exp == 0, bits, out))
 
 
 def exact_div(x: jnp.ndarray, d: jnp.ndarray) -> jnp.ndarray:

@@ -27,15 +27,21 @@ def _check_block_size(block_size) -> int:
 
 
 def _fwht_last(xb: jnp.ndarray) -> jnp.ndarray:
-    """Unnormalized Sylvester-ordered transform of the last axis (length h)."""
+    """Unnormalized Sylvester-ordered transform of the last axis (length h).
+
+    Stage with stride s pairs element i with i ^ s: the lower one becomes a + b,
+    the upper one a - b. Written as a reversal of each (a, b) pair plus a select
+    so that XLA fuses all stages into one elementwise loop.
+    """
     h = xb.shape[-1]
     lead = xb.shape[:-1]
+    idx = np.arange(h)
     stride = 1
     while stride < h:
         pairs = xb.reshape(lead + (h // (2 * stride), 2, stride))
-        a = pairs[..., 0, :]
-        b = pairs[..., 1, :]
-        xb = jnp.stack([a + b, a - b], axis=-2).reshape(lead + (h,))
+        partner = pairs[..., ::-1, :].reshape(xb.shape)
+        upper = jnp.asarray((idx // stride) % 2 == 1)
+        xb = jnp.where(upper, partner - xb, xb + partner)
         stride *= 2
     return xb
 

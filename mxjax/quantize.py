@@ -264,7 +264,7 @@ def _dequant_mx(codes, scale_bytes, elem, prescale):
     """codes uint8 [..., nb, bs], scale_bytes uint8 [..., nb] -> f32 [..., nb, bs]."""
     v = _signed_value(codes, elem)
     sb = scale_bytes.astype(jnp.int32)[..., None]
-    out = _bits.ldexp(v, sb - 127)
+    out = _bits.ldexp_normal(v, sb - 127)
     if prescale:
         out = out / jnp.float32(SR_PRESCALE)
     return jnp.where(sb == 255, jnp.float32(jnp.nan), out)
@@ -422,7 +422,9 @@ def quantize(
         raise ValueError("fmt: BF16 is pass-through; there is nothing to quantize")
     codes, scales, t, _ = _core(x, fmt, axis, rule, mode, key, sr_prescale)
     if fmt.packed:
-        codes = _pack(codes)
+        # Packing fused into the quantizer's loop defeats XLA:CPU vectorization;
+        # materializing the byte codes first is ~4x faster.
+        codes = _pack(lax.optimization_barrier(codes))
     codes = jnp.moveaxis(codes, -1, axis)
     if scales is not None:
         scales = jnp.moveaxis(scales, -1, axis)

@@ -224,8 +224,8 @@ class RefQ:
     scales: uint8 block scale bytes (None for per-tensor formats).
     tensor_scale: np.float32 scalar or None.
     values: float64 signed element values, block axis last, padded (for tests).
-    nan_blocks: bool, block axis last: blocks whose codes the contract leaves
-      unspecified because the block (or tensor) is NaN.
+    nan_elems: bool, block axis last, padded: elements whose codes the contract
+      leaves unspecified because their block (or tensor) is NaN.
     """
 
     fmt: Fmt
@@ -236,7 +236,7 @@ class RefQ:
     tensor_scale: np.float32 | None
     values: np.ndarray
     sr_prescale: bool
-    nan_elems: np.ndarray  # bool, same layout as `codes` would have unpacked, axis last
+    nan_elems: np.ndarray
 
 
 def moved_padded_shape(shape, fmt_name: str, axis: int) -> tuple[int, ...]:
@@ -374,8 +374,9 @@ def dequantize(q: RefQ, dtype=np.float32) -> np.ndarray:
     else:
         with np.errstate(invalid="ignore"):
             out = ev.astype(np.float32) * q.tensor_scale
-    if q.sr_prescale:
-        out = out * np.float32(4.0 / 3.0)
+    if q.sr_prescale:  # 4/3 * out rounded once: out / 0.75 is a correctly rounded f32 op
+        with np.errstate(invalid="ignore"):
+            out = out / np.float32(0.75)
     n = q.shape[q.axis]
     out = np.moveaxis(out[..., :n], -1, q.axis)
     return out.astype(dtype)

@@ -1,0 +1,411 @@
+"""Training configuration: frozen dataclasses, strict YAML parsing, `--set` overrides.
+
+A config file is a YAML mapping with the sections below (every key optional
+except where noted; unknown keys, wrong types and bad values are errors that
+name the offending key)::
+
+    name: tiny                 # run name; default output directory runs/<name>
+    seed: 0                    # model init, data order, randomized-policy keys
+    out_dir: null              # default runs/<name>
+    policy: mxfp4_all_h16      # a preset name, a full policy dict, or null (no policy)
+    model:   {preset, overrides, compute_dtype}
+    data:    {sources, val_sources, format, text_key, split, holdout_every,
+              holdout_block, max_docs, tokenizer, vocab_size, eos_token,
+              add_bos, seq_len, cache_dir}
+    optim:   {lr, warmup_steps, decay_steps, final_lr_ratio, b1, b2, eps,
+              weight_decay, clip_norm}
+    train:   {steps, global_batch, micro_batch, eval_every, eval_sequences,
+              eval_batch, eval_at_start, target_eval_loss, max_nonfinite,
+              log_every, progress, plot}
+    checkpoint: {every, keep, async_save, enabled}
+    mesh:    {data, fsdp, tensor, distributed}
+
+`load(path, overrides)` reads a file and applies ``key.sub=value`` overrides
+(values parsed as YAML scalars) before validation. `describe()` renders the
+schema with defaults and help text for ``--help``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported before anything is compiled."""
+
+
+def _field(default: Any = dataclasses.MISSING, help: str = "", **kw: Any) -> Any:
+    md = {"help": help}
+    if default is dataclasses.MISSING and "default_factory" not in kw:
+        return dataclasses.field(metadata=md, **kw)
+    if "default_factory" in kw:
+        return dataclasses.field(metadata=md, **kw)
+    return dataclasses.field(default=default, metadata=md)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSection:
+    preset: Literal["tiny", "llama3_1b", "llama3_8b"] = _field(
+        "tiny", "LlamaConfig preset (models.llama.LlamaConfig.<preset>())")
+    overrides: dict[str, Any] = _field(
+        default_factory=dict,
+        help="LlamaConfig fields to replace, e.g. {dim: 128, n_layers: 4}. vocab_size "
+        "defaults to the tokenizer's vocabulary size")
+    compute_dtype: Literal["float32", "bfloat16", "float16"] = _field(
+        "float32", "activation/compute dtype; master weights are always float32")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataSection:
+    sources: tuple[str, ...] = _field(
+        ("embedded:austen",),
+        "training files or globs: .txt/.txt.gz (plain text) or .json/.jsonl(.gz) "
+        "(one JSON object per line, C4 style); 'embedded:austen' is the bundled corpus")
+    val_sources: tuple[str, ...] = _field(
+        (), "validation files/globs (e.g. the C4 validation shard); empty = hold out "
+        "part of `sources`")
+    format: Literal["auto", "text", "jsonl"] = _field(
+        "auto", "file format; auto decides by extension")
+    text_key: str = _field("text", "JSON field holding the document text")
+    split: Literal["paragraph", "file"] = _field(
+        "paragraph", "plain text: one document per blank-line separated paragraph, "
+        "or one per file")
+    holdout_every: int = _field(
+        20, "without val_sources: every N-th block of documents is held out for validation")
+    holdout_block: int = _field(50, "documents per hold-out block")
+    max_docs: int | None = _field(None, "read at most this many documents per split (tests)")
+    tokenizer: str = _field(
+        "bpe", "'bpe' (byte-level BPE trained on the training documents, cached) or a "
+        "path to a Hugging Face tokenizer.json")
+    vocab_size: int = _field(2048, "vocabulary size of the trained BPE (tokenizer: bpe)")
+    eos_token: str | None = _field(
+        None, "end-of-document token; default: the tokenizer's known EOS "
+        "(<|end_of_text|>, </s>, <|endoftext|>, <eos>)")
+    add_bos: bool = _field(False, "also put the tokenizer's BOS before each document")
+    seq_len: int = _field(128, "tokens per training sequence")
+    cache_dir: str = _field("data_cache", "where prepared token files are cached")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimSection:
+    lr: float = _field(3e-4, "peak learning rate")
+    warmup_steps: int = _field(0, "linear warmup steps")
+    decay_steps: int | None = _field(
+        None, "cosine horizon in steps (warmup included); default train.steps")
+    final_lr_ratio: float = _field(0.1, "cosine decays to final_lr_ratio * lr")
+    b1: float = _field(0.9, "AdamW beta1")
+    b2: float = _field(0.95, "AdamW beta2")
+    eps: float = _field(1e-5, "AdamW epsilon")
+    weight_decay: float = _field(0.1, "decoupled weight decay (not on norms / 1-D params)")
+    clip_norm: float = _field(1.0, "global gradient-norm clip")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainSection:
+    steps: int = _field(100, "optimizer steps")
+    global_batch: int = _field(16, "sequences per optimizer step")
+    micro_batch: int | None = _field(
+        None, "sequences per forward/backward pass; global_batch/micro_batch gradient "
+        "accumulation steps (default: no accumulation)")
+    eval_every: int = _field(0, "evaluate every N steps (0: only at the end)")
+    eval_sequences: int = _field(64, "validation sequences per evaluation (a fixed set)")
+    eval_batch: int | None = _field(None, "sequences per eval forward pass (default micro batch)")
+    eval_at_start: bool = _field(True, "also evaluate before the first step")
+    target_eval_loss: float | None = _field(
+        None, "stop when eval loss <= this (MLPerf: 3.3)")
+    max_nonfinite: int = _field(
+        5, "stop after this many consecutive steps with non-finite loss/gradients "
+        "(each such step is skipped)")
+    log_every: int = _field(1, "write a metrics record every N steps")
+    progress: Literal["auto", "bar", "lines", "off"] = _field(
+        "auto", "progress display: bar on a terminal, periodic lines otherwise")
+    plot: bool = _field(True, "write plot.png (loss vs tokens) at the end")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointSection:
+    enabled: bool = _field(True, "write checkpoints and resume from them")
+    every: int = _field(0, "save every N steps (0: only at the end)")
+    keep: int = _field(3, "keep the last K checkpoints")
+    async_save: bool = _field(True, "write checkpoints in the background")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshSection:
+    data: int = _field(-1, "data-parallel axis size (-1: all devices not used by the others)")
+    fsdp: int = _field(1, "fully-sharded data-parallel axis size")
+    tensor: int = _field(1, "tensor-parallel axis size")
+    distributed: bool = _field(
+        False, "call jax.distributed.initialize() first (multi-host; uses the "
+        "cluster environment)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    name: str = _field("run", "run name")
+    seed: int = _field(0, "seed for init, data order and randomized-policy keys")
+    out_dir: str | None = _field(None, "output directory (default runs/<name>)")
+    policy: str | dict[str, Any] | None = _field(
+        None, "precision policy: preset name (see mxjax.policies.names()), a full "
+        "policy dict (mxjax.policies.to_dict format), or null for no policy")
+    model: ModelSection = _field(default_factory=ModelSection, help="model")
+    data: DataSection = _field(default_factory=DataSection, help="data")
+    optim: OptimSection = _field(default_factory=OptimSection, help="optimizer")
+    train: TrainSection = _field(default_factory=TrainSection, help="loop")
+    checkpoint: CheckpointSection = _field(default_factory=CheckpointSection, help="ckpt")
+    mesh: MeshSection = _field(default_factory=MeshSection, help="devices")
+
+    @property
+    def out_path(self) -> Path:
+        return Path(self.out_dir) if self.out_dir else Path("runs") / self.name
+
+    @property
+    def accum_steps(self) -> int:
+        return self.train.global_batch // (self.train.micro_batch or self.train.global_batch)
+
+    @property
+    def decay_steps(self) -> int:
+        return self.optim.decay_steps if self.optim.decay_steps is not None else self.train.steps
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (JSON/YAML-safe) of the whole config."""
+        return _to_plain(dataclasses.asdict(self))
+
+
+def _to_plain(x: Any) -> Any:
+    if isinstance(x, Mapping):
+        return {str(k): _to_plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_to_plain(v) for v in x]
+    return x
+
+
+# --------------------------------------------------------------------------- parsing
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if origin is tuple:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "mapping"
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    """Check `value` against the annotation `tp`; return the converted value."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__} {value!r}")
+        return _build(tp, value, path)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got "
+                          f"{type(value).__name__} {value!r}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{path}: must be one of {_type_name(tp)}, got {value!r}")
+        return value
+    if origin is tuple:
+        (elem,) = typing.get_args(tp)[:1]
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {type(value).__name__} {value!r}")
+        return tuple(_convert(v, elem, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__} {value!r}")
+        return {str(k): v for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true/false, got {type(value).__name__} {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads '3e-4' as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {type(value).__name__} {value!r}")
+        return value
+    raise TypeError(f"unsupported config annotation {tp!r} at {path}")
+
+
+def _build(cls: type, raw: Mapping[str, Any], path: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(map(str, raw)) - names)
+    if unknown:
+        where = f" in section '{path}'" if path else ""
+        raise ConfigError(f"unknown config key(s){where}: {', '.join(unknown)}; valid keys: "
+                          f"{', '.join(sorted(names))}")
+    kwargs = {}
+    for k, v in raw.items():
+        kwargs[k] = _convert(v, hints[k], f"{path}.{k}" if path else k)
+    return cls(**kwargs)
+
+
+def from_dict(raw: Mapping[str, Any]) -> Config:
+    """Build and validate a `Config` from a nested mapping (as read from YAML)."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"config must be a mapping, got {type(raw).__name__}")
+    cfg = _build(Config, raw)
+    check(cfg)
+    return cfg
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """Parse ``a.b.c=value`` into (["a","b","c"], yaml-parsed value)."""
+    if "=" not in item:
+        raise ConfigError(f"--set expects key=value, got {item!r}")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not p for p in key.split(".")):
+        raise ConfigError(f"--set: bad key {key!r} in {item!r}")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {key}: cannot parse value {text!r}: {e}") from None
+    return key.split("."), value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Return a copy of `raw` with each ``key.sub=value`` override applied."""
+    import copy
+
+    out = copy.deepcopy(dict(raw))
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = out
+        for p in parts[:-1]:
+            nxt = node.get(p)
+            if nxt is None:
+                nxt = node[p] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"--set {item!r}: '{p}' is not a section")
+            node = nxt
+        node[parts[-1]] = value
+    return out
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: invalid YAML: {e}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: top level must be a mapping")
+    return raw
+
+
+def load(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
+    """Read a YAML config (or the defaults if `path` is None), apply overrides, validate."""
+    raw = read_yaml(path) if path is not None else {}
+    return from_dict(apply_overrides(raw, overrides))
+
+
+def check(cfg: Config) -> None:
+    """Value checks that need no model, data or devices (all raise ConfigError)."""
+    t, o, d, c, m = cfg.train, cfg.optim, cfg.data, cfg.checkpoint, cfg.mesh
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ConfigError(msg)
+
+    need(bool(cfg.name) and "/" not in cfg.name, f"name: must be a non-empty name without '/', got {cfg.name!r}")
+    need(t.steps >= 1, f"train.steps must be >= 1, got {t.steps}")
+    need(t.global_batch >= 1, f"train.global_batch must be >= 1, got {t.global_batch}")
+    if t.micro_batch is not None:
+        need(t.micro_batch >= 1 and t.global_batch % t.micro_batch == 0,
+             f"train.micro_batch ({t.micro_batch}) must divide train.global_batch "
+             f"({t.global_batch})")
+    need(t.eval_every >= 0, f"train.eval_every must be >= 0, got {t.eval_every}")
+    need(t.eval_sequences >= 1, f"train.eval_sequences must be >= 1, got {t.eval_sequences}")
+    if t.eval_batch is not None:
+        need(t.eval_batch >= 1, f"train.eval_batch must be >= 1, got {t.eval_batch}")
+    need(t.max_nonfinite >= 1, f"train.max_nonfinite must be >= 1, got {t.max_nonfinite}")
+    need(t.log_every >= 1, f"train.log_every must be >= 1, got {t.log_every}")
+    need(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
+    need(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
+    need(cfg.decay_steps >= max(1, o.warmup_steps),
+         f"optim.decay_steps ({cfg.decay_steps}) must be >= max(1, optim.warmup_steps)")
+    need(0.0 <= o.final_lr_ratio <= 1.0, f"optim.final_lr_ratio must be in [0, 1], got {o.final_lr_ratio}")
+    need(0.0 <= o.b1 < 1.0 and 0.0 <= o.b2 < 1.0, "optim.b1 and optim.b2 must be in [0, 1)")
+    need(o.eps > 0, f"optim.eps must be > 0, got {o.eps}")
+    need(o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}")
+    need(o.clip_norm > 0, f"optim.clip_norm must be > 0, got {o.clip_norm}")
+    need(d.seq_len >= 2, f"data.seq_len must be >= 2, got {d.seq_len}")
+    need(d.vocab_size >= 260, f"data.vocab_size must be >= 260 (256 bytes + specials), got {d.vocab_size}")
+    need(d.holdout_every >= 2, f"data.holdout_every must be >= 2, got {d.holdout_every}")
+    need(d.holdout_block >= 1, f"data.holdout_block must be >= 1, got {d.holdout_block}")
+    need(len(d.sources) >= 1, "data.sources must name at least one file")
+    if d.max_docs is not None:
+        need(d.max_docs >= 1, f"data.max_docs must be >= 1, got {d.max_docs}")
+    need(c.every >= 0, f"checkpoint.every must be >= 0, got {c.every}")
+    need(c.keep >= 1, f"checkpoint.keep must be >= 1, got {c.keep}")
+    for ax in ("data", "fsdp", "tensor"):
+        v = getattr(m, ax)
+        need(v >= 1 or (ax == "data" and v == -1), f"mesh.{ax} must be >= 1"
+             + (" or -1" if ax == "data" else "") + f", got {v}")
+    if isinstance(cfg.policy, str):
+        need(bool(cfg.policy), "policy: empty name (use null for no policy)")
+
+
+def describe() -> str:
+    """Human-readable schema with defaults and help, for ``--help``."""
+    lines = []
+    for f in dataclasses.fields(Config):
+        tp = typing.get_type_hints(Config)[f.name]
+        if dataclasses.is_dataclass(tp):
+            lines.append(f"{f.name}:")
+            hints = typing.get_type_hints(tp)
+            for g in dataclasses.fields(tp):
+                default = g.default if g.default is not dataclasses.MISSING else g.default_factory()
+                lines.append(f"  {g.name} ({_type_name(hints[g.name])}, default {default!r}): "
+                             f"{g.metadata.get('help', '')}")
+        else:
+            lines.append(f"{f.name} ({_type_name(tp)}, default {f.default!r}): "
+                         f"{f.metadata.get('help', '')}")
+    return "\n".join(lines)
