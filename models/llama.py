@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,18 +47,18 @@ from flax import nnx
 from models import sharding as shd
 
 __all__ = [
-    "RopeScaling",
-    "LlamaConfig",
-    "Llama",
-    "RMSNorm",
-    "Linear",
-    "Embedding",
+    "PROJECTION_INDEX",
     "DecoderLayer",
-    "rope_inv_freq",
-    "rope_cos_sin",
+    "Embedding",
+    "Linear",
+    "Llama",
+    "LlamaConfig",
+    "RMSNorm",
+    "RopeScaling",
     "apply_rope",
     "param_count",
-    "PROJECTION_INDEX",
+    "rope_cos_sin",
+    "rope_inv_freq",
 ]
 
 # Index folded into the per-layer key for each GEMM of a decoder layer.
@@ -174,7 +175,8 @@ class LlamaConfig:
                 )
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         if self.head_dim <= 0 or self.head_dim % 2:
-            raise ValueError(f"LlamaConfig.head_dim must be a positive even int, got {self.head_dim}")
+            raise ValueError(
+                f"LlamaConfig.head_dim must be a positive even int, got {self.head_dim}")
         if self.rope_theta <= 0:
             raise ValueError(f"LlamaConfig.rope_theta must be > 0, got {self.rope_theta}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
@@ -200,35 +202,41 @@ class LlamaConfig:
     # -- presets ---------------------------------------------------------------------------
 
     @classmethod
-    def llama3_8b(cls, **overrides) -> "LlamaConfig":
+    def llama3_8b(cls, **overrides) -> LlamaConfig:
         """Llama 3.1-8B exactly (8,030,261,248 parameters)."""
-        kw = dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                  ffn_dim=14336, max_seq_len=8192, rope_theta=500000.0,
-                  rope_scaling=RopeScaling(), norm_eps=1e-5, tie_embeddings=False)
+        kw = {
+            "vocab_size": 128256, "dim": 4096, "n_layers": 32, "n_heads": 32,
+            "n_kv_heads": 8, "ffn_dim": 14336, "max_seq_len": 8192, "rope_theta": 500000.0,
+            "rope_scaling": RopeScaling(), "norm_eps": 1e-5, "tie_embeddings": False,
+        }
         kw.update(overrides)
         return cls(**kw)
 
     @classmethod
-    def llama3_1b(cls, **overrides) -> "LlamaConfig":
+    def llama3_1b(cls, **overrides) -> LlamaConfig:
         """Llama 3.2-1B architecture (1,235,814,400 parameters; tied embeddings,
         llama3 RoPE scaling with factor 32). For GPU runs."""
-        kw = dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
-                  ffn_dim=8192, head_dim=64, max_seq_len=8192, rope_theta=500000.0,
-                  rope_scaling=RopeScaling(factor=32.0), norm_eps=1e-5,
-                  tie_embeddings=True)
+        kw = {
+            "vocab_size": 128256, "dim": 2048, "n_layers": 16, "n_heads": 32,
+            "n_kv_heads": 8, "ffn_dim": 8192, "head_dim": 64, "max_seq_len": 8192,
+            "rope_theta": 500000.0, "rope_scaling": RopeScaling(factor=32.0),
+            "norm_eps": 1e-5, "tie_embeddings": True,
+        }
         kw.update(overrides)
         return cls(**kw)
 
     @classmethod
-    def tiny(cls, vocab_size: int = 512, **overrides) -> "LlamaConfig":
+    def tiny(cls, vocab_size: int = 512, **overrides) -> LlamaConfig:
         """CPU-sized Llama (d 256, 4 layers, 8 heads / 2 KV heads, FFN 896)."""
-        kw = dict(vocab_size=vocab_size, dim=256, n_layers=4, n_heads=8, n_kv_heads=2,
-                  ffn_dim=896, max_seq_len=2048, rope_theta=500000.0,
-                  rope_scaling=RopeScaling(), norm_eps=1e-5, tie_embeddings=False)
+        kw = {
+            "vocab_size": vocab_size, "dim": 256, "n_layers": 4, "n_heads": 8,
+            "n_kv_heads": 2, "ffn_dim": 896, "max_seq_len": 2048, "rope_theta": 500000.0,
+            "rope_scaling": RopeScaling(), "norm_eps": 1e-5, "tie_embeddings": False,
+        }
         kw.update(overrides)
         return cls(**kw)
 
-    def replace(self, **changes) -> "LlamaConfig":
+    def replace(self, **changes) -> LlamaConfig:
         return dataclasses.replace(self, **changes)
 
 
@@ -403,7 +411,7 @@ class DecoderLayer(nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         c = config
         self.config = c
-        kw = dict(init_std=c.init_std, param_dtype=c.param_dtype, rngs=rngs)
+        kw = {"init_std": c.init_std, "param_dtype": c.param_dtype, "rngs": rngs}
         hd = c.head_dim
         self.input_layernorm = RMSNorm(c.dim, eps=c.norm_eps, param_dtype=c.param_dtype)
         self.q_proj = Linear(c.dim, c.n_heads * hd, axes=("embed", "heads"),

@@ -10,7 +10,8 @@ the same array wins (Linen/MaxText semantics), so e.g. ``batch`` takes both
 Typical use::
 
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
-    shard_model(model, mesh)                    # place params per the rules
+    shard_model(model, mesh)                    # place params per the rules, or
+    model = sharded_init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), mesh)  # init in shards
     with use_mesh(mesh):                        # activation constraints on
         logits = jax.jit(fn)(model_state, tokens)
 
@@ -22,8 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
-from typing import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -31,17 +33,18 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 __all__ = [
-    "MESH_AXES",
     "DEFAULT_RULES",
+    "MESH_AXES",
     "Rules",
-    "make_mesh",
+    "constrain",
     "logical_to_pspec",
+    "make_mesh",
     "param_logical_axes",
     "param_partition_specs",
     "param_shardings",
     "shard_model",
+    "sharded_init",
     "use_mesh",
-    "constrain",
 ]
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -156,6 +159,26 @@ def param_shardings(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES)
     for path, var in flat:
         leaves.append((path, var.replace(NamedSharding(mesh, specs[path]))))
     return nnx.from_flat_state(leaves)
+
+
+def sharded_init(make_model: Callable[[], nnx.Module], mesh: Mesh,
+                 rules: Rules = DEFAULT_RULES) -> nnx.Module:
+    """Build ``make_model()`` with every parameter created directly in its shards.
+
+    The model is traced abstractly first (no allocation), then initialised under
+    ``jax.jit`` with ``out_shardings`` from the rules, so no device ever holds a
+    whole replica (use this for the 8B model). ``make_model`` must be pure (e.g.
+    ``lambda: Llama(cfg, rngs=nnx.Rngs(0))``); the values equal an unsharded init.
+    """
+    model = nnx.eval_shape(make_model)
+    shardings = param_shardings(model, mesh, rules)
+
+    @functools.partial(jax.jit, out_shardings=shardings)
+    def init():
+        return nnx.state(make_model(), nnx.Param)
+
+    nnx.update(model, init())
+    return model
 
 
 def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> None:

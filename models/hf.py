@@ -1,0 +1,439 @@
+"""Hugging Face Llama 3.x checkpoints <-> :class:`models.llama.Llama`.
+
+Reads ``config.json`` plus safetensors weights (``model.safetensors`` or shards
+listed in ``model.safetensors.index.json``) and writes them back in the same
+layout. Both transformers v4 (``rope_scaling`` + ``rope_theta``) and v5
+(``rope_parameters``) config styles are understood.
+
+Layout notes: HF ``nn.Linear`` weights are ``[out, in]``; the model's kernels
+are ``[in, out]``, so they are transposed (exact). The model uses HF's
+half-split ``rotate_half`` RoPE convention, so q/k rows load unpermuted.
+Per-layer tensors are stacked along the model's leading ``layers`` axis.
+
+    model, layout = load_hf("path/to/Llama-3.1-8B")          # fp32 params
+    export_hf(model, "out_dir", layout=layout)                # same files/names/dtypes
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from models import sharding as shd
+from models.llama import Llama, LlamaConfig, RopeScaling
+
+__all__ = [
+    "HFLayout",
+    "config_from_hf",
+    "config_to_hf",
+    "export_hf",
+    "hf_tensor_names",
+    "load_hf",
+    "load_hf_weights",
+    "read_hf_config",
+]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+
+# (HF name template, model param path, transpose)
+_LAYER_TENSORS = (
+    ("model.layers.{i}.self_attn.q_proj.weight", ("layers", "q_proj", "kernel"), True),
+    ("model.layers.{i}.self_attn.k_proj.weight", ("layers", "k_proj", "kernel"), True),
+    ("model.layers.{i}.self_attn.v_proj.weight", ("layers", "v_proj", "kernel"), True),
+    ("model.layers.{i}.self_attn.o_proj.weight", ("layers", "o_proj", "kernel"), True),
+    ("model.layers.{i}.mlp.gate_proj.weight", ("layers", "gate_proj", "kernel"), True),
+    ("model.layers.{i}.mlp.up_proj.weight", ("layers", "up_proj", "kernel"), True),
+    ("model.layers.{i}.mlp.down_proj.weight", ("layers", "down_proj", "kernel"), True),
+    ("model.layers.{i}.input_layernorm.weight", ("layers", "input_layernorm", "scale"), False),
+    ("model.layers.{i}.post_attention_layernorm.weight",
+     ("layers", "post_attention_layernorm", "scale"), False),
+)
+_GLOBAL_TENSORS = (
+    ("model.embed_tokens.weight", ("embed_tokens", "embedding"), False),
+    ("model.norm.weight", ("norm", "scale"), False),
+)
+_HEAD_TENSOR = ("lm_head.weight", ("lm_head", "kernel"), True)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HFLayout:
+    """How a checkpoint was laid out on disk, so :func:`export_hf` can reproduce it.
+
+    ``weight_map``: tensor name -> file name (one file for unsharded checkpoints);
+    ``dtypes``: tensor name -> numpy dtype name; ``index_metadata``: the index's
+    ``metadata`` (None when unsharded); ``file_metadata``: file -> safetensors
+    header metadata; ``hf_config``: the original ``config.json`` dict.
+    """
+
+    weight_map: Mapping[str, str]
+    dtypes: Mapping[str, str]
+    index_metadata: Mapping[str, Any] | None
+    file_metadata: Mapping[str, Mapping[str, str] | None]
+    hf_config: Mapping[str, Any]
+
+    @property
+    def sharded(self) -> bool:
+        return self.index_metadata is not None
+
+
+# --------------------------------------------------------------------------- config
+
+
+def read_hf_config(path: str) -> dict:
+    """The ``config.json`` dict of a checkpoint directory (or a config.json path)."""
+    p = os.path.join(path, CONFIG_FILE) if os.path.isdir(path) else path
+    if not os.path.exists(p):
+        raise FileNotFoundError(f"no {CONFIG_FILE} at {p}")
+    with open(p) as f:
+        return json.load(f)
+
+
+def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    params = hf.get("rope_parameters")
+    if params is None:  # transformers v4 style
+        params = dict(hf.get("rope_scaling") or {})
+        if "rope_theta" in hf:
+            params.setdefault("rope_theta", hf["rope_theta"])
+    params = dict(params)
+    theta = float(params.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in (None, "default"):
+        return theta, None
+    if rope_type != "llama3":
+        raise ValueError(f"unsupported rope type {rope_type!r} in config.json (only 'llama3' "
+                         "and 'default' are Llama 3.x)")
+    try:
+        scaling = RopeScaling(
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    except KeyError as e:
+        raise ValueError(f"llama3 rope scaling in config.json lacks {e.args[0]!r}") from None
+    return theta, scaling
+
+
+def config_from_hf(hf: Mapping[str, Any] | str, **overrides) -> LlamaConfig:
+    """LlamaConfig from an HF ``config.json`` dict or checkpoint path.
+
+    ``overrides`` (e.g. ``dtype='bfloat16'``, ``scan_layers=False``) replace
+    fields. Raises ValueError for a non-Llama config or features this model
+    does not have (biases, another activation, another RoPE type).
+    """
+    if isinstance(hf, str):
+        hf = read_hf_config(hf)
+    mt = hf.get("model_type")
+    if mt != "llama":
+        raise ValueError(f"config.json model_type is {mt!r}, expected 'llama'")
+    archs = hf.get("architectures") or ["LlamaForCausalLM"]
+    if "LlamaForCausalLM" not in archs:
+        raise ValueError(f"config.json architectures {archs} do not include LlamaForCausalLM")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json hidden_act {hf['hidden_act']!r} is not 'silu'")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag, False):
+            raise ValueError(f"config.json sets {flag}=true; Llama 3.x has no biases")
+    theta, scaling = _rope_from_hf(hf)
+    try:
+        n_heads = int(hf["num_attention_heads"])
+        kw: dict[str, Any] = {
+            "vocab_size": int(hf["vocab_size"]),
+            "dim": int(hf["hidden_size"]),
+            "n_layers": int(hf["num_hidden_layers"]),
+            "n_heads": n_heads,
+            "n_kv_heads": int(hf.get("num_key_value_heads") or n_heads),
+            "ffn_dim": int(hf["intermediate_size"]),
+            "head_dim": int(hf["head_dim"]) if hf.get("head_dim") else None,
+            "max_seq_len": int(hf.get("max_position_embeddings", 8192)),
+            "rope_theta": theta,
+            "rope_scaling": scaling,
+            "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        }
+    except KeyError as e:
+        raise ValueError(f"config.json lacks required field {e.args[0]!r}") from None
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+def config_to_hf(config: LlamaConfig, *, torch_dtype: str = "float32") -> dict:
+    """An HF ``config.json`` dict (transformers v4 style, as Meta's checkpoints ship)."""
+    c = config
+    rope_scaling = None
+    if c.rope_scaling is not None:
+        rope_scaling = {
+            "rope_type": "llama3",
+            "factor": c.rope_scaling.factor,
+            "low_freq_factor": c.rope_scaling.low_freq_factor,
+            "high_freq_factor": c.rope_scaling.high_freq_factor,
+            "original_max_position_embeddings": c.rope_scaling.original_max_position_embeddings,
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.dim,
+        "intermediate_size": c.ffn_dim,
+        "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": c.max_seq_len,
+        "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": rope_scaling,
+        "tie_word_embeddings": c.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": torch_dtype,
+    }
+
+
+# --------------------------------------------------------------------------- mapping
+
+
+def _param_specs(config: LlamaConfig):
+    """[(model path, [(hf name, transpose)], stacked)] in a fixed order."""
+    out = []
+    for name, path, tr in _GLOBAL_TENSORS[:1]:
+        out.append((path, [(name, tr)], False))
+    for tmpl, path, tr in _LAYER_TENSORS:
+        out.append((path, [(tmpl.format(i=i), tr) for i in range(config.n_layers)], True))
+    for name, path, tr in _GLOBAL_TENSORS[1:]:
+        out.append((path, [(name, tr)], False))
+    if not config.tie_embeddings:
+        out.append((_HEAD_TENSOR[1], [(_HEAD_TENSOR[0], _HEAD_TENSOR[2])], False))
+    return out
+
+
+def hf_tensor_names(config: LlamaConfig) -> list[str]:
+    """All HF tensor names a checkpoint of ``config`` holds."""
+    return [n for _, names, _ in _param_specs(config) for n, _ in names]
+
+
+def _get(tree: nnx.State, path: tuple) -> Any:
+    node = tree
+    for k in path:
+        node = node[k]
+    return node
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class _Reader:
+    """Opens a checkpoint directory: one safetensors file or an index + shards."""
+
+    def __init__(self, path: str):
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+        self.path = path
+        index = os.path.join(path, INDEX_FILE)
+        single = os.path.join(path, SINGLE_FILE)
+        if os.path.exists(index):
+            with open(index) as f:
+                idx = json.load(f)
+            if "weight_map" not in idx:
+                raise ValueError(f"{index} has no 'weight_map'")
+            self.weight_map = dict(idx["weight_map"])
+            self.index_metadata = dict(idx.get("metadata") or {})
+        elif os.path.exists(single):
+            self.weight_map = None
+            self.index_metadata = None
+        else:
+            raise FileNotFoundError(f"{path} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
+        files = sorted(set(self.weight_map.values())) if self.weight_map else [SINGLE_FILE]
+        self.handles = {}
+        self.file_metadata = {}
+        name_to_file = {}
+        for fn in files:
+            fp = os.path.join(path, fn)
+            if not os.path.exists(fp):
+                raise FileNotFoundError(f"shard {fn} listed in {INDEX_FILE} is missing from {path}")
+            h = safe_open(fp, framework="numpy")
+            self.handles[fn] = h
+            self.file_metadata[fn] = h.metadata()
+            for k in h.keys():  # noqa: SIM118 (safe_open is not iterable)
+                if k in name_to_file:
+                    raise ValueError(f"tensor {k} appears in both {name_to_file[k]} and {fn}")
+                name_to_file[k] = fn
+        if self.weight_map is not None:
+            for k, fn in self.weight_map.items():
+                if name_to_file.get(k) != fn:
+                    raise ValueError(f"{INDEX_FILE} maps {k} to {fn} but that file does not "
+                                     "hold it")
+        self.name_to_file = name_to_file
+
+    def names(self) -> set[str]:
+        return set(self.name_to_file)
+
+    def get(self, name: str) -> np.ndarray:
+        fn = self.name_to_file.get(name)
+        if fn is None:
+            raise KeyError(f"tensor {name!r} is missing from checkpoint {self.path}")
+        return self.handles[fn].get_tensor(name)
+
+
+def load_hf_weights(model: Llama, path: str, *, mesh=None,
+                    rules: shd.Rules = shd.DEFAULT_RULES) -> HFLayout:
+    """Load the checkpoint at ``path`` into ``model`` in place; returns its layout.
+
+    Checks every tensor's presence and shape; raises KeyError naming a missing
+    tensor, ValueError for a shape mismatch or an unexpected tensor. With a
+    ``mesh``, parameters are placed sharded per ``rules``.
+    """
+    cfg = model.config
+    reader = _Reader(path)
+    state = nnx.state(model, nnx.Param)
+    specs = shd.param_partition_specs(model, mesh, rules) if mesh is not None else None
+    seen: set[str] = set()
+    dtypes: dict[str, str] = {}
+    for mpath, names, stacked in _param_specs(cfg):
+        var = _get(state, mpath)
+        want = tuple(var.shape[1:]) if stacked else tuple(var.shape)
+        arrays = []
+        for name, tr in names:
+            a = reader.get(name)
+            hf_shape = want[::-1] if tr else want
+            if tuple(a.shape) != hf_shape:
+                raise ValueError(f"tensor {name!r} has shape {tuple(a.shape)}, expected "
+                                 f"{hf_shape} for this config")
+            dtypes[name] = a.dtype.name
+            seen.add(name)
+            arrays.append(np.ascontiguousarray(a.T) if tr else a)
+        full = np.stack(arrays) if stacked else arrays[0]
+        full = full.astype(cfg.param_dtype)
+        if specs is not None:
+            value = jax.device_put(full, jax.sharding.NamedSharding(mesh, specs[mpath]))
+        else:
+            value = jax.numpy.asarray(full)
+        var.set_value(value)
+        del arrays, full
+    extra = sorted(n for n in reader.names() - seen if not n.endswith(_IGNORED_SUFFIXES))
+    if cfg.tie_embeddings and _HEAD_TENSOR[0] in extra:
+        head = reader.get(_HEAD_TENSOR[0])
+        emb = reader.get(_GLOBAL_TENSORS[0][0])
+        if head.shape != emb.shape or not np.array_equal(head, emb):
+            raise ValueError("config ties embeddings but lm_head.weight differs from "
+                             "model.embed_tokens.weight")
+        extra.remove(_HEAD_TENSOR[0])
+    if extra:
+        raise ValueError(f"checkpoint {path} has tensors this Llama config does not use: "
+                         f"{extra[:10]}{' ...' if len(extra) > 10 else ''}")
+    nnx.update(model, state)
+    wm = reader.weight_map or {n: SINGLE_FILE for n in seen}
+    return HFLayout(weight_map={n: wm[n] for n in sorted(seen)}, dtypes=dtypes,
+                    index_metadata=reader.index_metadata,
+                    file_metadata=reader.file_metadata, hf_config=read_hf_config(path))
+
+
+def load_hf(path: str, *, mesh=None, rules: shd.Rules = shd.DEFAULT_RULES,
+            **config_overrides) -> tuple[Llama, HFLayout]:
+    """Build a :class:`Llama` from an HF checkpoint directory.
+
+    ``config_overrides`` go to :func:`config_from_hf` (e.g. ``dtype='bfloat16'``).
+    Parameters are allocated only once, from the checkpoint (the model is built
+    abstractly first). Returns ``(model, layout)``.
+    """
+    cfg = config_from_hf(read_hf_config(path), **config_overrides)
+    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    layout = load_hf_weights(model, path, mesh=mesh, rules=rules)
+    return model, layout
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _np_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def export_hf(model: Llama, out_dir: str, *, layout: HFLayout | None = None,
+              dtype: str | None = None, max_shard_bytes: int = 5 * 2**30) -> list[str]:
+    """Write ``model`` as an HF checkpoint into ``out_dir``; returns the files written.
+
+    With ``layout`` (from :func:`load_hf`): the same file names, tensor-to-file
+    assignment, dtypes, index/file metadata and config.json. Otherwise tensors
+    are written in ``dtype`` (default: the param dtype), sharded into files of
+    at most ``max_shard_bytes`` (one ``model.safetensors`` when it all fits).
+    """
+    cfg = model.config
+    names = hf_tensor_names(cfg)
+    if layout is not None:
+        missing = sorted(set(names) - set(layout.weight_map))
+        if missing or len(layout.weight_map) != len(names):
+            raise ValueError(f"layout does not match this model's tensors (missing {missing[:5]})")
+    os.makedirs(out_dir, exist_ok=True)
+    state = nnx.state(model, nnx.Param)
+    tensors: dict[str, np.ndarray] = {}
+    for mpath, hf_names, stacked in _param_specs(cfg):
+        full = np.asarray(jax.device_get(_get(state, mpath).get_value()))
+        for i, (name, tr) in enumerate(hf_names):
+            a = full[i] if stacked else full
+            a = a.T if tr else a
+            target = layout.dtypes[name] if layout is not None else (dtype or cfg.param_dtype.name)
+            tensors[name] = np.ascontiguousarray(a.astype(_np_dtype(target)))
+
+    if layout is not None:
+        weight_map = dict(layout.weight_map)
+        sharded = layout.sharded
+        index_meta = dict(layout.index_metadata or {})
+        file_meta = dict(layout.file_metadata)
+        hf_config = dict(layout.hf_config)
+    else:
+        weight_map: dict[str, str] = {}
+        files: list[list[str]] = [[]]
+        size = 0
+        for n in names:
+            nb = tensors[n].nbytes
+            if files[-1] and size + nb > max_shard_bytes:
+                files.append([])
+                size = 0
+            files[-1].append(n)
+            size += nb
+        sharded = len(files) > 1
+        for k, group in enumerate(files):
+            fn = (f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" if sharded
+                  else SINGLE_FILE)
+            for n in group:
+                weight_map[n] = fn
+        index_meta = {"total_size": int(sum(t.nbytes for t in tensors.values()))}
+        file_meta = {fn: {"format": "pt"} for fn in set(weight_map.values())}
+        hf_config = config_to_hf(cfg, torch_dtype=dtype or cfg.param_dtype.name)
+
+    written = []
+    by_file: dict[str, dict[str, np.ndarray]] = {}
+    for n, fn in weight_map.items():
+        by_file.setdefault(fn, {})[n] = tensors[n]
+    for fn, group in sorted(by_file.items()):
+        p = os.path.join(out_dir, fn)
+        save_file(group, p, metadata=file_meta.get(fn))
+        written.append(p)
+    if sharded:
+        p = os.path.join(out_dir, INDEX_FILE)
+        with open(p, "w") as f:
+            json.dump({"metadata": index_meta, "weight_map": dict(sorted(weight_map.items()))},
+                      f, indent=2)
+        written.append(p)
+    p = os.path.join(out_dir, CONFIG_FILE)
+    with open(p, "w") as f:
+        json.dump(hf_config, f, indent=2)
+    written.append(p)
+    return written

@@ -1,0 +1,57 @@
+"""Small test-only policies for tests/models (duck-typed precision policies)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RecordingPolicy:
+    """Plain lax.dot_general that reports each GEMM's key (via jax.debug.callback).
+
+    Hashed by identity (a static jit argument: a new instance retraces).
+    ``sink`` is a list shared with the test; each call appends the uint32 key
+    data it was given. Noise (``noise > 0``) adds key-dependent output noise so
+    tests can see that different keys give different results.
+    """
+
+    sink: list = dataclasses.field(default_factory=list)
+    needs_key: bool = True
+    noise: float = 0.0
+    name: str = "recording"
+
+    def dot_general(self, key=None):
+        sink = self.sink
+        noise = self.noise
+
+        def dg(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+               **kwargs):
+            out = jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                                      preferred_element_type=preferred_element_type)
+            if key is not None:
+                jax.debug.callback(lambda k: sink.append(tuple(np.asarray(k).tolist())),
+                                   jax.random.key_data(key))
+                if noise:
+                    out = out + (noise * jax.random.normal(key, out.shape)).astype(out.dtype)
+            else:
+                jax.debug.callback(lambda: sink.append(None))
+            return out
+
+        return dg
+
+
+def key_tuple(key) -> tuple:
+    return tuple(np.asarray(jax.random.key_data(key)).tolist())
+
+
+def expected_layer_keys(policy_key, n_layers: int, projections) -> set[tuple]:
+    return {key_tuple(jax.random.fold_in(jax.random.fold_in(policy_key, layer), p))
+            for layer in range(n_layers) for p in projections}
+
+
+def max_abs(a, b) -> float:
+    return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
