@@ -58,17 +58,20 @@ def round_to_grid(
     e = ((bits >> 23) & 0xFF).astype(jnp.int32) - 127
     big_e = jnp.clip(e, elem.emin, elem.emax)
     t = a * _bits.pow2(elem.mbits - big_e)  # exact: power-of-two scaling of a normal
+    # floor/compare forms only (t >= 0): lax.round has no Pallas-Triton lowering.
+    fl = jnp.floor(t)
+    fr = t - fl  # exact
     if mode is Rounding.NEAREST_EVEN:
-        n = lax.round(t, lax.RoundingMethod.TO_NEAREST_EVEN)
+        odd = (fl - 2.0 * jnp.floor(fl * 0.5)) == 1.0
+        n = fl + ((fr > 0.5) | ((fr == 0.5) & odd)).astype(jnp.float32)
     elif mode is Rounding.NEAREST_AWAY:
-        n = lax.round(t, lax.RoundingMethod.AWAY_FROM_ZERO)
+        n = fl + (fr >= 0.5).astype(jnp.float32)
     elif mode is Rounding.TOWARD_ZERO:
-        n = jnp.floor(t)
+        n = fl
     elif mode is Rounding.STOCHASTIC:
         if u is None:
             raise ValueError("u: STOCHASTIC rounding needs uniform random numbers")
-        fl = jnp.floor(t)
-        n = fl + (u < (t - fl)).astype(jnp.float32)
+        n = fl + (u < fr).astype(jnp.float32)
     else:  # pragma: no cover - enum is closed
         raise ValueError(f"rounding: unsupported {mode!r}")
     # Saturate before the int conversion (huge t for values far above max).
@@ -313,8 +316,9 @@ def _quantize_nvfp4(xb, mode, u, prescale):
 
 def _dequant_nvfp4(codes, scale_bytes, t, prescale):
     v = _signed_value(codes, F.E2M1)
-    d = decode_magnitude(scale_bytes, F.E4M3)[..., None] * t
-    out = v * d
+    # (code * block_scale) is exact; the tensor scale is applied last, as
+    # block-scaled MMA hardware does.
+    out = (v * decode_magnitude(scale_bytes, F.E4M3)[..., None]) * t
     if prescale:
         out = out / jnp.float32(SR_PRESCALE)
     return out
