@@ -33,6 +33,7 @@ __all__ = [
 
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 SR_PRESCALE = 0.75  # Tseng et al.: keep stochastic rounding away from saturation
+SR_UNSCALE = 4.0 / 3.0  # dequantize multiplies by fp32(4/3)
 
 
 # --------------------------------------------------------------------------- #
@@ -269,14 +270,16 @@ def _dequant_mx(codes, scale_bytes, elem, prescale):
     sb = scale_bytes.astype(jnp.int32)[..., None]
     out = _bits.ldexp_normal(v, sb - 127)
     if prescale:
-        out = out / jnp.float32(SR_PRESCALE)
+        out = out * jnp.float32(SR_UNSCALE)
     return jnp.where(sb == 255, jnp.float32(jnp.nan), out)
 
 
 def _tensor_scale(amax_bits, denom: float, floor_exp: int):
     """max(amax / denom, 2^floor_exp); 1 for zero; NaN for non-finite."""
     amax = _bits.bits_f32(amax_bits)
-    t = jnp.maximum(amax / jnp.float32(denom), jnp.float32(2.0**floor_exp))
+    # A traced divisor, so XLA cannot turn the division into a reciprocal multiply.
+    divisor = lax.optimization_barrier(amax * 0.0 + jnp.float32(denom))
+    t = jnp.maximum(amax / divisor, jnp.float32(2.0**floor_exp))
     t = jnp.where(amax_bits == 0, jnp.float32(1.0), t)
     return jnp.where(amax_bits >= _bits.EXP_INF, jnp.float32(jnp.nan), t)
 
@@ -300,14 +303,14 @@ def _quantize_nvfp4(xb, mode, u, prescale):
     amax_bits = jnp.max(abs_bits, axis=-1, keepdims=True)
     amax = _bits.bits_f32(amax_bits)
     finite = t_bits < _bits.EXP_INF
-    bs_sign, bs_code = round_to_grid(
-        jnp.where(finite, amax / (jnp.float32(6.0) * t), 0.0), F.E4M3, Rounding.NEAREST_EVEN
-    )
-    del bs_sign
+    six_t = lax.optimization_barrier(jnp.broadcast_to(jnp.float32(6.0) * t, amax.shape))
+    _, bs_code = round_to_grid(jnp.where(finite, amax / six_t, 0.0), F.E4M3, Rounding.NEAREST_EVEN)
     block_scale = decode_magnitude(bs_code, F.E4M3)
     d = block_scale * t
     y = _bits.exact_div(xb, jnp.where(block_scale == 0, 1.0, d))
-    y = jnp.where((block_scale == 0) | ~finite, 0.0, y)
+    y = jnp.where(block_scale == 0, jnp.copysign(jnp.float32(0.0), xb), y)
+    y = jnp.where(finite, y, 0.0)
+    bs_code = jnp.where(finite, bs_code, 0x7F)  # E4M3 NaN byte for a non-finite tensor
     if prescale:
         y = y * jnp.float32(SR_PRESCALE)
     sign, code = round_to_grid(y, elem, mode, u)
@@ -320,7 +323,7 @@ def _dequant_nvfp4(codes, scale_bytes, t, prescale):
     # block-scaled MMA hardware does.
     out = (v * decode_magnitude(scale_bytes, F.E4M3)[..., None]) * t
     if prescale:
-        out = out / jnp.float32(SR_PRESCALE)
+        out = out * jnp.float32(SR_UNSCALE)
     return out
 
 
@@ -340,7 +343,7 @@ def _quantize_pertensor(xf, elem, mode, u, prescale):
 def _dequant_pertensor(codes, t, elem, prescale):
     out = _signed_value(codes, elem) * t
     if prescale:
-        out = out / jnp.float32(SR_PRESCALE)
+        out = out * jnp.float32(SR_UNSCALE)
     return out
 
 

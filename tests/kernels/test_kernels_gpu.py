@@ -1,0 +1,97 @@
+"""Kernel correctness on a CUDA GPU (compiled, not interpreted). Run by bench/gpu.py.
+
+Same contracts as the interpret-mode tests: fused quantize bit-identical to
+mxjax.quantize (on the same GPU), GEMMs within the stated tolerance of the XLA
+reference (FP8 path: FP8_TOLERANCE_DOC's hardware bound), NaN rows propagate.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mxjax
+from mxjax import formats as F
+from mxjax.kernels import QuantSpec, capabilities, fused_quantize, mx_dot
+from tests.kernels._kernel_testutil import (
+    BLOCKED_BY_LAX_ROUND,
+    assert_gemm_close,
+    assert_same_mx,
+    hadamard,
+    hard_matrix,
+    quantize,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(jax.default_backend() != "gpu",
+                       reason="needs a CUDA GPU (bench/gpu.py runs these on the lent H200)"),
+]
+
+
+def _kernels_here():
+    caps = capabilities()
+    return [b for b in ("pallas", "pallas_fp8", "triton") if caps.can_run(b)]
+
+
+def test_capabilities_on_gpu():
+    caps = capabilities()
+    assert caps.platform == "gpu" and caps.compute_capability is not None
+    assert caps.pallas_mode == "triton"
+    print(caps)
+
+
+@BLOCKED_BY_LAX_ROUND
+@pytest.mark.parametrize("h", [None, 16, 32])
+def test_fused_quantize_bit_exact(np_rng, h):
+    x = jnp.asarray(hard_matrix(np_rng, (1024, 2048)), jnp.bfloat16)
+    spec = QuantSpec(scale_rule="even", hadamard=h)
+    signs = mxjax.fixed_signs(0, h) if h else None
+    row, col = jax.jit(lambda v: fused_quantize(v, row=spec, col=spec, row_signs=signs,
+                                                col_signs=signs))(x)
+    xr = hadamard(x, h, axis=1, signs=signs) if h else x
+    xc = hadamard(x, h, axis=0, signs=signs) if h else x
+    assert_same_mx(row, quantize(xr, F.MXFP4, axis=1, scale_rule="even"))
+    assert_same_mx(col, quantize(xc, F.MXFP4, axis=0, scale_rule="even"))
+
+
+@BLOCKED_BY_LAX_ROUND
+def test_fused_quantize_stochastic(np_rng):
+    x = jnp.asarray(hard_matrix(np_rng, (512, 1024)))
+    spec = QuantSpec(rounding="stochastic")
+    k = jax.random.key(3)
+    row, _ = fused_quantize(x, row=spec, row_key=k)
+    assert_same_mx(row, quantize(x, F.MXFP4, axis=1, rounding="stochastic", key=k))
+
+
+@pytest.mark.parametrize("shape", [(512, 384, 1024), (300, 200, 700)])
+def test_gemm_backends_within_tolerance(np_rng, shape):
+    m, n, k = shape
+    a = hard_matrix(np_rng, (m, k), spread=3.0, specials=False)
+    b = hard_matrix(np_rng, (k, n), spread=3.0, specials=False)
+    a[5, 17] = np.nan
+    lq = quantize(jnp.asarray(a), F.MXFP4, axis=1, scale_rule="even")
+    rq = quantize(jnp.asarray(b), F.MXFP4, axis=0, scale_rule="even")
+    f = jax.jit(mx_dot, static_argnames="backend")
+    ref = f(lq, rq, backend="xla")
+    backends = _kernels_here()
+    assert "pallas" in backends
+    for backend in backends:
+        out = f(lq, rq, backend=backend)
+        # FP8 tensor cores accumulate a 128-chunk with reduced precision (FP8_TOLERANCE_DOC).
+        slack = 1.0 if backend != "pallas_fp8" else 1.0 + 2.0**-13 / (2 * k * 2.0**-24)
+        assert_gemm_close(out, ref, lq, rq, k, slack=slack)
+
+
+def test_batched_pallas(np_rng):
+    a = jnp.asarray(np_rng.standard_normal((4, 128, 256)), jnp.float32)
+    b = jnp.asarray(np_rng.standard_normal((4, 64, 256)), jnp.float32)
+    lq, rq = quantize(a, F.MXFP4), quantize(b, F.MXFP4)
+    f = jax.jit(functools.partial(mx_dot, backend="pallas"))
+    out = np.asarray(f(lq, rq))
+    ref = np.asarray(mx_dot(lq, rq, backend="xla"))
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4)
