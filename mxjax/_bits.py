@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-SIGN_MASK = jnp.uint32(0x80000000)
+SIGN_MASK = 0x80000000  # use `(bits >> 31) << 31`: a uint32 array constant breaks Pallas
 ABS_MASK = 0x7FFFFFFF
 EXP_INF = 0x7F800000  # abs bits >= this: Inf or NaN
 
@@ -95,7 +95,7 @@ def ldexp_normal(v: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
     may be subnormal (exact when the shifted-out bits are zero) or Inf.
     """
     bits = f32_bits(v)
-    sign = bits & SIGN_MASK
+    sign = (bits >> 31) << 31
     exp = ((bits >> 23) & 0xFF).astype(jnp.int32)
     new = exp + k.astype(jnp.int32)
     normal = (bits.astype(jnp.int32) + (k.astype(jnp.int32) << 23)).astype(jnp.uint32)

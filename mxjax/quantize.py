@@ -39,22 +39,9 @@ SR_UNSCALE = 4.0 / 3.0  # dequantize multiplies by fp32(4/3)
 # --------------------------------------------------------------------------- #
 # Element level (pure, elementwise; reused by kernels)
 # --------------------------------------------------------------------------- #
-def round_to_grid(
-    y: jnp.ndarray, elem: ElementFormat, mode: Rounding, u: jnp.ndarray | None = None
-) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Rounds finite f32 `y` onto `elem`'s grid, saturating.
-
-    Args:
-      y: f32 array, finite; |y| is a normal f32 or zero (smaller values are zero
-        after XLA's flush, and would round to zero on every grid anyway).
-      elem: element format.
-      mode: rounding mode.
-      u: f32 uniforms in [0, 1), same shape as y, for STOCHASTIC.
-    Returns:
-      (sign uint32 0/1, magnitude code int32 in [0, elem.max_code]).
-    """
+def _round_integer(y, elem: ElementFormat, mode: Rounding, u):
+    """(sign bits uint32, unsaturated integer multiple n f32, exponent E int32) of y."""
     bits = _bits.f32_bits(y)
-    sign = bits >> 31
     a = _bits.bits_f32(bits & _bits.ABS_MASK)
     e = ((bits >> 23) & 0xFF).astype(jnp.int32) - 127
     big_e = jnp.clip(e, elem.emin, elem.emax)
@@ -75,11 +62,37 @@ def round_to_grid(
         n = fl + (u < fr).astype(jnp.float32)
     else:  # pragma: no cover - enum is closed
         raise ValueError(f"rounding: unsupported {mode!r}")
+    return (bits >> 31) << 31, n, big_e
+
+
+def round_to_grid(
+    y: jnp.ndarray, elem: ElementFormat, mode: Rounding, u: jnp.ndarray | None = None
+) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Rounds finite f32 `y` onto `elem`'s grid, saturating.
+
+    Args:
+      y: f32 array, finite; |y| is a normal f32 or zero (smaller values are zero
+        after XLA's flush, and would round to zero on every grid anyway).
+      elem: element format.
+      mode: rounding mode.
+      u: f32 uniforms in [0, 1), same shape as y, for STOCHASTIC.
+    Returns:
+      (sign uint32 0/1, magnitude code int32 in [0, elem.max_code]).
+    """
+    sign_bits, n, big_e = _round_integer(y, elem, mode, u)
     # Saturate before the int conversion (huge t for values far above max).
     n = jnp.minimum(n, float(2 ** (elem.mbits + 2)))
     code = n.astype(jnp.int32) + ((big_e - elem.emin) << elem.mbits)
-    code = jnp.minimum(code, elem.max_code)
-    return sign, code
+    return sign_bits >> 31, jnp.minimum(code, elem.max_code)
+
+
+def round_to_value(
+    y: jnp.ndarray, elem: ElementFormat, mode: Rounding, u: jnp.ndarray | None = None
+) -> jnp.ndarray:
+    """Like `round_to_grid`, but returns the signed f32 grid value (no codes)."""
+    sign_bits, n, big_e = _round_integer(y, elem, mode, u)
+    mag = jnp.minimum(n * _bits.pow2(big_e - elem.mbits), jnp.float32(elem.max_normal))
+    return _bits.bits_f32(_bits.f32_bits(mag) | sign_bits)
 
 
 def decode_magnitude(code: jnp.ndarray, elem: ElementFormat) -> jnp.ndarray:
@@ -244,11 +257,11 @@ def _to_blocks(x: jnp.ndarray, axis: int, block: int) -> tuple[jnp.ndarray, int]
 
 
 # --------------------------------------------------------------------------- #
-# Core (axis last, padded): returns codes (unpacked, int32 per element), scale
-# info, and a function of the codes giving the dequantized values.
+# Core, per format (block axis last, padded). Each format has a `_prepare` step
+# (scales and the scaled elements y), then either codes (`_quantize_*`) or the
+# dequantized values straight from the rounding (`_fake_*`, no codes).
 # --------------------------------------------------------------------------- #
-def _quantize_mx(xb, elem, rule, mode, u, prescale):
-    """xb: f32 [..., nb, bs]. Returns (codes int/uint8 [..., nb, bs], scale bytes uint8 [..., nb], s int32 [..., nb, 1])."""
+def _mx_prepare(xb, elem, rule, prescale):
     abs_bits = _bits.f32_bits(xb) & _bits.ABS_MASK
     amax_bits = jnp.max(abs_bits, axis=-1, keepdims=True)
     nonfinite = amax_bits >= _bits.EXP_INF
@@ -257,21 +270,33 @@ def _quantize_mx(xb, elem, rule, mode, u, prescale):
     y = _bits.ldexp(xb, -s)
     if prescale:
         y = y * jnp.float32(SR_PRESCALE)
-    y = jnp.where(nonfinite, 0.0, y)
+    return jnp.where(nonfinite, 0.0, y), s, nonfinite
+
+
+def _quantize_mx(xb, elem, rule, mode, u, prescale):
+    """xb f32 [..., nb, bs] -> (codes uint8 [..., nb, bs], E8M0 scale bytes uint8 [..., nb])."""
+    y, s, nonfinite = _mx_prepare(xb, elem, rule, prescale)
     sign, code = round_to_grid(y, elem, mode, u)
-    codes = _encode(sign, code, elem)
     scale_bytes = jnp.where(nonfinite, 255, s + 127).astype(jnp.uint8)[..., 0]
-    return codes, scale_bytes
+    return _encode(sign, code, elem), scale_bytes
+
+
+def _mx_scale_values(v, s, nonfinite, prescale):
+    out = _bits.ldexp_normal(v, s)
+    if prescale:
+        out = out * jnp.float32(SR_UNSCALE)
+    return jnp.where(nonfinite, jnp.float32(jnp.nan), out)
+
+
+def _fake_mx(xb, elem, rule, mode, u, prescale):
+    y, s, nonfinite = _mx_prepare(xb, elem, rule, prescale)
+    return _mx_scale_values(round_to_value(y, elem, mode, u), s, nonfinite, prescale)
 
 
 def _dequant_mx(codes, scale_bytes, elem, prescale):
     """codes uint8 [..., nb, bs], scale_bytes uint8 [..., nb] -> f32 [..., nb, bs]."""
-    v = _signed_value(codes, elem)
     sb = scale_bytes.astype(jnp.int32)[..., None]
-    out = _bits.ldexp_normal(v, sb - 127)
-    if prescale:
-        out = out * jnp.float32(SR_UNSCALE)
-    return jnp.where(sb == 255, jnp.float32(jnp.nan), out)
+    return _mx_scale_values(_signed_value(codes, elem), sb - 127, sb == 255, prescale)
 
 
 def _tensor_scale(amax_bits, denom: float, floor_exp: int):
@@ -294,57 +319,76 @@ def _pertensor_floor_exp(elem: ElementFormat) -> int:
     return -126 - (elem.emin - elem.mbits)
 
 
-def _quantize_nvfp4(xb, mode, u, prescale):
-    """xb f32 [..., nb, 16]. Returns codes, block-scale bytes [..., nb], tensor scale."""
-    elem = F.E2M1
+def _nvfp4_prepare(xb, prescale):
     abs_bits = _bits.f32_bits(xb) & _bits.ABS_MASK
     t_bits = jnp.max(abs_bits)
     t = _tensor_scale(t_bits, 6.0 * 448.0, _nvfp4_floor_exp())
-    amax_bits = jnp.max(abs_bits, axis=-1, keepdims=True)
-    amax = _bits.bits_f32(amax_bits)
+    amax = _bits.bits_f32(jnp.max(abs_bits, axis=-1, keepdims=True))
     finite = t_bits < _bits.EXP_INF
     six_t = lax.optimization_barrier(jnp.broadcast_to(jnp.float32(6.0) * t, amax.shape))
     _, bs_code = round_to_grid(jnp.where(finite, amax / six_t, 0.0), F.E4M3, Rounding.NEAREST_EVEN)
     block_scale = decode_magnitude(bs_code, F.E4M3)
-    d = block_scale * t
-    y = _bits.exact_div(xb, jnp.where(block_scale == 0, 1.0, d))
+    y = _bits.exact_div(xb, jnp.where(block_scale == 0, 1.0, block_scale * t))
     y = jnp.where(block_scale == 0, jnp.copysign(jnp.float32(0.0), xb), y)
     y = jnp.where(finite, y, 0.0)
-    bs_code = jnp.where(finite, bs_code, 0x7F)  # E4M3 NaN byte for a non-finite tensor
     if prescale:
         y = y * jnp.float32(SR_PRESCALE)
-    sign, code = round_to_grid(y, elem, mode, u)
-    return _encode(sign, code, elem), bs_code.astype(jnp.uint8)[..., 0], t
+    bs_code = jnp.where(finite, bs_code, 0x7F)  # E4M3 NaN byte for a non-finite tensor
+    return y, bs_code, block_scale, t
+
+
+def _quantize_nvfp4(xb, mode, u, prescale):
+    """xb f32 [..., nb, 16] -> (codes, E4M3 block-scale bytes [..., nb], tensor scale)."""
+    y, bs_code, _, t = _nvfp4_prepare(xb, prescale)
+    sign, code = round_to_grid(y, F.E2M1, mode, u)
+    return _encode(sign, code, F.E2M1), bs_code.astype(jnp.uint8)[..., 0], t
+
+
+def _nvfp4_scale_values(v, block_scale, t, prescale):
+    # (value * block_scale) is exact; the tensor scale is applied last, as
+    # block-scaled MMA hardware does.
+    out = (v * block_scale) * t
+    return out * jnp.float32(SR_UNSCALE) if prescale else out
+
+
+def _fake_nvfp4(xb, mode, u, prescale):
+    y, _, block_scale, t = _nvfp4_prepare(xb, prescale)
+    return _nvfp4_scale_values(round_to_value(y, F.E2M1, mode, u), block_scale, t, prescale)
 
 
 def _dequant_nvfp4(codes, scale_bytes, t, prescale):
-    v = _signed_value(codes, F.E2M1)
-    # (code * block_scale) is exact; the tensor scale is applied last, as
-    # block-scaled MMA hardware does.
-    out = (v * decode_magnitude(scale_bytes, F.E4M3)[..., None]) * t
+    block_scale = decode_magnitude(scale_bytes, F.E4M3)[..., None]
+    return _nvfp4_scale_values(_signed_value(codes, F.E2M1), block_scale, t, prescale)
+
+
+def _pertensor_prepare(xf, elem, prescale):
+    t_bits = jnp.max(_bits.f32_bits(xf) & _bits.ABS_MASK)
+    t = _tensor_scale(t_bits, elem.max_normal, _pertensor_floor_exp(elem))
+    finite = t_bits < _bits.EXP_INF
+    y = jnp.where(finite, _bits.exact_div(xf, jnp.where(finite, t, 1.0)), 0.0)
     if prescale:
-        out = out * jnp.float32(SR_UNSCALE)
-    return out
+        y = y * jnp.float32(SR_PRESCALE)
+    return y, t
 
 
 def _quantize_pertensor(xf, elem, mode, u, prescale):
-    abs_bits = _bits.f32_bits(xf) & _bits.ABS_MASK
-    t_bits = jnp.max(abs_bits)
-    t = _tensor_scale(t_bits, elem.max_normal, _pertensor_floor_exp(elem))
-    finite = t_bits < _bits.EXP_INF
-    y = _bits.exact_div(xf, jnp.where(finite, t, 1.0))
-    y = jnp.where(finite, y, 0.0)
-    if prescale:
-        y = y * jnp.float32(SR_PRESCALE)
+    y, t = _pertensor_prepare(xf, elem, prescale)
     sign, code = round_to_grid(y, elem, mode, u)
     return _encode(sign, code, elem), t
 
 
+def _pertensor_scale_values(v, t, prescale):
+    out = v * t
+    return out * jnp.float32(SR_UNSCALE) if prescale else out
+
+
+def _fake_pertensor(xf, elem, mode, u, prescale):
+    y, t = _pertensor_prepare(xf, elem, prescale)
+    return _pertensor_scale_values(round_to_value(y, elem, mode, u), t, prescale)
+
+
 def _dequant_pertensor(codes, t, elem, prescale):
-    out = _signed_value(codes, elem) * t
-    if prescale:
-        out = out * jnp.float32(SR_UNSCALE)
-    return out
+    return _pertensor_scale_values(_signed_value(codes, elem), t, prescale)
 
 
 def _pack(codes: jnp.ndarray) -> jnp.ndarray:
@@ -359,19 +403,32 @@ def _unpack(packed: jnp.ndarray) -> jnp.ndarray:
     return jnp.stack([lo, hi], axis=-1).reshape(packed.shape[:-1] + (packed.shape[-1] * 2,))
 
 
-def _core(x, fmt: Format, axis: int, rule: ScaleRule, mode: Rounding, key, prescale: bool):
-    """Quantizes; returns (codes [..., n_pad] unpacked, scales [..., nb] | None, t | None, n)."""
+def _core(x, fmt: Format, axis: int, rule: ScaleRule, mode: Rounding, key, prescale: bool,
+          values: bool = False):
+    """Quantizes with the block axis moved last and padded.
+
+    Returns (codes uint8 [..., n_pad] unpacked, scales [..., nb] | None, t | None, n),
+    or with `values=True` (dequantized f32 values [..., n_pad], None, None, n).
+    """
     elem = fmt.element
     block = fmt.block_size or 1
     xm, n = _to_blocks(x.astype(jnp.float32), axis, block)
     u = _uniforms(key, xm.shape) if mode is Rounding.STOCHASTIC else None
     if fmt.is_per_tensor:
+        if values:
+            return _fake_pertensor(xm, elem, mode, u, prescale), None, None, n
         codes, t = _quantize_pertensor(xm, elem, mode, u, prescale)
         return codes, None, t, n
     lead = xm.shape[:-1]
     nb = xm.shape[-1] // block
     xb = xm.reshape(lead + (nb, block))
     ub = None if u is None else u.reshape(xb.shape)
+    if values:
+        if fmt.scale == "e8m0":
+            out = _fake_mx(xb, elem, rule, mode, ub, prescale)
+        else:
+            out = _fake_nvfp4(xb, mode, ub, prescale)
+        return out.reshape(xm.shape), None, None, n
     if fmt.scale == "e8m0":
         codes, scales = _quantize_mx(xb, elem, rule, mode, ub, prescale)
         t = None
@@ -473,6 +530,6 @@ def fake_quantize(
     x, fmt, axis, rule, mode = _check_input(x, fmt, axis, scale_rule, rounding, key)
     if fmt.is_passthrough:
         return x
-    codes, scales, t, n = _core(x, fmt, axis, rule, mode, key, sr_prescale)
-    out = _dequant_core(codes, scales, t, fmt, sr_prescale)[..., :n]
+    values, _, _, n = _core(x, fmt, axis, rule, mode, key, sr_prescale, values=True)
+    out = values[..., :n]
     return jnp.moveaxis(out, -1, axis).astype(x.dtype)

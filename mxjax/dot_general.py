@@ -1,0 +1,478 @@
+"""The dot_general interceptor: fprop, dgrad and wgrad each under their own recipe.
+
+``dot_general(lhs, rhs, dimension_numbers, ..., policy=..., key=...)`` is a
+drop-in for ``jax.lax.dot_general`` with a ``jax.custom_vjp``:
+
+* fprop computes ``dot_general(lhs, rhs, dims)`` under ``policy.fprop``;
+* dgrad computes the lhs cotangent as ``dot_general(g, rhs, dims_l)`` under
+  ``policy.dgrad`` and wgrad the rhs cotangent as ``dot_general(g, lhs, dims_r)``
+  under ``policy.wgrad``, where ``dims_l``/``dims_r`` and the final transposes
+  follow JAX's transpose rule for ``dot_general`` (``_dot_general_transpose_lhs``
+  / ``_rhs``), for any dimension numbers.
+
+A quantized GEMM ``dot_general(a, b, ((ca, cb), (ba, bb)))`` is emulated as:
+transpose each operand to ``(batch..., free, contraction)`` and flatten its free
+axes and its contracting axes (``ca[i]`` pairs with ``cb[i]``; the flattened
+contraction is row-major in that order), upcast to f32, zero-pad the
+contraction to a multiple of the Hadamard size (also when it is shorter than
+one Hadamard block) and rotate both operands (if the recipe has a Hadamard), ``fake_quantize`` each along the contraction (the last
+axis), then one ``lax.dot_general`` at HIGHEST precision with f32 accumulation,
+reshaped back to ``lax.dot_general``'s layout and cast to its result dtype.
+
+Keys: ``key`` is split into three (fprop, dgrad, wgrad, in that order); each
+GEMM's key is split into three again (lhs rounding, rhs rounding, Hadamard
+signs). The forward residuals are the high-precision primals: the backward
+re-quantizes them along its own axes. Pass-through GEMMs call
+``lax.dot_general`` exactly as JAX's own differentiation rule would.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from mxjax.hadamard import fixed_signs, hadamard, random_signs
+from mxjax.policy import GemmRecipe, PrecisionPolicy
+from mxjax.quantize import fake_quantize, quantize
+
+__all__ = ["Dims", "backward_dimension_numbers", "bind_policy", "dot_general", "gemm"]
+
+_QUANT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+class Dims(NamedTuple):
+    """Normalized dimension numbers ((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))."""
+
+    contract: tuple[tuple[int, ...], tuple[int, ...]]
+    batch: tuple[tuple[int, ...], tuple[int, ...]]
+
+    def as_lax(self):
+        return (self.contract, self.batch)
+
+
+# --------------------------------------------------------------------------- #
+# Dimension numbers
+# --------------------------------------------------------------------------- #
+def _as_int_tuple(value: Any, what: str) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+        raise TypeError(
+            f"dimension_numbers: {what} must be a sequence of ints, got {value!r} "
+            "(expected ((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch)))"
+        )
+    out = []
+    for v in value:
+        if isinstance(v, bool):
+            raise TypeError(f"dimension_numbers: {what} must hold ints, got {v!r}")
+        try:
+            out.append(operator.index(v))
+        except TypeError:
+            raise TypeError(f"dimension_numbers: {what} must hold ints, got {v!r}") from None
+    return tuple(out)
+
+
+def normalize_dimension_numbers(dimension_numbers: Any, lhs_shape: Sequence[int],
+                                rhs_shape: Sequence[int]) -> Dims:
+    """Validates ``dimension_numbers`` against the operand shapes.
+
+    Raises:
+      TypeError / ValueError naming ``dimension_numbers`` on a bad structure,
+      out-of-range or repeated axes, or mismatched contraction/batch sizes.
+    """
+    try:
+        (lc, rc), (lb, rb) = dimension_numbers
+    except (TypeError, ValueError):
+        raise TypeError(
+            "dimension_numbers: expected ((lhs_contracting, rhs_contracting), "
+            f"(lhs_batch, rhs_batch)), got {dimension_numbers!r}"
+        ) from None
+    lc, rc = _as_int_tuple(lc, "lhs_contracting"), _as_int_tuple(rc, "rhs_contracting")
+    lb, rb = _as_int_tuple(lb, "lhs_batch"), _as_int_tuple(rb, "rhs_batch")
+    if len(lc) != len(rc):
+        raise ValueError(
+            f"dimension_numbers: {len(lc)} lhs contracting dims {lc} but {len(rc)} rhs "
+            f"contracting dims {rc}"
+        )
+    if len(lb) != len(rb):
+        raise ValueError(
+            f"dimension_numbers: {len(lb)} lhs batch dims {lb} but {len(rb)} rhs batch dims {rb}"
+        )
+    for side, shape, c, b in (("lhs", lhs_shape, lc, lb), ("rhs", rhs_shape, rc, rb)):
+        nd = len(shape)
+        for a in c + b:
+            if not 0 <= a < nd:
+                raise ValueError(
+                    f"dimension_numbers: {side} axis {a} is out of range for rank {nd} "
+                    f"(shape {tuple(shape)})"
+                )
+        if len(set(c + b)) != len(c + b):
+            raise ValueError(
+                f"dimension_numbers: {side} contracting {c} and batch {b} axes must be distinct"
+            )
+    for i, (a, b) in enumerate(zip(lc, rc)):
+        if lhs_shape[a] != rhs_shape[b]:
+            raise ValueError(
+                f"dimension_numbers: contracting sizes differ: lhs axis {a} has "
+                f"{lhs_shape[a]}, rhs axis {b} has {rhs_shape[b]} (lhs shape {tuple(lhs_shape)}, "
+                f"rhs shape {tuple(rhs_shape)})"
+            )
+    for a, b in zip(lb, rb):
+        if lhs_shape[a] != rhs_shape[b]:
+            raise ValueError(
+                f"dimension_numbers: batch sizes differ: lhs axis {a} has {lhs_shape[a]}, "
+                f"rhs axis {b} has {rhs_shape[b]}"
+            )
+    return Dims((lc, rc), (lb, rb))
+
+
+def _remaining(n: int, *removed: Sequence[int]) -> list[int]:
+    gone = set().union(*map(set, removed))
+    return [i for i in range(n) if i not in gone]
+
+
+def _ranges_like(*xs: Sequence[int]) -> list[list[int]]:
+    out, start = [], 0
+    for x in xs:
+        out.append(list(range(start, start + len(x))))
+        start += len(x)
+    return out
+
+
+def _transpose_dims(dims: Dims, x_ndim: int, y_ndim: int, swap_ans: bool
+                    ) -> tuple[Dims, tuple[int, ...]]:
+    """JAX's transpose rule for the x operand of dot_general(x, y, dims).
+
+    The cotangent of x is ``transpose(dot_general(g, y, out_dims), out_perm)``.
+    With ``swap_ans`` the answer g has y's free axes before x's (used for the rhs).
+    """
+    (x_contract, y_contract), (x_batch, y_batch) = dims
+    x_kept = _remaining(x_ndim, x_contract, x_batch)
+    y_kept = _remaining(y_ndim, y_contract, y_batch)
+    if swap_ans:
+        ans_batch, ans_y, _ = _ranges_like(x_batch, y_kept, x_kept)
+    else:
+        ans_batch, _, ans_y = _ranges_like(x_batch, x_kept, y_kept)
+    out_dims = Dims((tuple(ans_y), tuple(y_kept)), (tuple(ans_batch), tuple(y_batch)))
+    x_contract_sorted_by_y = list(np.take(np.asarray(x_contract, dtype=int),
+                                          np.argsort(np.asarray(y_contract, dtype=int))))
+    unsorted_axes = list(x_batch) + x_kept + x_contract_sorted_by_y
+    out_perm = tuple(int(i) for i in np.argsort(unsorted_axes))
+    return out_dims, out_perm
+
+
+def backward_dimension_numbers(dims: Dims, lhs_ndim: int, rhs_ndim: int):
+    """Dimension numbers and output permutations of the two backward GEMMs.
+
+    Returns:
+      ``((dgrad_dims, dgrad_perm), (wgrad_dims, wgrad_perm))``: the lhs cotangent
+      is ``transpose(dot_general(g, rhs, dgrad_dims), dgrad_perm)`` and the rhs
+      cotangent ``transpose(dot_general(g, lhs, wgrad_dims), wgrad_perm)``.
+    """
+    dgrad = _transpose_dims(dims, lhs_ndim, rhs_ndim, swap_ans=False)
+    (lc, rc), (lb, rb) = dims
+    swapped = Dims((rc, lc), (rb, lb))
+    wgrad = _transpose_dims(swapped, rhs_ndim, lhs_ndim, swap_ans=True)
+    return dgrad, wgrad
+
+
+# --------------------------------------------------------------------------- #
+# One GEMM
+# --------------------------------------------------------------------------- #
+def _to_canonical(x: jax.Array, batch: Sequence[int], contract: Sequence[int]) -> jax.Array:
+    """x -> (batch..., prod(free), prod(contract)), f32."""
+    free = _remaining(x.ndim, batch, contract)
+    perm = tuple(batch) + tuple(free) + tuple(contract)
+    if perm != tuple(range(x.ndim)):
+        x = jnp.transpose(x, perm)
+    bshape = tuple(x.shape[: len(batch)])
+    f = math.prod(x.shape[len(batch): len(batch) + len(free)])
+    k = math.prod(x.shape[len(batch) + len(free):])
+    return x.reshape(bshape + (f, k)).astype(jnp.float32)
+
+
+def _prepare_operand(x: jax.Array, recipe, key) -> jax.Array:
+    if recipe.is_passthrough:
+        return x
+    return fake_quantize(x, recipe.fmt, axis=-1, scale_rule=recipe.scale_rule,
+                         rounding=recipe.rounding, key=key if recipe.needs_key else None,
+                         sr_prescale=recipe.sr_prescale)
+
+
+def _rotate(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, k_had):
+    """Applies the recipe's Hadamard to both canonical operands along K (if any)."""
+    had = recipe.hadamard
+    if had is None:
+        return a3, b3
+    h = had.block_size
+    kdim = a3.shape[-1]
+    # A contraction shorter than h (or not a multiple of it) is zero-padded:
+    # both operands get the same zeros, so the rotation still cancels exactly.
+    pad = (-kdim) % h
+    if pad:
+        widths = [(0, 0)] * (a3.ndim - 1) + [(0, pad)]
+        a3, b3 = jnp.pad(a3, widths), jnp.pad(b3, widths)
+    if had.randomized:
+        signs = random_signs(k_had, h)
+    elif had.seed is not None:
+        signs = fixed_signs(had.seed, h)
+    else:
+        signs = None
+    # The barrier keeps XLA from fusing the butterflies into the quantizer's
+    # block reductions, which recomputes them (measured 4x slower on CPU).
+    return lax.optimization_barrier((hadamard(a3, h, axis=-1, signs=signs),
+                                     hadamard(b3, h, axis=-1, signs=signs)))
+
+
+def _operand_keys(key):
+    """(lhs rounding, rhs rounding, Hadamard signs) keys of one GEMM."""
+    return jax.random.split(key, 3) if key is not None else (None, None, None)
+
+
+def _xla_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key, gemm_name: str) -> jax.Array:
+    """The XLA reference backend on canonical operands.
+
+    Args:
+      a3: f32 [batch..., Fa, K]; b3: f32 [batch..., Fb, K] (same batch shape).
+      recipe: the GEMM's recipe.
+      key: the GEMM's key (None when the recipe needs none); split into (lhs
+        rounding, rhs rounding, Hadamard signs).
+      gemm_name: 'fprop', 'dgrad' or 'wgrad' (for backends' error messages).
+    Returns:
+      f32 [batch..., Fa, Fb].
+    """
+    k_lhs, k_rhs, k_had = _operand_keys(key)
+    a3, b3 = _rotate(a3, b3, recipe, k_had)
+    aq = _prepare_operand(a3, recipe.lhs, k_lhs)
+    bq = _prepare_operand(b3, recipe.rhs, k_rhs)
+    # The dequantized operands are computed with integer ops, but keep XLA from
+    # algebraically simplifying anything across the quantization boundary.
+    aq, bq = lax.optimization_barrier((aq, bq))
+    nb = a3.ndim - 2
+    dims = (((nb + 1,), (nb + 1,)), (tuple(range(nb)), tuple(range(nb))))
+    return lax.dot_general(aq, bq, dims, precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
+
+
+def _kernel_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key, gemm_name: str) -> jax.Array:
+    """Kernel backends ('pallas', 'pallas_fp8', 'triton', 'auto'): packed operands + mx_dot.
+
+    Same operands, keys and rotation as `_xla_gemm`; the quantized operands are
+    packed (`quantize`) and contracted by `mxjax.kernels.mx_dot`. An explicit
+    kernel backend that cannot run here, or does not implement the recipe's
+    formats, raises; 'auto' picks the fastest correct backend for the device.
+    """
+    from mxjax import kernels  # noqa: PLC0415 - keeps `import mxjax` free of Pallas
+
+    backend = kernels.resolve_backend(recipe.backend)
+    if backend == "xla":
+        return _xla_gemm(a3, b3, recipe, key, gemm_name)
+    if recipe.lhs.is_passthrough or recipe.rhs.is_passthrough or not kernels.supports(
+        backend, recipe.lhs.fmt, recipe.rhs.fmt
+    ):
+        if recipe.backend != "auto":
+            raise ValueError(
+                f"{gemm_name}: backend {recipe.backend!r} implements MXFP4 x MXFP4 only, got "
+                f"{recipe.lhs.fmt.name} x {recipe.rhs.fmt.name}; use backend='xla' or 'auto'"
+            )
+        return _xla_gemm(a3, b3, recipe, key, gemm_name)
+    k_lhs, k_rhs, k_had = _operand_keys(key)
+    a3, b3 = _rotate(a3, b3, recipe, k_had)
+
+    def q(x, op, k):
+        return quantize(x, op.fmt, axis=-1, scale_rule=op.scale_rule, rounding=op.rounding,
+                        key=k if op.needs_key else None, sr_prescale=op.sr_prescale)
+
+    return kernels.mx_dot(q(a3, recipe.lhs, k_lhs), q(b3, recipe.rhs, k_rhs), backend=backend)
+
+
+# Backend name -> function(a3, b3, recipe, key, gemm_name) -> f32 [batch..., Fa, Fb].
+# Kernel backends add themselves here (and to mxjax.policy.BACKENDS).
+_BACKEND_FNS: dict[str, Callable[..., jax.Array]] = {
+    "xla": _xla_gemm,
+    **{name: _kernel_gemm for name in ("pallas", "pallas_fp8", "triton", "auto")},
+}
+
+
+def _backend_fn(recipe: GemmRecipe) -> Callable[..., jax.Array]:
+    """The one place where a GEMM's backend is chosen."""
+    try:
+        return _BACKEND_FNS[recipe.backend]
+    except KeyError:
+        raise ValueError(
+            f"backend: {recipe.backend!r} has no implementation registered; "
+            f"available: {sorted(_BACKEND_FNS)}"
+        ) from None
+
+
+def gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key, *,
+         precision=None, preferred_element_type=None, gemm_name: str = "gemm") -> jax.Array:
+    """One GEMM ``dot_general(a, b, dims)`` under `recipe` (no custom gradient).
+
+    Pass-through recipes call ``lax.dot_general(a, b, dims, precision,
+    preferred_element_type)`` unchanged. Otherwise the result is computed in f32
+    (see the module docstring) and cast to ``lax.dot_general``'s result dtype.
+    """
+    if recipe.is_passthrough:
+        return lax.dot_general(a, b, dims.as_lax(), precision=precision,
+                               preferred_element_type=preferred_element_type)
+    out_dtype = jax.eval_shape(
+        functools.partial(lax.dot_general, dimension_numbers=dims.as_lax(),
+                          preferred_element_type=preferred_element_type),
+        jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(b.shape, b.dtype),
+    ).dtype
+    (ca, cb), (ba, bb) = dims
+    a3 = _to_canonical(a, ba, ca)
+    b3 = _to_canonical(b, bb, cb)
+    out = _backend_fn(recipe)(a3, b3, recipe, key if recipe.needs_key else None, gemm_name)
+    fa = [a.shape[i] for i in _remaining(a.ndim, ba, ca)]
+    fb = [b.shape[i] for i in _remaining(b.ndim, bb, cb)]
+    out = out.reshape(tuple(a.shape[i] for i in ba) + tuple(fa) + tuple(fb))
+    return out.astype(out_dtype)
+
+
+# --------------------------------------------------------------------------- #
+# custom_vjp
+# --------------------------------------------------------------------------- #
+class _Static(NamedTuple):
+    dims: Dims
+    precision: Any
+    preferred_element_type: Any
+    policy: PrecisionPolicy
+
+
+def _gemm_keys(key):
+    if key is None:
+        return None, None, None
+    kf, kd, kw = jax.random.split(key, 3)
+    return kf, kd, kw
+
+
+def _fprop(lhs, rhs, key, st: _Static):
+    kf, _, _ = _gemm_keys(key)
+    return gemm(lhs, rhs, st.dims, st.policy.fprop, kf, precision=st.precision,
+                preferred_element_type=st.preferred_element_type, gemm_name="fprop")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _policy_dot(lhs, rhs, key, st: _Static):
+    return _fprop(lhs, rhs, key, st)
+
+
+def _policy_dot_fwd(lhs, rhs, key, st: _Static):
+    return _fprop(lhs, rhs, key, st), (lhs, rhs, key)
+
+
+def _policy_dot_bwd(st: _Static, res, g):
+    lhs, rhs, key = res
+    _, kd, kw = _gemm_keys(key)
+    (d_dims, d_perm), (w_dims, w_perm) = backward_dimension_numbers(st.dims, lhs.ndim, rhs.ndim)
+    kw_args = {"precision": st.precision, "preferred_element_type": st.preferred_element_type}
+    dlhs = gemm(g, rhs, d_dims, st.policy.dgrad, kd, gemm_name="dgrad", **kw_args)
+    dlhs = jnp.transpose(dlhs, d_perm).astype(lhs.dtype)
+    drhs = gemm(g, lhs, w_dims, st.policy.wgrad, kw, gemm_name="wgrad", **kw_args)
+    drhs = jnp.transpose(drhs, w_perm).astype(rhs.dtype)
+    return dlhs, drhs, None
+
+
+_policy_dot.defvjp(_policy_dot_fwd, _policy_dot_bwd)
+
+
+def _check_operand(x: Any, name: str) -> jax.Array:
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name}: mxjax.dot_general needs a floating-point array, got dtype {x.dtype}")
+    return x
+
+
+def dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers,
+    precision=None,
+    preferred_element_type=None,
+    *,
+    policy: PrecisionPolicy | str,
+    key: jax.Array | None = None,
+    **kwargs,
+) -> jax.Array:
+    """``jax.lax.dot_general`` whose fprop, dgrad and wgrad follow `policy`.
+
+    Args:
+      lhs: float array (X in the GEMM table), any rank.
+      rhs: float array (W), any rank.
+      dimension_numbers: ``((lhs_contracting, rhs_contracting), (lhs_batch,
+        rhs_batch))`` exactly as for ``lax.dot_general`` (any batch dims, several
+        or non-trailing contracting dims).
+      precision: used by pass-through GEMMs; quantized GEMMs always accumulate
+        the dequantized operands in f32 at HIGHEST precision.
+      preferred_element_type: output dtype, as for ``lax.dot_general``.
+      policy: a PrecisionPolicy or a preset name (``mxjax.policies.names()``).
+      key: PRNG key; required when ``policy.needs_key``. Split per GEMM.
+      **kwargs: accepted and ignored (e.g. Flax's ``out_sharding``), except that
+        a pass-through policy forwards ``out_sharding`` to ``lax.dot_general``.
+    Returns:
+      Array with ``lax.dot_general``'s shape and dtype. Its cotangents have the
+      primals' dtypes.
+    """
+    if isinstance(policy, str):
+        from mxjax import policies  # same layer; a preset table
+
+        policy = policies.get(policy)
+    if not isinstance(policy, PrecisionPolicy):
+        raise TypeError(f"policy: expected a PrecisionPolicy or a preset name, got {policy!r}")
+    lhs = _check_operand(lhs, "lhs")
+    rhs = _check_operand(rhs, "rhs")
+    dims = normalize_dimension_numbers(dimension_numbers, lhs.shape, rhs.shape)
+    if preferred_element_type is not None and not jnp.issubdtype(preferred_element_type,
+                                                                 jnp.floating):
+        raise TypeError(
+            f"preferred_element_type: must be a floating dtype or None, got {preferred_element_type}"
+        )
+    if policy.is_passthrough:
+        out_sharding = kwargs.get("out_sharding")
+        extra = {} if out_sharding is None else {"out_sharding": out_sharding}
+        return lax.dot_general(lhs, rhs, dims.as_lax(), precision=precision,
+                               preferred_element_type=preferred_element_type, **extra)
+    for name, x in (("lhs", lhs), ("rhs", rhs)):
+        if not any(x.dtype == d for d in _QUANT_DTYPES):
+            raise TypeError(
+                f"{name}: quantized GEMMs support float32, bfloat16 and float16, got {x.dtype}"
+            )
+    if policy.needs_key and key is None:
+        raise ValueError(
+            f"key: policy {policy.name or ''!s} uses stochastic rounding or a randomized "
+            "Hadamard and needs a PRNG key (key=jax.random.key(...)); under mxjax.nn.wrap it "
+            "comes from the 'mxjax' RNG stream"
+        )
+    if not policy.needs_key:
+        key = None
+    st = _Static(dims, precision, None if preferred_element_type is None
+                 else jnp.dtype(preferred_element_type), policy)
+    return _policy_dot(lhs, rhs, key, st)
+
+
+def bind_policy(policy: PrecisionPolicy, key=None) -> Callable[..., jax.Array]:
+    """``policy.dot_general(key)``: a function with ``lax.dot_general``'s signature."""
+    if not isinstance(policy, PrecisionPolicy):
+        raise TypeError(f"policy: expected a PrecisionPolicy, got {policy!r}")
+    if policy.needs_key and key is None:
+        raise ValueError(
+            f"key: policy {policy.name or ''!s} uses stochastic rounding or a randomized "
+            "Hadamard; policy.dot_general(key) needs a PRNG key"
+        )
+
+    def policy_dot_general(lhs, rhs, dimension_numbers, precision=None,
+                           preferred_element_type=None, **kwargs):
+        return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
+                           policy=policy, key=key, **kwargs)
+
+    policy_dot_general.policy = policy
+    return policy_dot_general

@@ -1,0 +1,119 @@
+"""Flax Linen integration: a policy module for ``dot_general_cls`` and the Linen wrapper."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+
+from mxjax import policies
+from mxjax.dot_general import dot_general
+from mxjax.nn.interpret import marker, transform_call
+from mxjax.nn.rules import Rule, WrapReport
+from mxjax.policy import PrecisionPolicy
+
+__all__ = ["LinenDotGeneral", "LinenWrapped", "linen_dot_general_cls"]
+
+RNG_STREAM = "mxjax"
+
+
+class LinenDotGeneral(nn.Module):
+    """A Linen module with ``lax.dot_general``'s call signature running `policy`.
+
+    Randomized policies draw a key from the ``'mxjax'`` RNG collection with
+    ``make_rng`` (the module path is folded in, so each layer gets its own
+    noise; pass a new key per step). Use through ``nn.Dense(dot_general_cls=
+    mxjax.nn.linen_dot_general_cls(policy))``; deterministic policies can also
+    be passed as ``nn.Dense(dot_general=policy.dot_general())``.
+    """
+
+    policy: PrecisionPolicy
+    rng_collection: str = RNG_STREAM
+
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                 **kwargs):
+        key = self.make_rng(self.rng_collection) if self.policy.needs_key else None
+        return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
+                           policy=self.policy, key=key)
+
+
+def linen_dot_general_cls(policy: PrecisionPolicy | str, rng_collection: str = RNG_STREAM):
+    """A ``dot_general_cls`` for ``nn.Dense``/``nn.DenseGeneral`` that applies `policy`."""
+    return functools.partial(LinenDotGeneral, policy=policies.get(policy),
+                             rng_collection=rng_collection)
+
+
+def _scope_interceptor(next_fun, args, kwargs, context):
+    if context.method_name == "setup":
+        return next_fun(*args, **kwargs)
+    with jax.named_scope(marker("/".join(context.module.path))):
+        return next_fun(*args, **kwargs)
+
+
+class LinenWrapped:
+    """A Linen module whose dot_generals run under path rules (from ``mxjax.nn.wrap``).
+
+    ``init`` is the module's own. ``apply(variables, *args, rngs=None,
+    method=None, mutable=False, **kwargs)`` is the module's ``apply`` with every
+    dot_general (Dense, DenseGeneral, Einsum, attention, and ``jnp.einsum``/
+    ``jnp.dot``/``@`` in the module's code) replaced by the matching rule's
+    policy. Randomized policies take their key from ``rngs['mxjax']``.
+    Module paths are the Linen scope paths ('/'-joined, root ``''``).
+    """
+
+    def __init__(self, module: nn.Module, rules: tuple[Rule, ...]):
+        self.module = module
+        self.rules = rules
+        self.needs_key = any(r.policy is not None and r.policy.needs_key for r in rules)
+        self.last_report: WrapReport | None = None
+
+    def init(self, rngs, *args, **kwargs):
+        """The wrapped module's ``init`` (parameters are the same as unwrapped)."""
+        return self.module.init(rngs, *args, **kwargs)
+
+    def _split_rngs(self, rngs) -> tuple[Any, Any]:
+        if rngs is None:
+            return None, None
+        if not isinstance(rngs, dict):
+            raise TypeError(f"rngs: expected a dict of PRNG keys, got {type(rngs).__name__}")
+        rest = dict(rngs)
+        return rest.pop(RNG_STREAM, None), (rest or None)
+
+    def _call(self, variables, args, kwargs, rngs, method, mutable):
+        key, rest = self._split_rngs(rngs)
+        if self.needs_key and key is None:
+            raise ValueError(
+                "rngs: a rule's policy is randomized; pass rngs={'mxjax': key} (a new key each "
+                "step) to apply"
+            )
+
+        def fn(variables, rest, *args, **kwargs):
+            with nn.intercept_methods(_scope_interceptor):
+                return self.module.apply(variables, *args, rngs=rest, method=method,
+                                         mutable=mutable, **kwargs)
+
+        return transform_call(fn, (variables, rest, *args), kwargs, rules=self.rules, key=key)
+
+    def apply(self, variables, *args, rngs=None, method=None, mutable=False, **kwargs):
+        out, self.last_report = self._call(variables, args, kwargs, rngs, method, mutable)
+        return out
+
+    def report(self, variables, *args, rngs=None, method=None, mutable=False,
+               **kwargs) -> WrapReport:
+        """Traces ``apply`` abstractly (no FLOPs) and returns the WrapReport."""
+        if self.needs_key and (rngs is None or RNG_STREAM not in rngs):
+            rngs = {**(rngs or {}), RNG_STREAM: jax.random.key(0)}
+        box = []
+
+        def run():
+            out, rep = self._call(variables, args, kwargs, rngs, method, mutable)
+            box.append(rep)
+            return out
+
+        jax.eval_shape(run)
+        return box[0]
+
+    def __repr__(self) -> str:
+        return f"mxjax.nn.wrap({type(self.module).__name__}, {len(self.rules)} rule(s))"

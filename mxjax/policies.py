@@ -1,0 +1,285 @@
+"""Preset precision policies (the paper's MXFP4 ladder and peers' recipes), and dict I/O.
+
+Presets: ``bf16``, ``fp8``, ``mxfp4_fprop``, ``mxfp4_fprop_dgrad``, ``mxfp4_all``,
+``mxfp4_all_sr``, ``mxfp4_all_rht16``, ``mxfp4_all_h16`` (the paper's recipe),
+``mxfp4_all_h32``, ``mxfp4_wgrad_h16``, ``nvfp4``, ``tseng``. Each builder's
+docstring says where the recipe comes from and exactly what every operand gets;
+``print(get(name).describe())`` prints it as a table.
+
+The paper is "Pretraining large language models with MXFP4 on Native FP4
+Hardware" (arXiv 2605.09825). Its MI355X kernels compute E8M0 scales with the
+EVEN rule (torchao's EVEN: round amax to the element mantissa width, then
+floor) and round elements to nearest-even, so every ``mxfp4_*`` preset uses
+EVEN scales and nearest-even rounding unless it says otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from mxjax import formats as F
+from mxjax.formats import BF16, FP8_E4M3, FP8_E5M2, MXFP4, NVFP4, Rounding, ScaleRule
+from mxjax.policy import GEMMS, GemmRecipe, Hadamard, OperandRecipe, PrecisionPolicy
+
+__all__ = ["PRESETS", "from_dict", "get", "names", "to_dict"]
+
+_PT = OperandRecipe(fmt=BF16)
+_PASS = GemmRecipe(lhs=_PT, rhs=_PT)
+_MX = OperandRecipe(fmt=MXFP4, scale_rule=ScaleRule.EVEN)
+_MX_SR = OperandRecipe(fmt=MXFP4, scale_rule=ScaleRule.EVEN, rounding=Rounding.STOCHASTIC)
+_MXGEMM = GemmRecipe(lhs=_MX, rhs=_MX)
+
+
+def _mx_gemm(hadamard: Hadamard | None = None) -> GemmRecipe:
+    return GemmRecipe(lhs=_MX, rhs=_MX, hadamard=hadamard)
+
+
+def bf16() -> PrecisionPolicy:
+    """No quantization: all three GEMMs are plain ``lax.dot_general`` (bit for bit).
+
+    fprop (X, W), dgrad (dY, W), wgrad (dY, X): pass-through, no Hadamard.
+    """
+    return PrecisionPolicy(fprop=_PASS, dgrad=_PASS, wgrad=_PASS, name="bf16")
+
+
+def fp8() -> PrecisionPolicy:
+    """The FP8 baseline (the paper's reference run): per-tensor current scaling.
+
+    fprop: X and W in FP8 E4M3. dgrad: dY in FP8 E5M2, W in E4M3. wgrad: dY in
+    E5M2, X in E4M3. Scale = amax of the tensor now / max_normal (fp32); elements
+    round to nearest-even and saturate. No Hadamard.
+    """
+    e4 = OperandRecipe(fmt=FP8_E4M3)
+    e5 = OperandRecipe(fmt=FP8_E5M2)
+    return PrecisionPolicy(
+        fprop=GemmRecipe(lhs=e4, rhs=e4),
+        dgrad=GemmRecipe(lhs=e5, rhs=e4),
+        wgrad=GemmRecipe(lhs=e5, rhs=e4),
+        name="fp8",
+    )
+
+
+def mxfp4_fprop() -> PrecisionPolicy:
+    """Paper's ladder, step 1: MXFP4 in the forward GEMM only (paper: +8–9% tokens vs FP8).
+
+    fprop: X and W in MXFP4 (E2M1, E8M0 scale per 32 along K), EVEN scales,
+    nearest-even. dgrad and wgrad: pass-through. No Hadamard.
+    """
+    return PrecisionPolicy(fprop=_MXGEMM, dgrad=_PASS, wgrad=_PASS, name="mxfp4_fprop")
+
+
+def mxfp4_fprop_dgrad() -> PrecisionPolicy:
+    """Paper's ladder, step 2: MXFP4 in fprop and dgrad (paper: +10–11% tokens).
+
+    fprop: X, W in MXFP4 blocked along K. dgrad: dY, W in MXFP4 blocked along N.
+    EVEN scales, nearest-even. wgrad: pass-through. No Hadamard.
+    """
+    return PrecisionPolicy(fprop=_MXGEMM, dgrad=_MXGEMM, wgrad=_PASS, name="mxfp4_fprop_dgrad")
+
+
+def mxfp4_all() -> PrecisionPolicy:
+    """Paper's ladder, step 3: MXFP4 in all three GEMMs, no stabilization (paper: +26–27%).
+
+    fprop: X, W blocked along K; dgrad: dY, W along N; wgrad: dY, X along M
+    (tokens). All MXFP4, EVEN scales, nearest-even, no Hadamard.
+    """
+    return PrecisionPolicy(fprop=_MXGEMM, dgrad=_MXGEMM, wgrad=_MXGEMM, name="mxfp4_all")
+
+
+def mxfp4_all_sr() -> PrecisionPolicy:
+    """Paper's stochastic-rounding row: MXFP4 everywhere, SR in the backward GEMMs.
+
+    fprop: X, W MXFP4 nearest-even. dgrad (dY, W) and wgrad (dY, X): MXFP4 with
+    stochastic rounding (no pre-scale). EVEN scales throughout, no Hadamard.
+    Needs a key. The paper reports that this does not converge once wgrad is
+    MXFP4.
+    """
+    sr = GemmRecipe(lhs=_MX_SR, rhs=_MX_SR)
+    return PrecisionPolicy(fprop=_MXGEMM, dgrad=sr, wgrad=sr, name="mxfp4_all_sr")
+
+
+def mxfp4_all_rht16() -> PrecisionPolicy:
+    """Paper's randomized-Hadamard row: MXFP4 everywhere with a random-sign H16.
+
+    All three GEMMs: both operands rotated by H16 with a fresh ±1 sign vector per
+    call (per GEMM, layer and step via the key) along the GEMM's contraction,
+    then MXFP4 with EVEN scales, nearest-even. Needs a key. The paper reports
+    that this does not converge once wgrad is MXFP4.
+    """
+    g = _mx_gemm(Hadamard(block_size=16, randomized=True))
+    return PrecisionPolicy(fprop=g, dgrad=g, wgrad=g, name="mxfp4_all_rht16")
+
+
+def mxfp4_all_h16() -> PrecisionPolicy:
+    """The paper's recipe: deterministic H16 on every operand of all three GEMMs.
+
+    fprop (X, W along K), dgrad (dY, W along N), wgrad (dY, X along M): both
+    operands rotated by the fixed Sylvester H16 (no signs), so each 32-element
+    MXFP4 block is two rotated 16-halves; then MXFP4 with EVEN scales and
+    nearest-even rounding. Deterministic (no key). Paper: +8–9% tokens with all
+    three GEMMs in MXFP4, +20% step throughput on MI355X.
+    """
+    g = _mx_gemm(Hadamard(block_size=16))
+    return PrecisionPolicy(fprop=g, dgrad=g, wgrad=g, name="mxfp4_all_h16")
+
+
+def mxfp4_all_h32() -> PrecisionPolicy:
+    """The paper's recipe with a deterministic H32 (one rotation per MXFP4 block).
+
+    As ``mxfp4_all_h16`` with the fixed Sylvester H32 (no signs) on both operands
+    of all three GEMMs; MXFP4, EVEN scales, nearest-even. Paper: about as good
+    as H16.
+    """
+    g = _mx_gemm(Hadamard(block_size=32))
+    return PrecisionPolicy(fprop=g, dgrad=g, wgrad=g, name="mxfp4_all_h32")
+
+
+def mxfp4_wgrad_h16() -> PrecisionPolicy:
+    """MXFP4 everywhere, deterministic H16 on wgrad only (tests the paper's claim
+    that the instability lives on the wgrad path).
+
+    fprop (X, W) and dgrad (dY, W): MXFP4, no Hadamard. wgrad (dY, X): fixed H16
+    along M, then MXFP4. EVEN scales, nearest-even throughout. Deterministic.
+    """
+    return PrecisionPolicy(
+        fprop=_MXGEMM, dgrad=_MXGEMM, wgrad=_mx_gemm(Hadamard(block_size=16)),
+        name="mxfp4_wgrad_h16",
+    )
+
+
+def nvfp4() -> PrecisionPolicy:
+    """NVIDIA's NVFP4 training recipe, as far as per-operand recipes express it.
+
+    All three GEMMs in NVFP4 (E2M1, E4M3 scale per 16, fp32 per-tensor scale).
+    fprop (X, W): nearest-even, no Hadamard. dgrad (dY, W): dY stochastic
+    rounding, W nearest-even, no Hadamard. wgrad (dY, X): 16×16 Hadamard with a
+    fixed random sign vector (seed 0, the same every step) on both operands along
+    M, dY stochastic rounding, X nearest-even. Needs a key (for the SR).
+
+    Not expressible here: NVIDIA quantizes weights in 2-D 16×16 blocks so fprop
+    and dgrad share one quantized W; mxjax quantizes W with 1×16 blocks along each
+    GEMM's own contraction (K for fprop, N for dgrad). NVIDIA also keeps the last
+    few layers in BF16: use ``mxjax.nn.wrap`` rules for that.
+    """
+    rne = OperandRecipe(fmt=NVFP4)
+    sr = OperandRecipe(fmt=NVFP4, rounding=Rounding.STOCHASTIC)
+    return PrecisionPolicy(
+        fprop=GemmRecipe(lhs=rne, rhs=rne),
+        dgrad=GemmRecipe(lhs=sr, rhs=rne),
+        wgrad=GemmRecipe(lhs=sr, rhs=rne, hadamard=Hadamard(block_size=16, seed=0)),
+        name="nvfp4",
+    )
+
+
+def tseng() -> PrecisionPolicy:
+    """Tseng et al. 2025, "Training LLMs with MXFP4": BF16 forward, MXFP4 backward.
+
+    fprop: pass-through. dgrad (dY, W) and wgrad (dY, X): both operands rotated
+    by a random-sign H64 (fresh signs per call) along the GEMM's contraction,
+    then MXFP4 with OCP FLOOR scales and stochastic rounding with the 3/4
+    pre-scale (so FLOOR never saturates). Needs a key.
+    """
+    sr = OperandRecipe(fmt=MXFP4, scale_rule=ScaleRule.FLOOR, rounding=Rounding.STOCHASTIC,
+                       sr_prescale=True)
+    g = GemmRecipe(lhs=sr, rhs=sr, hadamard=Hadamard(block_size=64, randomized=True))
+    return PrecisionPolicy(fprop=_PASS, dgrad=g, wgrad=g, name="tseng")
+
+
+PRESETS: dict[str, Callable[[], PrecisionPolicy]] = {
+    f.__name__: f
+    for f in (bf16, fp8, mxfp4_fprop, mxfp4_fprop_dgrad, mxfp4_all, mxfp4_all_sr,
+              mxfp4_all_rht16, mxfp4_all_h16, mxfp4_all_h32, mxfp4_wgrad_h16, nvfp4, tseng)
+}
+
+
+def names() -> tuple[str, ...]:
+    """Names of all presets, in ladder order."""
+    return tuple(PRESETS)
+
+
+def get(name: str | PrecisionPolicy) -> PrecisionPolicy:
+    """The preset called `name` (a PrecisionPolicy is returned unchanged).
+
+    Raises:
+      ValueError: unknown name (the message lists the valid ones).
+    """
+    if isinstance(name, PrecisionPolicy):
+        return name
+    if isinstance(name, str) and name in PRESETS:
+        return PRESETS[name]()
+    raise ValueError(f"policy: unknown preset {name!r}; valid names: {', '.join(PRESETS)}")
+
+
+# --------------------------------------------------------------------------- #
+# Plain-dict I/O (for YAML configs)
+# --------------------------------------------------------------------------- #
+def _operand_to_dict(r: OperandRecipe) -> dict[str, Any]:
+    return {"fmt": r.fmt.name, "scale_rule": r.scale_rule.value, "rounding": r.rounding.value,
+            "sr_prescale": r.sr_prescale}
+
+
+def _gemm_to_dict(g: GemmRecipe) -> dict[str, Any]:
+    had = g.hadamard
+    return {
+        "lhs": _operand_to_dict(g.lhs),
+        "rhs": _operand_to_dict(g.rhs),
+        "hadamard": None if had is None else {"block_size": had.block_size,
+                                             "randomized": had.randomized, "seed": had.seed},
+        "backend": g.backend,
+    }
+
+
+def to_dict(policy: PrecisionPolicy | str) -> dict[str, Any]:
+    """A plain dict (str/bool/int/None leaves) that ``from_dict`` turns back into `policy`."""
+    p = get(policy)
+    d: dict[str, Any] = {"name": p.name}
+    d.update({g: _gemm_to_dict(getattr(p, g)) for g in GEMMS})
+    return d
+
+
+def _check_keys(d: Any, allowed: set[str], required: set[str], where: str) -> None:
+    if not isinstance(d, Mapping):
+        raise TypeError(f"{where}: expected a mapping, got {d!r}")
+    unknown = set(d) - allowed
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+    missing = required - set(d)
+    if missing:
+        raise ValueError(f"{where}: missing keys {sorted(missing)}")
+
+
+def _operand_from(d: Any, where: str) -> OperandRecipe:
+    if isinstance(d, str):
+        return OperandRecipe(fmt=F.get(d))
+    _check_keys(d, {"fmt", "scale_rule", "rounding", "sr_prescale"}, {"fmt"}, where)
+    return OperandRecipe(**d)
+
+
+def _gemm_from(d: Any, where: str) -> GemmRecipe:
+    _check_keys(d, {"lhs", "rhs", "hadamard", "backend"}, {"lhs", "rhs"}, where)
+    had = d.get("hadamard")
+    if isinstance(had, Mapping):
+        _check_keys(had, {"block_size", "randomized", "seed"}, set(), f"{where}.hadamard")
+        had = Hadamard(**had)
+    return GemmRecipe(
+        lhs=_operand_from(d["lhs"], f"{where}.lhs"),
+        rhs=_operand_from(d["rhs"], f"{where}.rhs"),
+        hadamard=had,
+        backend=d.get("backend", "xla"),
+    )
+
+
+def from_dict(d: Mapping[str, Any] | str) -> PrecisionPolicy:
+    """Builds a PrecisionPolicy from ``to_dict``'s layout (or a preset name).
+
+    Layout: ``{'name': str|None, 'fprop'|'dgrad'|'wgrad': {'lhs': operand,
+    'rhs': operand, 'hadamard': None|int|{'block_size', 'randomized', 'seed'},
+    'backend': 'xla'}}`` where an operand is a format name or ``{'fmt',
+    'scale_rule', 'rounding', 'sr_prescale'}`` (missing fields take their
+    defaults). Unknown keys are errors.
+    """
+    if isinstance(d, str):
+        return get(d)
+    _check_keys(d, {"name", *GEMMS}, set(GEMMS), "policy dict")
+    return PrecisionPolicy(name=d.get("name"), **{g: _gemm_from(d[g], g) for g in GEMMS})

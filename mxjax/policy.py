@@ -1,0 +1,309 @@
+"""Per-GEMM precision policies: what each operand of fprop, dgrad and wgrad gets.
+
+A linear layer ``Y = X·W`` runs three GEMMs (see the design's GEMM table):
+
+=======  ===============  ===================  ===========================
+GEMM     computes         operands (lhs, rhs)  blocks run along
+=======  ===============  ===================  ===========================
+fprop    Y = X·W          (X, W)               K, the forward contraction
+dgrad    dX = dY·Wᵀ       (dY, W)              N, the output (rhs free) axes
+wgrad    dW = dYᵀ·X       (dY, X)              M, the token (lhs free) axes
+=======  ===============  ===================  ===========================
+
+A :class:`PrecisionPolicy` holds one :class:`GemmRecipe` per GEMM; a recipe holds
+one :class:`OperandRecipe` per operand and an optional :class:`Hadamard` rotation
+applied to both operands along that GEMM's contraction axis. All four classes
+are frozen, keyword-only and hashable (usable as static ``jit`` arguments), and
+validate their fields at construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any
+
+from mxjax import formats as F
+from mxjax.formats import Format, Rounding, ScaleRule
+
+__all__ = [
+    "BACKENDS",
+    "GEMMS",
+    "HADAMARD_SIZES",
+    "GemmRecipe",
+    "Hadamard",
+    "OperandRecipe",
+    "PrecisionPolicy",
+]
+
+# GEMM names in the order fprop, dgrad, wgrad (also the order keys are split in).
+GEMMS = ("fprop", "dgrad", "wgrad")
+
+# Where a GEMM runs. 'xla' is the jnp reference (quantize -> dequantize -> dot
+# in f32 at HIGHEST precision). Kernel backends register their names here and a
+# function in `mxjax.dot_general._BACKEND_FNS`.
+# Must equal mxjax.kernels.BACKENDS (tested); kept here so policies do not import Pallas.
+BACKENDS: tuple[str, ...] = ("xla", "pallas", "pallas_fp8", "triton", "auto")
+
+HADAMARD_SIZES = (16, 32, 64, 128)
+
+
+def _check_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OperandRecipe:
+    """How one GEMM operand is quantized.
+
+    Attributes:
+      fmt: a :class:`mxjax.formats.Format` (or its name, e.g. ``'mxfp4'``).
+        ``BF16`` means pass-through: the operand is used as is.
+      scale_rule: E8M0 scale rule (MX formats only; NVFP4, per-tensor FP8 and
+        BF16 have a fixed scale computation and accept only ``FLOOR``).
+      rounding: element rounding. ``STOCHASTIC`` needs a PRNG key at call time.
+        BF16 accepts only ``NEAREST_EVEN`` (nothing is rounded).
+      sr_prescale: multiply by 3/4 before stochastic rounding (Tseng et al.);
+        only with ``STOCHASTIC``.
+    """
+
+    fmt: Format | str
+    scale_rule: ScaleRule | str = ScaleRule.FLOOR
+    rounding: Rounding | str = Rounding.NEAREST_EVEN
+    sr_prescale: bool = False
+
+    def __post_init__(self):
+        fmt = F.get(self.fmt)
+        rule = F.scale_rule(self.scale_rule)
+        mode = F.rounding(self.rounding)
+        _check_bool(self.sr_prescale, "sr_prescale")
+        if fmt.is_passthrough and (rule is not ScaleRule.FLOOR or mode is not Rounding.NEAREST_EVEN
+                                   or self.sr_prescale):
+            raise ValueError(
+                "OperandRecipe: fmt=BF16 is pass-through (nothing is quantized), so "
+                f"scale_rule={rule.name}, rounding={mode.name}, sr_prescale={self.sr_prescale} "
+                "would have no effect; use the defaults or a quantized format"
+            )
+        if fmt.scale != "e8m0" and not fmt.is_passthrough and rule is not ScaleRule.FLOOR:
+            raise ValueError(
+                f"OperandRecipe: scale_rule={rule.name} applies to E8M0-scaled MX formats only; "
+                f"fmt={fmt.name} has a fixed scale computation (use ScaleRule.FLOOR)"
+            )
+        if self.sr_prescale and mode is not Rounding.STOCHASTIC:
+            raise ValueError(
+                f"OperandRecipe: sr_prescale=True needs rounding=STOCHASTIC, got {mode.name}"
+            )
+        object.__setattr__(self, "fmt", fmt)
+        object.__setattr__(self, "scale_rule", rule)
+        object.__setattr__(self, "rounding", mode)
+
+    @property
+    def is_passthrough(self) -> bool:
+        """True for BF16: the operand is not quantized."""
+        return self.fmt.is_passthrough
+
+    @property
+    def needs_key(self) -> bool:
+        """True when rounding is STOCHASTIC."""
+        return self.rounding is Rounding.STOCHASTIC
+
+    def describe(self) -> str:
+        """Short text, e.g. ``'mxfp4 even/nearest_even'`` or ``'bf16 (pass-through)'``."""
+        if self.is_passthrough:
+            return "bf16 (pass-through)"
+        parts = [self.fmt.name]
+        if self.fmt.scale == "e8m0":
+            parts.append(f"{self.scale_rule.value}/{self.rounding.value}")
+        else:
+            parts.append(self.rounding.value)
+        if self.sr_prescale:
+            parts.append("x3/4")
+        return " ".join(parts)
+
+
+def _coerce_operand(value: Any, name: str) -> OperandRecipe:
+    if isinstance(value, OperandRecipe):
+        return value
+    if isinstance(value, (Format, str)):
+        return OperandRecipe(fmt=value)
+    raise TypeError(f"{name}: expected an OperandRecipe, a Format or a format name, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hadamard:
+    """A block-diagonal Walsh–Hadamard rotation of both operands along the contraction.
+
+    Attributes:
+      block_size: h in (16, 32, 64, 128). The contraction is padded with zeros to a
+        multiple of h (a contraction shorter than h becomes one padded block).
+      randomized: draw a fresh ±1 sign vector from the GEMM's key on every call
+        (the caller folds step and layer into the key). Needs a key.
+      seed: deterministic only: a fixed ±1 sign vector from this integer seed
+        (``mxjax.hadamard.fixed_signs``); None means no signs (plain H).
+    """
+
+    block_size: int = 16
+    randomized: bool = False
+    seed: int | None = None
+
+    def __post_init__(self):
+        if isinstance(self.block_size, bool):
+            raise TypeError(f"Hadamard: block_size must be an int, got {self.block_size!r}")
+        try:
+            h = operator.index(self.block_size)
+        except TypeError:
+            raise TypeError(f"Hadamard: block_size must be an int, got {self.block_size!r}") from None
+        if h not in HADAMARD_SIZES:
+            raise ValueError(f"Hadamard: block_size must be one of {HADAMARD_SIZES}, got {h}")
+        _check_bool(self.randomized, "Hadamard: randomized")
+        if self.seed is not None:
+            if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+                raise ValueError(f"Hadamard: seed must be a non-negative int or None, got {self.seed!r}")
+            if self.randomized:
+                raise ValueError(
+                    "Hadamard: seed fixes the sign vector, randomized=True draws a fresh one "
+                    "from the key every call; set one or the other"
+                )
+        object.__setattr__(self, "block_size", h)
+
+    @property
+    def needs_key(self) -> bool:
+        return self.randomized
+
+    def describe(self) -> str:
+        if self.randomized:
+            return f"random H{self.block_size}"
+        if self.seed is not None:
+            return f"H{self.block_size} (fixed signs, seed {self.seed})"
+        return f"H{self.block_size}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GemmRecipe:
+    """The recipe of one GEMM: an OperandRecipe per operand plus an optional Hadamard.
+
+    Attributes:
+      lhs: first operand (X in fprop, dY in dgrad and wgrad). A Format or format
+        name is accepted and becomes ``OperandRecipe(fmt=...)``.
+      rhs: second operand (W in fprop and dgrad, X in wgrad).
+      hadamard: rotation of both operands along the contraction, or None. An int
+        h is accepted and becomes ``Hadamard(block_size=h)``.
+      backend: where the GEMM runs; one of ``mxjax.policy.BACKENDS``.
+    """
+
+    lhs: OperandRecipe | Format | str
+    rhs: OperandRecipe | Format | str
+    hadamard: Hadamard | int | None = None
+    backend: str = "xla"
+
+    def __post_init__(self):
+        object.__setattr__(self, "lhs", _coerce_operand(self.lhs, "GemmRecipe: lhs"))
+        object.__setattr__(self, "rhs", _coerce_operand(self.rhs, "GemmRecipe: rhs"))
+        had = self.hadamard
+        if had is not None and not isinstance(had, Hadamard):
+            if isinstance(had, int) and not isinstance(had, bool):
+                had = Hadamard(block_size=had)
+            else:
+                raise TypeError(f"GemmRecipe: hadamard must be a Hadamard, an int or None, got {had!r}")
+        object.__setattr__(self, "hadamard", had)
+        if not isinstance(self.backend, str) or self.backend not in BACKENDS:
+            raise ValueError(f"GemmRecipe: backend must be one of {BACKENDS}, got {self.backend!r}")
+
+    @property
+    def is_passthrough(self) -> bool:
+        """True when nothing happens: both operands pass through and no Hadamard."""
+        return self.lhs.is_passthrough and self.rhs.is_passthrough and self.hadamard is None
+
+    @property
+    def needs_key(self) -> bool:
+        return (self.lhs.needs_key or self.rhs.needs_key
+                or (self.hadamard is not None and self.hadamard.needs_key))
+
+
+def _coerce_gemm(value: Any, name: str) -> GemmRecipe:
+    if not isinstance(value, GemmRecipe):
+        raise TypeError(f"PrecisionPolicy: {name} must be a GemmRecipe, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrecisionPolicy:
+    """Recipes for the three GEMMs of every dot_general it is applied to.
+
+    Attributes:
+      fprop: Y = X·W, operands (X, W), blocks along the forward contraction K.
+      dgrad: dX = dY·Wᵀ, operands (dY, W), blocks along N (rhs free axes).
+      wgrad: dW = dYᵀ·X, operands (dY, X), blocks along M (lhs free axes).
+      name: optional label (presets carry their name). Not part of equality or
+        the hash: two policies with the same recipes are the same policy.
+
+    Use ``policy.dot_general(key)`` for a drop-in ``lax.dot_general`` and
+    ``print(policy.describe())`` for the 3×2 table of what each operand gets.
+    """
+
+    fprop: GemmRecipe
+    dgrad: GemmRecipe
+    wgrad: GemmRecipe
+    name: str | None = dataclasses.field(default=None, compare=False)
+
+    def __post_init__(self):
+        for g in GEMMS:
+            _coerce_gemm(getattr(self, g), g)
+        if self.name is not None and not isinstance(self.name, str):
+            raise TypeError(f"PrecisionPolicy: name must be a str or None, got {self.name!r}")
+
+    @property
+    def gemms(self) -> dict[str, GemmRecipe]:
+        """{'fprop': ..., 'dgrad': ..., 'wgrad': ...}."""
+        return {g: getattr(self, g) for g in GEMMS}
+
+    @property
+    def needs_key(self) -> bool:
+        """True when any GEMM uses STOCHASTIC rounding or a randomized Hadamard."""
+        return any(r.needs_key for r in self.gemms.values())
+
+    @property
+    def is_passthrough(self) -> bool:
+        """True when all three GEMMs are plain ``lax.dot_general`` (the bf16 policy)."""
+        return all(r.is_passthrough for r in self.gemms.values())
+
+    def describe(self) -> str:
+        """The 3×2 table (GEMM × operand) of what each operand gets, as text."""
+        operand_names = {"fprop": ("X", "W"), "dgrad": ("dY", "W"), "wgrad": ("dY", "X")}
+        rows = []
+        for g, r in self.gemms.items():
+            ln, rn = operand_names[g]
+            had = r.hadamard.describe() if r.hadamard else "-"
+            rows.append((g, f"{ln}: {r.lhs.describe()}", f"{rn}: {r.rhs.describe()}", had, r.backend))
+        header = ("GEMM", "lhs", "rhs", "hadamard", "backend")
+        widths = [max(len(str(row[i])) for row in rows + [header]) for i in range(len(header))]
+        fmt_row = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
+        title = f"PrecisionPolicy {self.name!r}" if self.name else "PrecisionPolicy"
+        lines = [title + (" (needs a PRNG key)" if self.needs_key else ""), fmt_row(header)]
+        lines.append("  ".join("-" * w for w in widths))
+        lines += [fmt_row(row) for row in rows]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def dot_general(self, key=None):
+        """A drop-in for ``jax.lax.dot_general`` under this policy.
+
+        Args:
+          key: PRNG key (typed or raw uint32); required when ``needs_key``.
+        Returns:
+          ``f(lhs, rhs, dimension_numbers, precision=None,
+          preferred_element_type=None, **kwargs)``; extra keyword arguments
+          (e.g. Flax's ``out_sharding``) are accepted and ignored.
+        """
+        # Imported here: the interceptor sits one layer above the policy types.
+        from mxjax.dot_general import bind_policy
+
+        return bind_policy(self, key)
+
+    def replace(self, **changes) -> PrecisionPolicy:
+        """A copy with some fields replaced (re-validated)."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,211 @@
+"""mxjax.policy and mxjax.policies: construction, validation, presets, dict round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import pytest
+
+from mxjax import formats as F
+from mxjax import policies
+from mxjax.formats import BF16, FP8_E4M3, FP8_E5M2, MXFP4, NVFP4, Rounding, ScaleRule
+from mxjax.policy import GemmRecipe, Hadamard, OperandRecipe, PrecisionPolicy
+
+EXPECTED_PRESETS = (
+    "bf16", "fp8", "mxfp4_fprop", "mxfp4_fprop_dgrad", "mxfp4_all", "mxfp4_all_sr",
+    "mxfp4_all_rht16", "mxfp4_all_h16", "mxfp4_all_h32", "mxfp4_wgrad_h16", "nvfp4", "tseng",
+)
+
+
+def _mx(**kw):
+    return OperandRecipe(fmt=MXFP4, **kw)
+
+
+# ----------------------------------------------------------------------------- construction
+def test_operand_recipe_coerces_names_and_is_frozen_hashable():
+    r = OperandRecipe(fmt="mxfp4", scale_rule="even", rounding="stochastic")
+    assert r.fmt is MXFP4 and r.scale_rule is ScaleRule.EVEN and r.rounding is Rounding.STOCHASTIC
+    assert r == OperandRecipe(fmt=MXFP4, scale_rule=ScaleRule.EVEN, rounding=Rounding.STOCHASTIC)
+    assert hash(r) == hash(OperandRecipe(fmt=MXFP4, scale_rule="even", rounding="stochastic"))
+    assert r.needs_key and not r.is_passthrough
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.fmt = BF16
+    with pytest.raises(TypeError):
+        OperandRecipe(MXFP4)  # keyword-only
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"fmt": "mxfp5"}, "unknown format"),
+        ({"fmt": MXFP4, "scale_rule": "round"}, "scale_rule"),
+        ({"fmt": MXFP4, "rounding": "up"}, "rounding"),
+        ({"fmt": NVFP4, "scale_rule": ScaleRule.EVEN}, "E8M0-scaled MX formats only"),
+        ({"fmt": FP8_E4M3, "scale_rule": ScaleRule.CEIL}, "E8M0-scaled MX formats only"),
+        ({"fmt": BF16, "rounding": Rounding.STOCHASTIC}, "pass-through"),
+        ({"fmt": MXFP4, "sr_prescale": True}, "needs rounding=STOCHASTIC"),
+        ({"fmt": MXFP4, "rounding": "stochastic", "sr_prescale": 1}, "sr_prescale"),
+    ],
+)
+def test_operand_recipe_rejects_bad_fields(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        OperandRecipe(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"block_size": 8}, "one of"),
+        ({"block_size": 48}, "one of"),
+        ({"block_size": 16.0}, "must be an int"),
+        ({"block_size": True}, "must be an int"),
+        ({"randomized": True, "seed": 3}, "one or the other"),
+        ({"seed": -1}, "non-negative"),
+        ({"randomized": "yes"}, "bool"),
+    ],
+)
+def test_hadamard_rejects_bad_fields(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        Hadamard(**kwargs)
+
+
+def test_gemm_recipe_coercions_and_errors():
+    g = GemmRecipe(lhs="mxfp4", rhs=FP8_E5M2, hadamard=32)
+    assert g.lhs == OperandRecipe(fmt=MXFP4) and g.rhs == OperandRecipe(fmt=FP8_E5M2)
+    assert g.hadamard == Hadamard(block_size=32) and g.backend == "xla"
+    assert not g.is_passthrough and not g.needs_key
+    assert GemmRecipe(lhs=BF16, rhs=BF16).is_passthrough
+    assert not GemmRecipe(lhs=BF16, rhs=BF16, hadamard=16).is_passthrough
+    assert GemmRecipe(lhs=BF16, rhs=BF16, hadamard=Hadamard(randomized=True)).needs_key
+    with pytest.raises(ValueError, match="backend"):
+        GemmRecipe(lhs=MXFP4, rhs=MXFP4, backend="cuda")
+    with pytest.raises(TypeError, match="lhs"):
+        GemmRecipe(lhs=3, rhs=MXFP4)
+    with pytest.raises(TypeError, match="hadamard"):
+        GemmRecipe(lhs=MXFP4, rhs=MXFP4, hadamard="h16")
+    with pytest.raises(ValueError, match="block_size"):
+        GemmRecipe(lhs=MXFP4, rhs=MXFP4, hadamard=24)
+
+
+def test_precision_policy_validation_equality_and_static_jit_use():
+    g = GemmRecipe(lhs=_mx(), rhs=_mx())
+    p = PrecisionPolicy(fprop=g, dgrad=g, wgrad=g, name="a")
+    q = PrecisionPolicy(fprop=g, dgrad=g, wgrad=g, name="b")
+    assert p == q and hash(p) == hash(q)  # the name is a label, not part of identity
+    with pytest.raises(TypeError, match="dgrad must be a GemmRecipe"):
+        PrecisionPolicy(fprop=g, dgrad="mxfp4", wgrad=g)
+    with pytest.raises(TypeError):
+        PrecisionPolicy(g, g, g)
+    with pytest.raises(TypeError, match="name"):
+        PrecisionPolicy(fprop=g, dgrad=g, wgrad=g, name=3)
+    assert p.replace(name="c").name == "c"
+
+    traces = []
+
+    def f(x, pol):
+        traces.append(pol)
+        return x * 2
+
+    f = jax.jit(f, static_argnums=1)
+    assert float(f(1.0, p)) == 2.0 and float(f(1.0, q)) == 2.0
+    assert len(traces) == 1  # equal policies hit the same jit cache entry
+
+
+# ----------------------------------------------------------------------------- presets
+def test_names_lists_every_design_preset():
+    assert policies.names() == EXPECTED_PRESETS
+
+
+@pytest.mark.parametrize("name", EXPECTED_PRESETS)
+def test_preset_has_docstring_name_and_roundtrips_through_json(name):
+    p = policies.get(name)
+    assert isinstance(p, PrecisionPolicy) and p.name == name
+    doc = policies.PRESETS[name].__doc__
+    assert doc and len(doc.split()) > 10
+    d = policies.to_dict(p)
+    back = policies.from_dict(json.loads(json.dumps(d)))
+    assert back == p and back.name == name
+    table = p.describe()
+    for word in ("fprop", "dgrad", "wgrad", "X:", "W:", "dY:"):
+        assert word in table
+    assert str(p) == table
+
+
+def test_unknown_preset_lists_valid_names():
+    with pytest.raises(ValueError) as e:
+        policies.get("mxfp3_all")
+    for n in EXPECTED_PRESETS:
+        assert n in str(e.value)
+
+
+def test_preset_contents_match_design():
+    mx_even = OperandRecipe(fmt=MXFP4, scale_rule=ScaleRule.EVEN)
+    pt = GemmRecipe(lhs=BF16, rhs=BF16)
+    assert policies.get("bf16").is_passthrough
+    fp8 = policies.get("fp8")
+    assert (fp8.fprop.lhs.fmt, fp8.fprop.rhs.fmt) == (FP8_E4M3, FP8_E4M3)
+    assert (fp8.dgrad.lhs.fmt, fp8.dgrad.rhs.fmt) == (FP8_E5M2, FP8_E4M3)
+    assert (fp8.wgrad.lhs.fmt, fp8.wgrad.rhs.fmt) == (FP8_E5M2, FP8_E4M3)
+    ladder = {"mxfp4_fprop": (1, 0, 0), "mxfp4_fprop_dgrad": (1, 1, 0), "mxfp4_all": (1, 1, 1)}
+    for name, on in ladder.items():
+        p = policies.get(name)
+        for gemm, quantized in zip(("fprop", "dgrad", "wgrad"), on):
+            r = getattr(p, gemm)
+            assert r == (GemmRecipe(lhs=mx_even, rhs=mx_even) if quantized else pt), (name, gemm)
+    h16 = policies.get("mxfp4_all_h16")
+    for r in h16.gemms.values():
+        assert r.lhs == mx_even and r.rhs == mx_even
+        assert r.hadamard == Hadamard(block_size=16, randomized=False, seed=None)
+    assert not h16.needs_key
+    assert all(r.hadamard.block_size == 32 for r in policies.get("mxfp4_all_h32").gemms.values())
+    wg = policies.get("mxfp4_wgrad_h16")
+    assert wg.fprop.hadamard is None and wg.dgrad.hadamard is None
+    assert wg.wgrad.hadamard == Hadamard(block_size=16)
+    sr = policies.get("mxfp4_all_sr")
+    assert sr.fprop.lhs.rounding is Rounding.NEAREST_EVEN and sr.needs_key
+    assert all(getattr(sr, g).lhs.rounding is Rounding.STOCHASTIC for g in ("dgrad", "wgrad"))
+    rht = policies.get("mxfp4_all_rht16")
+    assert all(r.hadamard == Hadamard(block_size=16, randomized=True) for r in rht.gemms.values())
+    nv = policies.get("nvfp4")
+    assert all(r.lhs.fmt is NVFP4 and r.rhs.fmt is NVFP4 for r in nv.gemms.values())
+    assert nv.fprop.lhs.rounding is Rounding.NEAREST_EVEN
+    assert nv.dgrad.lhs.rounding is Rounding.STOCHASTIC and nv.wgrad.lhs.rounding is Rounding.STOCHASTIC
+    assert nv.dgrad.rhs.rounding is Rounding.NEAREST_EVEN and nv.wgrad.rhs.rounding is Rounding.NEAREST_EVEN
+    assert nv.wgrad.hadamard == Hadamard(block_size=16, seed=0) and nv.fprop.hadamard is None
+    assert "16×16" in policies.PRESETS["nvfp4"].__doc__ and "Not expressible" in policies.PRESETS["nvfp4"].__doc__
+    ts = policies.get("tseng")
+    assert ts.fprop.is_passthrough
+    for r in (ts.dgrad, ts.wgrad):
+        assert r.hadamard == Hadamard(block_size=64, randomized=True)
+        for o in (r.lhs, r.rhs):
+            assert o.fmt is MXFP4 and o.rounding is Rounding.STOCHASTIC and o.sr_prescale
+
+
+# ----------------------------------------------------------------------------- dict I/O
+def test_from_dict_accepts_short_forms_and_rejects_unknown_keys():
+    d = {"fprop": {"lhs": "mxfp4", "rhs": {"fmt": "mxfp4", "scale_rule": "even"}, "hadamard": 16},
+         "dgrad": {"lhs": "bf16", "rhs": "bf16"},
+         "wgrad": {"lhs": "bf16", "rhs": "bf16", "hadamard": {"block_size": 32}}}
+    p = policies.from_dict(d)
+    assert p.fprop.lhs == OperandRecipe(fmt=MXFP4) and p.fprop.rhs.scale_rule is ScaleRule.EVEN
+    assert p.fprop.hadamard == Hadamard(block_size=16) and p.wgrad.hadamard.block_size == 32
+    assert p.name is None
+    assert policies.from_dict("mxfp4_all") == policies.get("mxfp4_all")
+    with pytest.raises(ValueError, match="unknown keys"):
+        policies.from_dict({**d, "extra": 1})
+    with pytest.raises(ValueError, match="missing keys"):
+        policies.from_dict({"fprop": d["fprop"], "dgrad": d["dgrad"]})
+    with pytest.raises(ValueError, match="unknown keys"):
+        policies.from_dict({**d, "fprop": {"lhs": "mxfp4", "rhs": "mxfp4", "hadmard": 16}})
+    with pytest.raises(ValueError, match="unknown format"):
+        policies.from_dict({**d, "fprop": {"lhs": "fp4", "rhs": "mxfp4"}})
+
+
+def test_describe_shows_each_operand():
+    text = policies.get("nvfp4").describe()
+    assert "needs a PRNG key" in text
+    assert "dY: nvfp4 stochastic" in text and "H16 (fixed signs, seed 0)" in text
+    assert "X: bf16 (pass-through)" in policies.get("tseng").describe()
+    assert F.get("mxfp4") is MXFP4

@@ -1,0 +1,18 @@
+"""Every ```python block of README.md runs as written (in order, one namespace each)."""
+
+import pathlib
+import re
+
+import pytest
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_readme_has_python_examples():
+    assert len(BLOCKS) >= 3
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def test_readme_python_block_runs(index, capsys):
+    exec(compile(BLOCKS[index], f"README.md[python block {index}]", "exec"), {})
