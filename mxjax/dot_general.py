@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from mxjax import diagnostics
 from mxjax.hadamard import fixed_signs, hadamard, random_signs
 from mxjax.policy import GemmRecipe, PrecisionPolicy
 from mxjax.quantize import fake_quantize, quantize
@@ -249,6 +250,7 @@ def _xla_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key, gemm_name: 
     """
     k_lhs, k_rhs, k_had = _operand_keys(key)
     a3, b3 = _rotate(a3, b3, recipe, k_had)
+    diagnostics.record_gemm(gemm_name, a3, b3, recipe, k_lhs, k_rhs)  # no-op unless collecting
     aq = _prepare_operand(a3, recipe.lhs, k_lhs)
     bq = _prepare_operand(b3, recipe.rhs, k_rhs)
     # The dequantized operands are computed with integer ops, but keep XLA from
@@ -284,6 +286,7 @@ def _kernel_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key, gemm_nam
         return _xla_gemm(a3, b3, recipe, key, gemm_name)
     k_lhs, k_rhs, k_had = _operand_keys(key)
     a3, b3 = _rotate(a3, b3, recipe, k_had)
+    diagnostics.record_gemm(gemm_name, a3, b3, recipe, k_lhs, k_rhs)  # no-op unless collecting
 
     def q(x, op, k):
         return quantize(x, op.fmt, axis=-1, scale_rule=op.scale_rule, rounding=op.rounding,
@@ -456,6 +459,10 @@ def dot_general(
         key = None
     st = _Static(dims, precision, None if preferred_element_type is None
                  else jnp.dtype(preferred_element_type), policy)
+    slot = diagnostics.next_probe()  # None unless mxjax.diagnostics is collecting
+    if slot is not None:
+        return diagnostics.probed_call(lambda a, b, k: _policy_dot(a, b, k, st), slot,
+                                       lhs, rhs, key)
     return _policy_dot(lhs, rhs, key, st)
 
 
