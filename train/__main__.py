@@ -1,0 +1,129 @@
+"""Command line: ``python -m train --config configs/tiny.yaml [options]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from train import config as cfgmod
+
+_EPILOG = """\
+what a run writes (in --out, default runs/<name>):
+  config.yaml     the resolved config
+  metrics.jsonl   one JSON record per step: step, tokens, loss, eval_loss, lr,
+                  grad_norm, tokens_per_s, skipped_steps, policy, epoch, time_s
+  mllog.txt       MLPerf-style :::MLLOG lines (eval_accuracy = validation
+                  log-perplexity, with samples_count)
+  plot.png        train and eval loss against tokens
+  checkpoints/    orbax checkpoints (last checkpoint.keep kept)
+  summary.json    final status, eval history, tokens/s, wall time
+Re-running the same command resumes from the last checkpoint; a finished run
+returns at once. A checkpoint from another model/policy/data/optimizer setup,
+or a damaged one, is an error (never a silent fresh start).
+
+policies: --policy NAME (see --list-policies) or `policy:` in the config
+(a name, a full policy dict, or null for no policy).
+
+exit codes: 0 done (all steps, or target eval loss reached); 2 configuration
+error (reported before anything compiles); 3 stopped by the non-finite guard;
+4 checkpoint unreadable or incompatible.
+
+config keys (set in the YAML file or with --set section.key=value):
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m train",
+        description="Pretrain a Llama model under an mxjax precision policy.",
+        epilog=_EPILOG + cfgmod.describe(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help="YAML config file (e.g. configs/tiny.yaml); without it "
+                    "the defaults below are used")
+    ap.add_argument("--policy", help="precision policy preset name, or 'none' (overrides the "
+                    "config's policy)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key, e.g. --set train.steps=200 --set "
+                    "model.overrides.n_layers=2 (value parsed as YAML; repeatable)")
+    ap.add_argument("--out", help="output directory (overrides out_dir; default runs/<name>)")
+    ap.add_argument("--distributed", action="store_true",
+                    help="call jax.distributed.initialize() (multi-host; same as "
+                    "mesh.distributed=true)")
+    ap.add_argument("--check", action="store_true",
+                    help="validate the config, prepare the data, print the plan and exit "
+                    "(nothing is compiled)")
+    ap.add_argument("--print-config", action="store_true",
+                    help="print the resolved config as YAML and exit")
+    ap.add_argument("--list-policies", action="store_true", help="list policy names and exit")
+    ap.add_argument("--quiet", action="store_true", help="no progress or log lines")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.list_policies:
+        from mxjax import policies
+
+        print("\n".join(("none",) + tuple(policies.names())))
+        return 0
+    from train.checkpoint import CheckpointError
+    from train.config import ConfigError
+
+    try:
+        raw = cfgmod.read_yaml(args.config) if args.config else {}
+        raw = cfgmod.apply_overrides(raw, args.set)
+        if args.policy is not None:
+            raw["policy"] = args.policy
+        if args.out is not None:
+            raw["out_dir"] = args.out
+        if args.distributed:
+            raw.setdefault("mesh", {})["distributed"] = True
+        cfg = cfgmod.from_dict(raw)
+        if args.print_config:
+            import yaml
+
+            print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+            return 0
+        from train import loop
+
+        if cfg.mesh.distributed:
+            loop.init_distributed(cfg.mesh)
+        if args.check:
+            plan = loop.validate(cfg, verbose=not args.quiet)
+            print(json.dumps({
+                "ok": True, "out_dir": str(cfg.out_path), "policy": plan.policy_name,
+                "mesh": dict(zip(("data", "fsdp", "tensor"), plan.mesh_axes)),
+                "vocab_size": plan.prepared.vocab_size, "prepared_data": str(plan.prepared.path),
+                "train_tokens": plan.prepared.meta["train_tokens"],
+                "val_tokens": plan.prepared.meta["val_tokens"],
+                "eval_batch": plan.eval_batch, "accum_steps": cfg.accum_steps}, indent=1))
+            return 0
+        summary = loop.run(cfg, verbose=not args.quiet)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except CheckpointError as e:
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        return 4
+    import jax
+
+    if jax.process_index() == 0:
+        s = summary
+        fe = f"{s.final_eval_loss:.4f}" if s.final_eval_loss is not None else "n/a"
+        print(f"status: {s.status} ({s.message})")
+        tps = f"{s.tokens_per_s:,.0f}" if s.tokens_per_s else "n/a"
+        print(f"final eval loss: {fe} after {s.steps} steps / {s.tokens} tokens; "
+              f"wall time {s.wall_time_s:.1f}s; {tps} tokens/s; skipped steps: {s.skipped_steps}")
+        print(f"metrics: {s.metrics_path}")
+        if s.plot_path:
+            print(f"plot: {s.plot_path}")
+        if s.checkpoint_dir:
+            print(f"checkpoints: {s.checkpoint_dir}")
+        print(f"summary: {s.out_dir}/summary.json")
+    return 3 if summary.status == "nonfinite" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
