@@ -23,6 +23,7 @@ import dataclasses
 import operator
 from typing import Any
 
+from mxjax.hadamard import HADAMARD_SIZES
 from mxjax import formats as F
 from mxjax.formats import Format, Rounding, ScaleRule
 
@@ -45,7 +46,6 @@ GEMMS = ("fprop", "dgrad", "wgrad")
 # Must equal mxjax.kernels.BACKENDS (tested); kept here so policies do not import Pallas.
 BACKENDS: tuple[str, ...] = ("xla", "pallas", "pallas_fp8", "triton", "auto")
 
-HADAMARD_SIZES = (16, 32, 64, 128)
 
 
 def _check_bool(value: Any, name: str) -> bool:

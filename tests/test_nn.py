@@ -403,15 +403,13 @@ def test_wrap_and_rule_errors():
 
 # ----------------------------------------------------------------------------- README
 def _usage_snippet() -> str:
-    """The wrap example from README.md (falls back to docs/usage_snippet.md until the
-    README carries it)."""
+    """The wrap example from README.md."""
     readme = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
     for b in blocks:
         if "mxjax.nn.wrap" in b:
             return b
-    text = (ROOT / "docs" / "usage_snippet.md").read_text()
-    return re.findall(r"```python\n(.*?)```", text, re.DOTALL)[0]
+    raise AssertionError("README.md has no python block with mxjax.nn.wrap")
 
 
 def test_readme_usage_snippet_runs(capsys):

@@ -120,6 +120,13 @@ class LadderConfig:
         return math.ceil(self.budget_multiple * self.baseline_steps - 1e-9)
 
 
+def _check_keys(raw: Mapping[str, Any], section: type, what: str) -> None:
+    """Raises ConfigError naming unknown keys of `raw` (fields of dataclass `section`)."""
+    fields = {f.name for f in dataclasses.fields(section)}
+    unknown = sorted(set(map(str, raw)) - fields)
+    _need(not unknown, f"unknown {what}: {', '.join(unknown)}; valid: {', '.join(sorted(fields))}")
+
+
 def _need(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
@@ -151,10 +158,7 @@ def _num(v: Any, key: str, *, allow_none: bool = False) -> float | None:
 def from_dict(raw: Mapping[str, Any]) -> LadderConfig:
     """Builds and validates a LadderConfig (unknown keys and bad values raise ConfigError)."""
     _need(isinstance(raw, Mapping), f"ladder config must be a mapping, got {type(raw).__name__}")
-    fields = {f.name for f in dataclasses.fields(LadderConfig)}
-    unknown = sorted(set(map(str, raw)) - fields)
-    _need(not unknown, f"unknown ladder key(s): {', '.join(unknown)}; valid: "
-          f"{', '.join(sorted(fields))}")
+    _check_keys(raw, LadderConfig, "ladder key(s)")
     kw: dict[str, Any] = {}
     for k in ("name", "baseline"):
         if k in raw:
@@ -191,10 +195,7 @@ def from_dict(raw: Mapping[str, Any]) -> LadderConfig:
     if "diagnostics" in raw:
         d = raw["diagnostics"]
         _need(isinstance(d, Mapping), f"diagnostics: expected a mapping, got {d!r}")
-        dk = {f.name for f in dataclasses.fields(DiagnosticsSection)}
-        bad = sorted(set(map(str, d)) - dk)
-        _need(not bad, f"unknown key(s) in diagnostics: {', '.join(bad)}; valid: "
-              f"{', '.join(sorted(dk))}")
+        _check_keys(d, DiagnosticsSection, "key(s) in diagnostics")
         dkw: dict[str, Any] = {}
         for k in ("enabled", "cosine"):
             if k in d:
