@@ -33,11 +33,33 @@ from mxjax.quantize import MXArray, dequantize, fake_quantize, quantize
 __version__ = "0.1.0"
 
 __all__ = [
-    "BF16", "E2M1", "E4M3", "E5M2", "FP8_E4M3", "FP8_E5M2", "MXFP4", "MXFP8_E4M3",
-    "MXFP8_E5M2", "NVFP4", "Format", "Rounding", "ScaleRule", "MXArray", "quantize",
-    "dequantize", "fake_quantize", "hadamard", "fixed_signs", "random_signs",
-    "OperandRecipe", "Hadamard", "GemmRecipe", "PrecisionPolicy", "policies",
-    "dot_general", "formats",
+    "BF16",
+    "E2M1",
+    "E4M3",
+    "E5M2",
+    "FP8_E4M3",
+    "FP8_E5M2",
+    "MXFP4",
+    "MXFP8_E4M3",
+    "MXFP8_E5M2",
+    "NVFP4",
+    "Format",
+    "GemmRecipe",
+    "Hadamard",
+    "MXArray",
+    "OperandRecipe",
+    "PrecisionPolicy",
+    "Rounding",
+    "ScaleRule",
+    "dequantize",
+    "dot_general",
+    "fake_quantize",
+    "fixed_signs",
+    "formats",
+    "hadamard",
+    "policies",
+    "quantize",
+    "random_signs",
 ]
 
 

@@ -270,7 +270,7 @@ def _kernel_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key, gemm_nam
     kernel backend that cannot run here, or does not implement the recipe's
     formats, raises; 'auto' picks the fastest correct backend for the device.
     """
-    from mxjax import kernels  # noqa: PLC0415 - keeps `import mxjax` free of Pallas
+    from mxjax import kernels  # imported here: keeps `import mxjax` free of Pallas
 
     backend = kernels.resolve_backend(recipe.backend)
     if backend == "xla":

@@ -10,21 +10,21 @@ import dataclasses
 import enum
 
 __all__ = [
-    "ElementFormat",
-    "Format",
-    "ScaleRule",
-    "Rounding",
+    "BF16",
     "E2M1",
     "E4M3",
     "E5M2",
+    "FORMATS",
+    "FP8_E4M3",
+    "FP8_E5M2",
     "MXFP4",
     "MXFP8_E4M3",
     "MXFP8_E5M2",
     "NVFP4",
-    "FP8_E4M3",
-    "FP8_E5M2",
-    "BF16",
-    "FORMATS",
+    "ElementFormat",
+    "Format",
+    "Rounding",
+    "ScaleRule",
     "get",
 ]
 

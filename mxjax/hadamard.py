@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["hadamard", "fixed_signs", "random_signs", "HADAMARD_SIZES"]
+__all__ = ["HADAMARD_SIZES", "fixed_signs", "hadamard", "random_signs"]
 
 HADAMARD_SIZES = (16, 32, 64, 128)
 

@@ -23,9 +23,9 @@ import dataclasses
 import operator
 from typing import Any
 
-from mxjax.hadamard import HADAMARD_SIZES
 from mxjax import formats as F
 from mxjax.formats import Format, Rounding, ScaleRule
+from mxjax.hadamard import HADAMARD_SIZES
 
 __all__ = [
     "BACKENDS",

@@ -23,12 +23,12 @@ from mxjax.formats import ElementFormat, Format, Rounding, ScaleRule
 
 __all__ = [
     "MXArray",
-    "quantize",
-    "dequantize",
-    "fake_quantize",
-    "round_to_grid",
     "decode_magnitude",
+    "dequantize",
     "e8m0_exponent",
+    "fake_quantize",
+    "quantize",
+    "round_to_grid",
 ]
 
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
