@@ -573,6 +573,8 @@ def summarize_probes(stats: Any, labels: Sequence[str] | None = None, *,
       Slots with count 0 (never called) are omitted; ``count`` is the raw count.
     """
     a = np.asarray(stats, dtype=np.float64)
+    if a.size == 0:  # no quantized call site (e.g. a pass-through policy)
+        a = a.reshape(0, 3, N_GEMM_FIELDS)
     if a.ndim != 3 or a.shape[1:] != (3, N_GEMM_FIELDS):
         raise ValueError(f"stats: expected shape [n, 3, {N_GEMM_FIELDS}], got {a.shape}")
     if labels is None:

@@ -364,3 +364,10 @@ def test_instability_zero_gradient_and_config():
     assert custom.run([1.0, 11.0, 12.0]).event_step == 1
     with pytest.raises(ValueError, match="growth_steps"):
         D.InstabilityConfig(growth_steps=0)
+
+
+def test_summarize_probes_without_quantized_call_sites():
+    """A pass-through policy (bf16) yields an empty probe array: an empty summary, not an error."""
+    for empty in (np.zeros((0,)), np.zeros((0, 3, D.N_GEMM_FIELDS))):
+        s = D.summarize_probes(empty, [])
+        assert s == {"per_slot": {}, "per_gemm": {}, "flat": {}}

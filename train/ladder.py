@@ -353,9 +353,11 @@ class RunDiagnostics:
         if rec.get("diag_gemm") is None:
             return {}
         stats = np.asarray(rec["diag_gemm"], dtype=np.float64)
+        if stats.size == 0:  # a pass-through policy (bf16) has no quantized GEMM call site
+            stats = stats.reshape(0, 3, self.D.N_GEMM_FIELDS)
         labels = self.labels
         if labels is None or len(labels) != stats.shape[0]:
-            if labels is not None and not self._warned:
+            if labels is not None and stats.shape[0] and not self._warned:
                 print(f"[ladder] warning: {stats.shape[0]} quantized GEMM call sites but "
                       f"{len(labels)} labels; using gemm0..gemm{stats.shape[0] - 1}",
                       file=sys.stderr)
