@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.llama import LlamaConfig
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RecordingPolicy:
@@ -55,3 +57,11 @@ def expected_layer_keys(policy_key, n_layers: int, projections) -> set[tuple]:
 
 def max_abs(a, b) -> float:
     return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
+
+
+def small(**kw) -> LlamaConfig:
+    """A cheap config of tiny's kind (GQA 4/2 heads, 2 layers, vocab 128)."""
+    base = {"vocab_size": 128, "n_layers": 2, "dim": 64, "n_heads": 4, "n_kv_heads": 2,
+            "ffn_dim": 160}
+    base.update(kw)
+    return LlamaConfig.tiny(**base)

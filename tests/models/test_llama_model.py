@@ -10,18 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from llama_test_utils import RecordingPolicy, expected_layer_keys, max_abs
+from llama_test_utils import RecordingPolicy, expected_layer_keys, max_abs, small
 
 from models import llama as L
 from models.llama import Llama, LlamaConfig, RopeScaling, param_count
-
-
-def small(**kw) -> LlamaConfig:
-    """A cheap config of tiny's kind (GQA 4/2 heads, 2 layers, vocab 128)."""
-    base = {"vocab_size": 128, "n_layers": 2, "dim": 64, "n_heads": 4, "n_kv_heads": 2,
-            "ffn_dim": 160}
-    base.update(kw)
-    return LlamaConfig.tiny(**base)
 
 
 @pytest.fixture(scope="module")

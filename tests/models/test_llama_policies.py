@@ -9,17 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from llama_test_utils import max_abs
+from llama_test_utils import max_abs, small
 
-from models.llama import Llama, LlamaConfig
+from models.llama import Llama
 from mxjax import policies
-
-
-def small(**kw) -> LlamaConfig:
-    base = {"vocab_size": 128, "n_layers": 2, "dim": 64, "n_heads": 4, "n_kv_heads": 2,
-            "ffn_dim": 160}
-    base.update(kw)
-    return LlamaConfig.tiny(**base)
 
 
 @pytest.fixture(scope="module")
