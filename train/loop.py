@@ -531,7 +531,7 @@ class Trainer:
             grads = jax.tree.map(lambda g: g / accum, grads)
             loss = loss / accum
             aux = jax.tree.map(lambda a: a / accum, aux)
-        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+        grad_norm = optax.tree.norm(grads)  # the norm clip_by_global_norm uses (CSE'd by XLA)
         updates, new_opt = self.tx.update(grads, state["opt"], params)
         new_params = optax.apply_updates(params, updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
