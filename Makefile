@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: test test-slow bench train ladder lint clean-venv
+.PHONY: test test-slow test-triton bench train ladder lint clean-venv
 
 # Python >= 3.12: python3.12 on PATH, else pyenv's 3.12, else a clear error.
 $(PY):
@@ -32,6 +32,17 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -n 2 -q -m slow $(PYTEST_ARGS)
+
+# The 'triton' backend's tl.dot_scaled kernel on CPU, in Triton's interpreter (adds
+# triton, ~1 GB). TRITON_INTERPRET must be set before triton is imported: own process.
+TRITON_STAMP := $(VENV)/.triton-interpret-stamp
+$(TRITON_STAMP): pyproject.toml | $(STAMP)
+	$(PY) -m pip install -q -e '.[dev,triton-interpret]'
+	touch $(TRITON_STAMP)
+
+test-triton: $(TRITON_STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -n 2 -q -m triton_interpret \
+	  tests/kernels/test_triton_interpret.py $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	@for b in bench/quantize.py bench/dot_general.py bench/model.py bench/train_step.py; do \

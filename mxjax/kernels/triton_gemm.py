@@ -11,7 +11,7 @@ uint8[M, K/32]; rhs uint8[K/2, N] packed along K with its scales uint8[N, K/32].
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import importlib.util
 
 import jax
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from mxjax.kernels import _common as C
 
-__all__ = ["available", "mxfp4_matmul_triton", "unavailable_reason"]
+__all__ = ["LaunchPlan", "available", "launch_plan", "mxfp4_matmul_triton", "unavailable_reason"]
 
 
 def unavailable_reason() -> str | None:
@@ -49,37 +49,61 @@ def available() -> bool:
     return unavailable_reason() is None
 
 
-@functools.cache
 def _kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def mxfp4_dot_scaled_kernel(
-        a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr,
-        K_BYTES: tl.constexpr, N_OUT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):
-        # Row-major operands; K_BYTES = K/2 (packed bytes per row of A).
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_kb = tl.arange(0, BLOCK_K // 2)
-        offs_ks = tl.arange(0, BLOCK_K // 32)
-        k_scales = K_BYTES // 16
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(K_BYTES // (BLOCK_K // 2)):
-            kb = k * (BLOCK_K // 2) + offs_kb
-            ks = k * (BLOCK_K // 32) + offs_ks
-            a = tl.load(a_ptr + offs_m[:, None] * K_BYTES + kb[None, :])
-            b = tl.load(b_ptr + kb[:, None] * N_OUT + offs_n[None, :])
-            sa = tl.load(sa_ptr + offs_m[:, None] * k_scales + ks[None, :])
-            sb = tl.load(sb_ptr + offs_n[:, None] * k_scales + ks[None, :])
-            acc = tl.dot_scaled(a, sa, "e2m1", b, sb, "e2m1", acc)
-        tl.store(c_ptr + offs_m[:, None] * N_OUT + offs_n[None, :], acc)
+    """The @triton.jit kernel (mxjax.kernels.triton_dot_scaled; importing it imports triton)."""
+    from mxjax.kernels.triton_dot_scaled import mxfp4_dot_scaled_kernel
 
     return mxfp4_dot_scaled_kernel
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LaunchPlan:
+    """One launch of the kernel: padded operands, grid and compile-time constants.
+
+    `args` are (a_codes u8[Mp, Kp/2], a_scales u8[Mp, Kp/32], b_codes u8[Kp/2, Np],
+    b_scales_t u8[Np, Kp/32]) with Mp, Np, Kp multiples of the tiles (zero codes,
+    scale byte 127 in the padding); the output is f32[Mp, Np], sliced to [m, n].
+    """
+
+    args: tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray, jnp.ndarray]
+    grid: tuple[int, int]
+    out_shape: tuple[int, int]
+    constants: dict[str, int]
+
+
+def launch_plan(
+    a_codes: jnp.ndarray,
+    a_scales: jnp.ndarray,
+    b_codes: jnp.ndarray,
+    b_scales: jnp.ndarray,
+    *,
+    block_m: int = 128,
+    block_n: int = 128,
+    block_k: int = 128,
+) -> LaunchPlan:
+    """Pads the kernels' layout (see mxfp4_matmul_pallas) to whole tiles for `_kernel()`."""
+    if b_codes.shape[0] != a_codes.shape[1]:
+        raise ValueError(
+            f"b_codes: packed K {b_codes.shape[0]} does not match a_codes' {a_codes.shape[1]}"
+        )
+    bm = C.tile(a_codes.shape[0], block_m, 16)
+    bn = C.tile(b_codes.shape[1], block_n, 16)
+    bk = C.tile(a_codes.shape[1] * 2, block_k, 64)
+    mp, np_ = C.round_up(a_codes.shape[0], bm), C.round_up(b_codes.shape[1], bn)
+    kp = C.round_up(a_codes.shape[1] * 2, bk)
+    args = (
+        C.pad2(a_codes, mp, kp // 2),
+        C.pad2(a_scales, mp, kp // 32, 127),
+        C.pad2(b_codes, kp // 2, np_),
+        C.pad2(b_scales, kp // 32, np_, 127).T,  # tl.dot_scaled wants [N, K/32]
+    )
+    return LaunchPlan(
+        args=args,
+        grid=(mp // bm, np_ // bn),
+        out_shape=(mp, np_),
+        constants={"K_BYTES": kp // 2, "N_OUT": np_, "BLOCK_M": bm, "BLOCK_N": bn,
+                   "BLOCK_K": bk},
+    )
 
 
 def mxfp4_matmul_triton(
@@ -102,26 +126,15 @@ def mxfp4_matmul_triton(
         raise RuntimeError(f"backend 'triton' cannot run: {reason}")
     import jax_triton as jt
 
-    if b_codes.shape[0] != a_codes.shape[1]:
-        raise ValueError(
-            f"b_codes: packed K {b_codes.shape[0]} does not match a_codes' {a_codes.shape[1]}"
-        )
-    bm = C.tile(a_codes.shape[0], block_m, 16)
-    bn = C.tile(b_codes.shape[1], block_n, 16)
-    bk = C.tile(a_codes.shape[1] * 2, block_k, 64)
-    mp, np_ = C.round_up(a_codes.shape[0], bm), C.round_up(b_codes.shape[1], bn)
-    kp = C.round_up(a_codes.shape[1] * 2, bk)
-    a_codes = C.pad2(a_codes, mp, kp // 2)
-    a_scales = C.pad2(a_scales, mp, kp // 32, 127)
-    b_codes = C.pad2(b_codes, kp // 2, np_)
-    b_scales_t = C.pad2(b_scales, kp // 32, np_, 127).T  # tl.dot_scaled wants [N, K/32]
+    plan = launch_plan(a_codes, a_scales, b_codes, b_scales,
+                       block_m=block_m, block_n=block_n, block_k=block_k)
     out = jt.triton_call(
-        a_codes, a_scales, b_codes, b_scales_t,
+        *plan.args,
         kernel=_kernel(),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), jnp.float32),
-        grid=(mp // bm, np_ // bn),
+        out_shape=jax.ShapeDtypeStruct(plan.out_shape, jnp.float32),
+        grid=plan.grid,
         num_warps=num_warps,
         num_stages=num_stages,
-        K_BYTES=kp // 2, N_OUT=np_, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        **plan.constants,
     )
     return out[:m, :n]
