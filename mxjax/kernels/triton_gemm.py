@@ -4,6 +4,9 @@ Native block-scaled MMA on Blackwell (sm_100+) and AMD MI355X; on Hopper Triton
 emulates it (upcast to bf16, then a bf16 dot). jax-triton and triton are
 imported lazily: this module imports on CPU, and `available()` says whether the
 kernel can be launched. There is no CPU fallback here; dispatch raises instead.
+The @triton.jit body lives in triton_dot_scaled; `launch_plan` (tiles, padding,
+grid) is shared with tests/kernels/test_triton_interpret.py, which runs both in
+Triton's CPU interpreter.
 
 Layouts (tl.dot_scaled's): lhs uint8[M, K/2] packed along K with its scales
 uint8[M, K/32]; rhs uint8[K/2, N] packed along K with its scales uint8[N, K/32].
