@@ -16,7 +16,6 @@ mxfp4_all_h16 within 1.2x of mxfp4_all.
 from __future__ import annotations
 
 import argparse
-import importlib
 import statistics
 import time
 
@@ -24,9 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-# The module (the package re-exports the function under the same name).
-DG = importlib.import_module("mxjax.dot_general")
-
+from mxjax import interceptor as DG
 
 DIMS = (((1,), (0,)), ((), ()))
 POLICIES = ("bf16", "fp8", "mxfp4_all", "mxfp4_all_h16")

@@ -10,7 +10,6 @@ functions; their modules are importable as `mxjax.quantize` etc. with
 """
 
 from mxjax import formats, policies
-from mxjax.dot_general import dot_general
 from mxjax.formats import (
     BF16,
     E2M1,
@@ -26,9 +25,10 @@ from mxjax.formats import (
     Rounding,
     ScaleRule,
 )
-from mxjax.hadamard import fixed_signs, hadamard, random_signs
-from mxjax.policy import GemmRecipe, Hadamard, OperandRecipe, PrecisionPolicy
-from mxjax.quantize import MXArray, dequantize, fake_quantize, quantize
+from mxjax.interceptor import dot_general
+from mxjax.quantization import MXArray, dequantize, fake_quantize, quantize
+from mxjax.recipes import GemmRecipe, Hadamard, OperandRecipe, PrecisionPolicy
+from mxjax.rotation import fixed_signs, hadamard, random_signs
 
 __version__ = "0.1.0"
 

@@ -81,7 +81,7 @@ import numpy as np
 
 from mxjax import _bits
 from mxjax import formats as F
-from mxjax.quantize import SR_PRESCALE, MXArray, decode_magnitude, dequantize, quantize
+from mxjax.quantization import SR_PRESCALE, MXArray, decode_magnitude, dequantize, quantize
 
 __all__ = [
     "GEMM_FIELDS",

@@ -20,7 +20,7 @@ from typing import Any
 
 from mxjax import formats as F
 from mxjax.formats import BF16, FP8_E4M3, FP8_E5M2, MXFP4, NVFP4, Rounding, ScaleRule
-from mxjax.policy import GEMMS, GemmRecipe, Hadamard, OperandRecipe, PrecisionPolicy
+from mxjax.recipes import GEMMS, GemmRecipe, Hadamard, OperandRecipe, PrecisionPolicy
 
 __all__ = ["PRESETS", "from_dict", "get", "names", "to_dict"]
 

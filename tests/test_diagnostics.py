@@ -14,10 +14,10 @@ from jax import lax
 import mxjax
 from mxjax import diagnostics as D
 from mxjax import policies
-from mxjax.dot_general import _policy_dot, _Static, normalize_dimension_numbers
-from mxjax.dot_general import dot_general as policy_dot_general
 from mxjax.formats import Rounding, ScaleRule
-from mxjax.policy import GemmRecipe, OperandRecipe
+from mxjax.interceptor import _policy_dot, _Static, normalize_dimension_numbers
+from mxjax.interceptor import dot_general as policy_dot_general
+from mxjax.recipes import GemmRecipe, OperandRecipe
 
 F32 = jnp.float32
 

@@ -10,7 +10,6 @@ derivation: split(key, 3) -> (fprop, dgrad, wgrad); split(gemm_key, 3) ->
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 import subprocess
 import sys
@@ -24,14 +23,12 @@ import pytest
 from absl.testing import parameterized
 from jax import lax
 
+from mxjax import interceptor as DG
 from mxjax import policies
 from mxjax.formats import BF16, MXFP4
-from mxjax.hadamard import fixed_signs, hadamard, random_signs
-from mxjax.policy import GemmRecipe, Hadamard, OperandRecipe, PrecisionPolicy
-from mxjax.quantize import dequantize, quantize
-
-# The module (the package re-exports the function under the same name).
-DG = importlib.import_module("mxjax.dot_general")
+from mxjax.quantization import dequantize, quantize
+from mxjax.recipes import GemmRecipe, Hadamard, OperandRecipe, PrecisionPolicy
+from mxjax.rotation import fixed_signs, hadamard, random_signs
 
 HI = lax.Precision.HIGHEST
 F32 = jnp.float32
@@ -450,8 +447,7 @@ _SHARDING_SCRIPT = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    import importlib
-    DG = importlib.import_module("mxjax.dot_general")
+    from mxjax import interceptor as DG
     assert jax.device_count() == 8, jax.devices()
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
     x = jax.random.normal(jax.random.key(0), (64, 64))

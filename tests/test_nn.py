@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import importlib
 import pathlib
 import re
 
@@ -16,10 +15,8 @@ from flax import nnx
 from jax import lax
 
 import mxjax.nn as mnn
+from mxjax import interceptor as DG
 from mxjax import policies
-
-# The module (the package re-exports the function under the same name).
-DG = importlib.import_module("mxjax.dot_general")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MX = policies.get("mxfp4_all")

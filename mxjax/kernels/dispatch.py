@@ -10,7 +10,7 @@ from mxjax import formats as F
 from mxjax.kernels import _common as C
 from mxjax.kernels.capabilities import KERNEL_BACKENDS, Capabilities, capabilities
 from mxjax.kernels.reference import mx_dot_reference
-from mxjax.quantize import MXArray, dequantize
+from mxjax.quantization import MXArray, dequantize
 
 __all__ = ["BACKENDS", "auto_backend", "mx_dot", "resolve_backend", "supports"]
 

@@ -37,9 +37,9 @@ from jax.experimental import pallas as pl
 
 from mxjax import formats as F
 from mxjax.formats import Format, Rounding, ScaleRule
-from mxjax.hadamard import HADAMARD_SIZES
 from mxjax.kernels import _common as C
-from mxjax.quantize import MXArray, _quantize_mx
+from mxjax.quantization import MXArray, _quantize_mx
+from mxjax.rotation import HADAMARD_SIZES
 
 __all__ = ["QuantSpec", "fused_quantize"]
 

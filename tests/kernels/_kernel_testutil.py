@@ -11,7 +11,7 @@ from jax import lax
 import mxjax
 from mxjax import formats as F
 from mxjax.kernels import gemm_error_bound
-from mxjax.quantize import dequantize, round_to_grid
+from mxjax.quantization import dequantize, round_to_grid
 
 # One compile per call signature instead of one per primitive (eager mode).
 quantize = jax.jit(mxjax.quantize, static_argnames=("fmt", "axis", "scale_rule", "rounding",

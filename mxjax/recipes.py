@@ -25,7 +25,7 @@ from typing import Any
 
 from mxjax import formats as F
 from mxjax.formats import Format, Rounding, ScaleRule
-from mxjax.hadamard import HADAMARD_SIZES
+from mxjax.rotation import HADAMARD_SIZES
 
 __all__ = [
     "BACKENDS",
@@ -300,7 +300,7 @@ class PrecisionPolicy:
           (e.g. Flax's ``out_sharding``) are accepted and ignored.
         """
         # Imported here: the interceptor sits one layer above the policy types.
-        from mxjax.dot_general import bind_policy
+        from mxjax.interceptor import bind_policy
 
         return bind_policy(self, key)
 

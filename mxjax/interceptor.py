@@ -40,9 +40,9 @@ import numpy as np
 from jax import lax
 
 from mxjax import diagnostics
-from mxjax.hadamard import fixed_signs, hadamard, random_signs
-from mxjax.policy import GemmRecipe, PrecisionPolicy
-from mxjax.quantize import fake_quantize, quantize
+from mxjax.quantization import fake_quantize, quantize
+from mxjax.recipes import GemmRecipe, PrecisionPolicy
+from mxjax.rotation import fixed_signs, hadamard, random_signs
 
 __all__ = ["Dims", "backward_dimension_numbers", "bind_policy", "dot_general", "gemm"]
 
