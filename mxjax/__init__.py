@@ -25,9 +25,9 @@ from mxjax.formats import (
     Rounding,
     ScaleRule,
 )
-from mxjax.interceptor import dot_general
+from mxjax.policies import PrecisionPolicy, dot_general
 from mxjax.quantization import MXArray, dequantize, fake_quantize, quantize
-from mxjax.recipes import GemmRecipe, Hadamard, OperandRecipe, PrecisionPolicy
+from mxjax.recipes import GemmRecipe, Hadamard, OperandRecipe
 from mxjax.rotation import fixed_signs, hadamard, random_signs
 
 __version__ = "0.1.0"

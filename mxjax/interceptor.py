@@ -41,10 +41,10 @@ from jax import lax
 
 from mxjax import diagnostics
 from mxjax.quantization import fake_quantize, quantize
-from mxjax.recipes import GemmRecipe, PrecisionPolicy
+from mxjax.recipes import GemmRecipe, PolicyRecipes, check_policy_recipes
 from mxjax.rotation import fixed_signs, hadamard, random_signs
 
-__all__ = ["Dims", "backward_dimension_numbers", "bind_policy", "dot_general", "gemm"]
+__all__ = ["Dims", "backward_dimension_numbers", "dot_general", "gemm"]
 
 _QUANT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -347,7 +347,7 @@ class _Static(NamedTuple):
     dims: Dims
     precision: Any
     preferred_element_type: Any
-    policy: PrecisionPolicy
+    policy: PolicyRecipes
 
 
 def _gemm_keys(key):
@@ -402,7 +402,7 @@ def dot_general(
     precision=None,
     preferred_element_type=None,
     *,
-    policy: PrecisionPolicy | str,
+    policy: PolicyRecipes,
     key: jax.Array | None = None,
     **kwargs,
 ) -> jax.Array:
@@ -417,7 +417,8 @@ def dot_general(
       precision: used by pass-through GEMMs; quantized GEMMs always accumulate
         the dequantized operands in f32 at HIGHEST precision.
       preferred_element_type: output dtype, as for ``lax.dot_general``.
-      policy: a PrecisionPolicy or a preset name (``mxjax.policies.names()``).
+      policy: a ``mxjax.PrecisionPolicy`` (``mxjax.dot_general`` also takes a preset
+        name and resolves it before calling this).
       key: PRNG key; required when ``policy.needs_key``. Split per GEMM.
       **kwargs: accepted and ignored (e.g. Flax's ``out_sharding``), except that
         a pass-through policy forwards ``out_sharding`` to ``lax.dot_general``.
@@ -425,12 +426,7 @@ def dot_general(
       Array with ``lax.dot_general``'s shape and dtype. Its cotangents have the
       primals' dtypes.
     """
-    if isinstance(policy, str):
-        from mxjax import policies  # same layer; a preset table
-
-        policy = policies.get(policy)
-    if not isinstance(policy, PrecisionPolicy):
-        raise TypeError(f"policy: expected a PrecisionPolicy or a preset name, got {policy!r}")
+    policy = check_policy_recipes(policy)
     lhs = _check_operand(lhs, "lhs")
     rhs = _check_operand(rhs, "rhs")
     dims = normalize_dimension_numbers(dimension_numbers, lhs.shape, rhs.shape)
@@ -464,22 +460,3 @@ def dot_general(
         return diagnostics.probed_call(lambda a, b, k: _policy_dot(a, b, k, st), slot,
                                        lhs, rhs, key)
     return _policy_dot(lhs, rhs, key, st)
-
-
-def bind_policy(policy: PrecisionPolicy, key=None) -> Callable[..., jax.Array]:
-    """``policy.dot_general(key)``: a function with ``lax.dot_general``'s signature."""
-    if not isinstance(policy, PrecisionPolicy):
-        raise TypeError(f"policy: expected a PrecisionPolicy, got {policy!r}")
-    if policy.needs_key and key is None:
-        raise ValueError(
-            f"key: policy {policy.name or ''!s} uses stochastic rounding or a randomized "
-            "Hadamard; policy.dot_general(key) needs a PRNG key"
-        )
-
-    def policy_dot_general(lhs, rhs, dimension_numbers, precision=None,
-                           preferred_element_type=None, **kwargs):
-        return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
-                           policy=policy, key=key, **kwargs)
-
-    policy_dot_general.policy = policy
-    return policy_dot_general

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any
+from typing import Any, Protocol
 
 from mxjax import formats as F
 from mxjax.formats import Format, Rounding, ScaleRule
@@ -34,7 +34,7 @@ __all__ = [
     "GemmRecipe",
     "Hadamard",
     "OperandRecipe",
-    "PrecisionPolicy",
+    "PolicyRecipes",
 ]
 
 # GEMM names in the order fprop, dgrad, wgrad (also the order keys are split in).
@@ -222,88 +222,34 @@ class GemmRecipe:
                 or (self.hadamard is not None and self.hadamard.needs_key))
 
 
-def _coerce_gemm(value: Any, name: str) -> GemmRecipe:
-    if not isinstance(value, GemmRecipe):
-        raise TypeError(f"PrecisionPolicy: {name} must be a GemmRecipe, got {value!r}")
-    return value
+class PolicyRecipes(Protocol):
+    """What the interceptor reads of a policy: a GemmRecipe per GEMM (``mxjax.PrecisionPolicy``).
 
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PrecisionPolicy:
-    """Recipes for the three GEMMs of every dot_general it is applied to.
-
-    Attributes:
-      fprop: Y = X·W, operands (X, W), blocks along the forward contraction K.
-      dgrad: dX = dY·Wᵀ, operands (dY, W), blocks along N (rhs free axes).
-      wgrad: dW = dYᵀ·X, operands (dY, X), blocks along M (lhs free axes).
-      name: optional label (presets carry their name). Not part of equality or
-        the hash: two policies with the same recipes are the same policy.
-
-    Use ``policy.dot_general(key)`` for a drop-in ``lax.dot_general`` and
-    ``print(policy.describe())`` for the 3×2 table of what each operand gets.
+    Defined here, below the interceptor, so that the interceptor never imports
+    the policy type (which sits above it and calls it for ``policy.dot_general``).
     """
 
-    fprop: GemmRecipe
-    dgrad: GemmRecipe
-    wgrad: GemmRecipe
-    name: str | None = dataclasses.field(default=None, compare=False)
-
-    def __post_init__(self):
-        for g in GEMMS:
-            _coerce_gemm(getattr(self, g), g)
-        if self.name is not None and not isinstance(self.name, str):
-            raise TypeError(f"PrecisionPolicy: name must be a str or None, got {self.name!r}")
+    @property
+    def fprop(self) -> GemmRecipe: ...
 
     @property
-    def gemms(self) -> dict[str, GemmRecipe]:
-        """{'fprop': ..., 'dgrad': ..., 'wgrad': ...}."""
-        return {g: getattr(self, g) for g in GEMMS}
+    def dgrad(self) -> GemmRecipe: ...
 
     @property
-    def needs_key(self) -> bool:
-        """True when any GEMM uses STOCHASTIC rounding or a randomized Hadamard."""
-        return any(r.needs_key for r in self.gemms.values())
+    def wgrad(self) -> GemmRecipe: ...
 
     @property
-    def is_passthrough(self) -> bool:
-        """True when all three GEMMs are plain ``lax.dot_general`` (the bf16 policy)."""
-        return all(r.is_passthrough for r in self.gemms.values())
+    def name(self) -> str | None: ...
 
-    def describe(self) -> str:
-        """The 3×2 table (GEMM × operand) of what each operand gets, as text."""
-        operand_names = {"fprop": ("X", "W"), "dgrad": ("dY", "W"), "wgrad": ("dY", "X")}
-        rows = []
-        for g, r in self.gemms.items():
-            ln, rn = operand_names[g]
-            had = r.hadamard.describe() if r.hadamard else "-"
-            rows.append((g, f"{ln}: {r.lhs.describe()}", f"{rn}: {r.rhs.describe()}", had, r.backend))
-        header = ("GEMM", "lhs", "rhs", "hadamard", "backend")
-        widths = [max(len(str(row[i])) for row in rows + [header]) for i in range(len(header))]
-        fmt_row = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
-        title = f"PrecisionPolicy {self.name!r}" if self.name else "PrecisionPolicy"
-        lines = [title + (" (needs a PRNG key)" if self.needs_key else ""), fmt_row(header)]
-        lines.append("  ".join("-" * w for w in widths))
-        lines += [fmt_row(row) for row in rows]
-        return "\n".join(lines)
+    @property
+    def needs_key(self) -> bool: ...
 
-    def __str__(self) -> str:
-        return self.describe()
+    @property
+    def is_passthrough(self) -> bool: ...
 
-    def dot_general(self, key=None):
-        """A drop-in for ``jax.lax.dot_general`` under this policy.
 
-        Args:
-          key: PRNG key (typed or raw uint32); required when ``needs_key``.
-        Returns:
-          ``f(lhs, rhs, dimension_numbers, precision=None,
-          preferred_element_type=None, **kwargs)``; extra keyword arguments
-          (e.g. Flax's ``out_sharding``) are accepted and ignored.
-        """
-        # Imported here: the interceptor sits one layer above the policy types.
-        from mxjax.interceptor import bind_policy
-
-        return bind_policy(self, key)
-
-    def replace(self, **changes) -> PrecisionPolicy:
-        """A copy with some fields replaced (re-validated)."""
-        return dataclasses.replace(self, **changes)
+def check_policy_recipes(policy: Any, name: str = "policy") -> PolicyRecipes:
+    """Raises TypeError unless `policy` holds a GemmRecipe for each of :data:`GEMMS`."""
+    if not all(isinstance(getattr(policy, g, None), GemmRecipe) for g in GEMMS):
+        raise TypeError(f"{name}: expected a PrecisionPolicy, got {policy!r}")
+    return policy

@@ -11,7 +11,8 @@ import pytest
 from mxjax import formats as F
 from mxjax import policies
 from mxjax.formats import BF16, FP8_E4M3, FP8_E5M2, MXFP4, NVFP4, Rounding, ScaleRule
-from mxjax.recipes import GemmRecipe, Hadamard, OperandRecipe, PrecisionPolicy
+from mxjax.policies import PrecisionPolicy
+from mxjax.recipes import GemmRecipe, Hadamard, OperandRecipe
 
 EXPECTED_PRESETS = (
     "bf16", "fp8", "mxfp4_fprop", "mxfp4_fprop_dgrad", "mxfp4_all", "mxfp4_all_sr",

@@ -15,7 +15,7 @@ from mxjax import policies
 from mxjax.interceptor import dot_general
 from mxjax.nn.interpret import marker, transform_call
 from mxjax.nn.rules import Rule, WrapReport
-from mxjax.recipes import PrecisionPolicy
+from mxjax.policies import PrecisionPolicy
 
 __all__ = ["NnxDotGeneral", "NnxEinsumOp", "NnxWrapped"]
 
