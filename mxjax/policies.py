@@ -31,6 +31,7 @@ from mxjax import formats as F
 from mxjax import interceptor
 from mxjax.formats import BF16, FP8_E4M3, FP8_E5M2, MXFP4, NVFP4, Rounding, ScaleRule
 from mxjax.recipes import GEMMS, GemmRecipe, Hadamard, OperandRecipe
+from mxjax.validation import check_keys
 
 __all__ = ["PRESETS", "PrecisionPolicy", "dot_general", "from_dict", "get", "names", "to_dict"]
 
@@ -48,7 +49,7 @@ class PrecisionPolicy:
     Attributes:
       fprop: Y = X·W, operands (X, W), blocks along the forward contraction K.
       dgrad: dX = dY·Wᵀ, operands (dY, W), blocks along N (rhs free axes).
-      wgrad: dW = dYᵀ·X, operands (dY, X), blocks along M (lhs free axes).
+      wgrad: dW = Xᵀ·dY, operands (dY, X), blocks along M (lhs free axes).
       name: optional label (presets carry their name). Not part of equality or
         the hash: two policies with the same recipes are the same policy.
 
@@ -375,29 +376,18 @@ def to_dict(policy: PrecisionPolicy | str) -> dict[str, Any]:
     return d
 
 
-def _check_keys(d: Any, allowed: set[str], required: set[str], where: str) -> None:
-    if not isinstance(d, Mapping):
-        raise TypeError(f"{where}: expected a mapping, got {d!r}")
-    unknown = set(d) - allowed
-    if unknown:
-        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
-    missing = required - set(d)
-    if missing:
-        raise ValueError(f"{where}: missing keys {sorted(missing)}")
-
-
 def _operand_from(d: Any, where: str) -> OperandRecipe:
     if isinstance(d, str):
         return OperandRecipe(fmt=F.get(d))
-    _check_keys(d, {"fmt", "scale_rule", "rounding", "sr_prescale"}, {"fmt"}, where)
+    check_keys(d, {"fmt", "scale_rule", "rounding", "sr_prescale"}, {"fmt"}, where=where)
     return OperandRecipe(**d)
 
 
 def _gemm_from(d: Any, where: str) -> GemmRecipe:
-    _check_keys(d, {"lhs", "rhs", "hadamard", "backend"}, {"lhs", "rhs"}, where)
+    check_keys(d, {"lhs", "rhs", "hadamard", "backend"}, {"lhs", "rhs"}, where=where)
     had = d.get("hadamard")
     if isinstance(had, Mapping):
-        _check_keys(had, {"block_size", "randomized", "seed"}, set(), f"{where}.hadamard")
+        check_keys(had, {"block_size", "randomized", "seed"}, where=f"{where}.hadamard")
         had = Hadamard(**had)
     return GemmRecipe(
         lhs=_operand_from(d["lhs"], f"{where}.lhs"),
@@ -418,5 +408,5 @@ def from_dict(d: Mapping[str, Any] | str) -> PrecisionPolicy:
     """
     if isinstance(d, str):
         return get(d)
-    _check_keys(d, {"name", *GEMMS}, set(GEMMS), "policy dict")
+    check_keys(d, {"name", *GEMMS}, GEMMS, where="policy dict")
     return PrecisionPolicy(name=d.get("name"), **{g: _gemm_from(d[g], g) for g in GEMMS})

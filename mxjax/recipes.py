@@ -1,4 +1,4 @@
-"""Per-GEMM precision policies: what each operand of fprop, dgrad and wgrad gets.
+"""Per-GEMM recipes: what each operand of fprop, dgrad and wgrad gets.
 
 A linear layer ``Y = X·W`` runs three GEMMs (see the design's GEMM table):
 
@@ -7,12 +7,16 @@ GEMM     computes         operands (lhs, rhs)  blocks run along
 =======  ===============  ===================  ===========================
 fprop    Y = X·W          (X, W)               K, the forward contraction
 dgrad    dX = dY·Wᵀ       (dY, W)              N, the output (rhs free) axes
-wgrad    dW = dYᵀ·X       (dY, X)              M, the token (lhs free) axes
+wgrad    dW = Xᵀ·dY       (dY, X)              M, the token (lhs free) axes
 =======  ===============  ===================  ===========================
 
-A :class:`PrecisionPolicy` holds one :class:`GemmRecipe` per GEMM; a recipe holds
-one :class:`OperandRecipe` per operand and an optional :class:`Hadamard` rotation
-applied to both operands along that GEMM's contraction axis. All four classes
+(wgrad's lhs is dY: the interceptor contracts dY with X over M and transposes
+the product into W's layout, as JAX's transpose rule does.)
+
+A ``PrecisionPolicy`` (``mxjax.policies``) holds one :class:`GemmRecipe` per
+GEMM; a recipe holds one :class:`OperandRecipe` per operand and an optional
+:class:`Hadamard` rotation applied to both operands along that GEMM's
+contraction axis. All these classes
 are frozen, keyword-only and hashable (usable as static ``jit`` arguments), and
 validate their fields at construction.
 """
@@ -40,10 +44,9 @@ __all__ = [
 # GEMM names in the order fprop, dgrad, wgrad (also the order keys are split in).
 GEMMS = ("fprop", "dgrad", "wgrad")
 
-# Where a GEMM runs. 'xla' is the jnp reference (quantize -> dequantize -> dot
-# in f32 at HIGHEST precision). Kernel backends register their names here and a
-# function in `mxjax.dot_general._BACKEND_FNS`.
-# Must equal mxjax.kernels.BACKENDS (tested); kept here so policies do not import Pallas.
+# Where a GEMM runs (the one list; mxjax.kernels re-exports it). 'xla' is the
+# jnp reference (quantize -> dequantize -> dot in f32 at HIGHEST precision); the
+# others are mxjax.kernels backends; 'auto' picks the best one for the device.
 BACKENDS: tuple[str, ...] = ("xla", "pallas", "pallas_fp8", "triton", "auto")
 
 
@@ -108,6 +111,14 @@ class OperandRecipe:
     def needs_key(self) -> bool:
         """True when rounding is STOCHASTIC."""
         return self.rounding is Rounding.STOCHASTIC
+
+    def quantizer_kwargs(self, key: Any = None) -> dict[str, Any]:
+        """Keyword arguments of ``mxjax.quantize`` / ``fake_quantize`` for this operand.
+
+        ``key`` is kept only when the rounding is STOCHASTIC (None otherwise).
+        """
+        return {"scale_rule": self.scale_rule, "rounding": self.rounding,
+                "key": key if self.needs_key else None, "sr_prescale": self.sr_prescale}
 
     def describe(self) -> str:
         """Short text, e.g. ``'mxfp4 even/nearest_even'`` or ``'bf16 (pass-through)'``."""

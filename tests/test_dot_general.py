@@ -445,6 +445,43 @@ def test_drop_in_signatures_and_flax_kwargs():
     assert dg.policy == policies.get("mxfp4_all")
 
 
+MATMUL_DIMS = (((1,), (0,)), ((), ()))
+
+
+def test_without_an_observer_the_interceptor_traces_the_plain_program():
+    """mxjax.diagnostics plugs in through DG.observe; outside it nothing is added."""
+    pol = policies.get("mxfp4_all_h16")
+    x = jnp.ones((32, 32), jnp.float32)
+    w = jnp.ones((32, 32), jnp.float32)
+    st = DG._Static(DG.normalize_dimension_numbers(MATMUL_DIMS, x.shape, w.shape), None, None, pol)
+    plain = jax.make_jaxpr(jax.grad(lambda w: jnp.sum(DG._policy_dot(x, w, None, st))))(w)
+    public = jax.make_jaxpr(jax.grad(lambda w: jnp.sum(mxjax.dot_general(x, w, MATMUL_DIMS, policy=pol))))(w)
+    assert str(public) == str(plain)
+
+
+def test_observe_sees_each_quantized_call_once_and_keeps_values():
+    seen = []
+
+    def hook(call, lhs, rhs, key, dims, policy):
+        seen.append((dims, policy.name))
+        return call(lhs, rhs, key)
+
+    x = jax.random.normal(jax.random.key(0), (8, 32), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (32, 16), jnp.float32)
+
+    def loss(w, name):
+        return jnp.sum(jnp.sin(mxjax.dot_general(x, w, MATMUL_DIMS, policy=name)))
+
+    want = jax.value_and_grad(loss)(w, "mxfp4_all_h16")
+    with DG.observe(hook):
+        got = jax.value_and_grad(loss)(w, "mxfp4_all_h16")
+        jax.value_and_grad(loss)(w, "bf16")  # pass-through: never reaches the hook
+    chex.assert_trees_all_equal(got, want)
+    assert seen == [(DG.normalize_dimension_numbers(MATMUL_DIMS, x.shape, w.shape), "mxfp4_all_h16")]
+    with pytest.raises(TypeError, match="hook: expected a callable"), DG.observe(None):
+        pass
+
+
 _SHARDING_SCRIPT = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np
