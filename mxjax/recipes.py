@@ -152,7 +152,7 @@ class Hadamard:
       randomized: draw a fresh ±1 sign vector from the GEMM's key on every call
         (the caller folds step and layer into the key). Needs a key.
       seed: deterministic only: a fixed ±1 sign vector from this integer seed
-        (``mxjax.hadamard.fixed_signs``); None means no signs (plain H).
+        (``mxjax.rotation.fixed_signs``); None means no signs (plain H).
     """
 
     block_size: int = 16
@@ -201,7 +201,7 @@ class GemmRecipe:
       rhs: second operand (W in fprop and dgrad, X in wgrad).
       hadamard: rotation of both operands along the contraction, or None. An int
         h is accepted and becomes ``Hadamard(block_size=h)``.
-      backend: where the GEMM runs; one of ``mxjax.policy.BACKENDS``.
+      backend: where the GEMM runs; one of ``mxjax.recipes.BACKENDS``.
     """
 
     lhs: OperandRecipe | Format | str
