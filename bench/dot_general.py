@@ -16,7 +16,6 @@ mxfp4_all_h16 within 1.2x of mxfp4_all.
 from __future__ import annotations
 
 import argparse
-import importlib
 import statistics
 import time
 
@@ -24,9 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-# The module (the package re-exports the function under the same name).
-DG = importlib.import_module("mxjax.dot_general")
-
+import mxjax
 
 DIMS = (((1,), (0,)), ((), ()))
 POLICIES = ("bf16", "fp8", "mxfp4_all", "mxfp4_all_h16")
@@ -48,7 +45,7 @@ def variants() -> dict:
         lambda x, w: jax.nn.scaled_dot_general(x, w, DIMS, configs=[cfg, cfg, cfg]))
     for name in POLICIES:
         out[f"mxjax {name}"] = _fwd_bwd(
-            lambda x, w, name=name: DG.dot_general(x, w, DIMS, policy=name))
+            lambda x, w, name=name: mxjax.dot_general(x, w, DIMS, policy=name))
     return out
 
 

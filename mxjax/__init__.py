@@ -1,16 +1,28 @@
 """mxjax: per-GEMM MXFP4/MXFP8/NVFP4 precision policies for JAX and Flax.
 
-Layers (data flows one way): formats -> quantize/hadamard -> policy -> dot_general
--> nn. `mxjax.nn` (Flax integration) and `mxjax.kernels` (Pallas/Triton) are
-imported on demand: `import mxjax.nn`, `import mxjax.kernels`.
+Layers (data flows one way; tests/test_layering.py checks every import):
 
-Note: `mxjax.quantize`, `mxjax.hadamard` and `mxjax.dot_general` are the
-functions; their modules are importable as `mxjax.quantize` etc. with
-`import mxjax.quantize as m` / `from mxjax.quantize import MXArray`.
+  formats, layout, validation -> _bits -> quantization, rotation -> recipes
+  -> kernels -> interceptor -> policies -> diagnostics -> nn
+
+`mxjax.nn` (Flax integration) and `mxjax.kernels` (Pallas/Triton) are imported
+on demand (`import mxjax.nn`, `import mxjax.kernels`); the interceptor imports
+the kernels only when a GEMM asks for a kernel backend.
+
+Module layout: the public functions are re-exported here under the names of the
+API (`mxjax.quantize`, `mxjax.hadamard`, `mxjax.dot_general`,
+`mxjax.PrecisionPolicy`, ...); their modules have other names, so no function
+shadows its module: `mxjax.quantization` (quantize, dequantize, fake_quantize,
+MXArray), `mxjax.rotation` (hadamard, signs), `mxjax.recipes` (OperandRecipe,
+Hadamard, GemmRecipe), `mxjax.policies` (PrecisionPolicy, presets,
+dot_general), `mxjax.interceptor` (the custom-VJP engine), `mxjax.diagnostics`
+(GEMM statistics and probes). The old module paths `mxjax.quantize`,
+`mxjax.hadamard`, `mxjax.dot_general`, `mxjax.policy` no longer exist as
+modules (they are the functions), and training dynamics moved from
+`mxjax.diagnostics` to `train.dynamics`.
 """
 
-from mxjax import formats, policies
-from mxjax.dot_general import dot_general
+from mxjax import diagnostics, formats, policies
 from mxjax.formats import (
     BF16,
     E2M1,
@@ -26,9 +38,10 @@ from mxjax.formats import (
     Rounding,
     ScaleRule,
 )
-from mxjax.hadamard import fixed_signs, hadamard, random_signs
-from mxjax.policy import GemmRecipe, Hadamard, OperandRecipe, PrecisionPolicy
-from mxjax.quantize import MXArray, dequantize, fake_quantize, quantize
+from mxjax.policies import PrecisionPolicy, dot_general
+from mxjax.quantization import MXArray, dequantize, fake_quantize, quantize
+from mxjax.recipes import GemmRecipe, Hadamard, OperandRecipe
+from mxjax.rotation import fixed_signs, hadamard, random_signs
 
 __version__ = "0.1.0"
 
@@ -52,6 +65,7 @@ __all__ = [
     "Rounding",
     "ScaleRule",
     "dequantize",
+    "diagnostics",
     "dot_general",
     "fake_quantize",
     "fixed_signs",
@@ -65,7 +79,7 @@ __all__ = [
 
 def __getattr__(name):
     # `mxjax.nn` / `mxjax.kernels` without an explicit import (they pull in flax / Pallas).
-    if name in ("nn", "kernels", "diagnostics"):
+    if name in ("nn", "kernels"):
         import importlib
 
         return importlib.import_module(f"mxjax.{name}")

@@ -1,4 +1,10 @@
-"""Preset precision policies (the paper's MXFP4 ladder and peers' recipes), and dict I/O.
+"""Precision policies: the PrecisionPolicy type, its presets and its dict form.
+
+A :class:`PrecisionPolicy` holds one ``mxjax.recipes.GemmRecipe`` per GEMM of a
+linear layer (fprop, dgrad, wgrad). It runs through the interceptor
+(``mxjax.interceptor``, the layer below): ``policy.dot_general(key)`` and
+:func:`dot_general` (which also takes a preset name) call it, so the recipe
+types never import the interceptor.
 
 Presets: ``bf16``, ``fp8``, ``mxfp4_fprop``, ``mxfp4_fprop_dgrad``, ``mxfp4_all``,
 ``mxfp4_all_sr``, ``mxfp4_all_rht16``, ``mxfp4_all_h16`` (the paper's recipe),
@@ -15,15 +21,122 @@ EVEN scales and nearest-even rounding unless it says otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
+
 from mxjax import formats as F
+from mxjax import interceptor
 from mxjax.formats import BF16, FP8_E4M3, FP8_E5M2, MXFP4, NVFP4, Rounding, ScaleRule
-from mxjax.policy import GEMMS, GemmRecipe, Hadamard, OperandRecipe, PrecisionPolicy
+from mxjax.recipes import GEMMS, GemmRecipe, Hadamard, OperandRecipe
+from mxjax.validation import check_keys
 
-__all__ = ["PRESETS", "from_dict", "get", "names", "to_dict"]
+__all__ = ["PRESETS", "PrecisionPolicy", "dot_general", "from_dict", "get", "names", "to_dict"]
 
+
+def _coerce_gemm(value: Any, name: str) -> GemmRecipe:
+    if not isinstance(value, GemmRecipe):
+        raise TypeError(f"PrecisionPolicy: {name} must be a GemmRecipe, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrecisionPolicy:
+    """Recipes for the three GEMMs of every dot_general it is applied to.
+
+    Attributes:
+      fprop: Y = X·W, operands (X, W), blocks along the forward contraction K.
+      dgrad: dX = dY·Wᵀ, operands (dY, W), blocks along N (rhs free axes).
+      wgrad: dW = Xᵀ·dY, operands (dY, X), blocks along M (lhs free axes).
+      name: optional label (presets carry their name). Not part of equality or
+        the hash: two policies with the same recipes are the same policy.
+
+    Use ``policy.dot_general(key)`` for a drop-in ``lax.dot_general`` and
+    ``print(policy.describe())`` for the 3×2 table of what each operand gets.
+    """
+
+    fprop: GemmRecipe
+    dgrad: GemmRecipe
+    wgrad: GemmRecipe
+    name: str | None = dataclasses.field(default=None, compare=False)
+
+    def __post_init__(self):
+        for g in GEMMS:
+            _coerce_gemm(getattr(self, g), g)
+        if self.name is not None and not isinstance(self.name, str):
+            raise TypeError(f"PrecisionPolicy: name must be a str or None, got {self.name!r}")
+
+    @property
+    def gemms(self) -> dict[str, GemmRecipe]:
+        """{'fprop': ..., 'dgrad': ..., 'wgrad': ...}."""
+        return {g: getattr(self, g) for g in GEMMS}
+
+    @property
+    def needs_key(self) -> bool:
+        """True when any GEMM uses STOCHASTIC rounding or a randomized Hadamard."""
+        return any(r.needs_key for r in self.gemms.values())
+
+    @property
+    def is_passthrough(self) -> bool:
+        """True when all three GEMMs are plain ``lax.dot_general`` (the bf16 policy)."""
+        return all(r.is_passthrough for r in self.gemms.values())
+
+    def describe(self) -> str:
+        """The 3×2 table (GEMM × operand) of what each operand gets, as text."""
+        operand_names = {"fprop": ("X", "W"), "dgrad": ("dY", "W"), "wgrad": ("dY", "X")}
+        rows = []
+        for g, r in self.gemms.items():
+            ln, rn = operand_names[g]
+            had = r.hadamard.describe() if r.hadamard else "-"
+            rows.append((g, f"{ln}: {r.lhs.describe()}", f"{rn}: {r.rhs.describe()}", had, r.backend))
+        header = ("GEMM", "lhs", "rhs", "hadamard", "backend")
+        widths = [max(len(str(row[i])) for row in rows + [header]) for i in range(len(header))]
+        fmt_row = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
+        title = f"PrecisionPolicy {self.name!r}" if self.name else "PrecisionPolicy"
+        lines = [title + (" (needs a PRNG key)" if self.needs_key else ""), fmt_row(header)]
+        lines.append("  ".join("-" * w for w in widths))
+        lines += [fmt_row(row) for row in rows]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def dot_general(self, key=None):
+        """A drop-in for ``jax.lax.dot_general`` under this policy.
+
+        Args:
+          key: PRNG key (typed or raw uint32); required when ``needs_key``.
+        Returns:
+          ``f(lhs, rhs, dimension_numbers, precision=None,
+          preferred_element_type=None, **kwargs)``; extra keyword arguments
+          (e.g. Flax's ``out_sharding``) are accepted and ignored.
+        """
+        if self.needs_key and key is None:
+            raise ValueError(
+                f"key: policy {self.name or ''!s} uses stochastic rounding or a randomized "
+                "Hadamard; policy.dot_general(key) needs a PRNG key"
+            )
+        policy = self
+
+        def policy_dot_general(lhs, rhs, dimension_numbers, precision=None,
+                               preferred_element_type=None, **kwargs):
+            return interceptor.dot_general(lhs, rhs, dimension_numbers, precision,
+                                           preferred_element_type, policy=policy, key=key,
+                                           **kwargs)
+
+        policy_dot_general.policy = policy
+        return policy_dot_general
+
+    def replace(self, **changes) -> PrecisionPolicy:
+        """A copy with some fields replaced (re-validated)."""
+        return dataclasses.replace(self, **changes)
+
+
+# ---------------------------------------------------------------------------
+# Presets
+# ---------------------------------------------------------------------------
 _PT = OperandRecipe(fmt=BF16)
 _PASS = GemmRecipe(lhs=_PT, rhs=_PT)
 _MX = OperandRecipe(fmt=MXFP4, scale_rule=ScaleRule.EVEN)
@@ -211,6 +324,31 @@ def get(name: str | PrecisionPolicy) -> PrecisionPolicy:
     raise ValueError(f"policy: unknown preset {name!r}; valid names: {', '.join(PRESETS)}")
 
 
+def dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers,
+    precision=None,
+    preferred_element_type=None,
+    *,
+    policy: PrecisionPolicy | str,
+    key: jax.Array | None = None,
+    **kwargs,
+) -> jax.Array:
+    """``jax.lax.dot_general`` whose fprop, dgrad and wgrad follow `policy` (``mxjax.dot_general``).
+
+    ``policy`` is a PrecisionPolicy or a preset name (:func:`names`); everything
+    else is ``mxjax.interceptor.dot_general``'s (see there for shapes, dtypes
+    and ``key``).
+    """
+    if isinstance(policy, str):
+        policy = get(policy)
+    if not isinstance(policy, PrecisionPolicy):
+        raise TypeError(f"policy: expected a PrecisionPolicy or a preset name, got {policy!r}")
+    return interceptor.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
+                                   policy=policy, key=key, **kwargs)
+
+
 # --------------------------------------------------------------------------- #
 # Plain-dict I/O (for YAML configs)
 # --------------------------------------------------------------------------- #
@@ -238,29 +376,18 @@ def to_dict(policy: PrecisionPolicy | str) -> dict[str, Any]:
     return d
 
 
-def _check_keys(d: Any, allowed: set[str], required: set[str], where: str) -> None:
-    if not isinstance(d, Mapping):
-        raise TypeError(f"{where}: expected a mapping, got {d!r}")
-    unknown = set(d) - allowed
-    if unknown:
-        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
-    missing = required - set(d)
-    if missing:
-        raise ValueError(f"{where}: missing keys {sorted(missing)}")
-
-
 def _operand_from(d: Any, where: str) -> OperandRecipe:
     if isinstance(d, str):
         return OperandRecipe(fmt=F.get(d))
-    _check_keys(d, {"fmt", "scale_rule", "rounding", "sr_prescale"}, {"fmt"}, where)
+    check_keys(d, {"fmt", "scale_rule", "rounding", "sr_prescale"}, {"fmt"}, where=where)
     return OperandRecipe(**d)
 
 
 def _gemm_from(d: Any, where: str) -> GemmRecipe:
-    _check_keys(d, {"lhs", "rhs", "hadamard", "backend"}, {"lhs", "rhs"}, where)
+    check_keys(d, {"lhs", "rhs", "hadamard", "backend"}, {"lhs", "rhs"}, where=where)
     had = d.get("hadamard")
     if isinstance(had, Mapping):
-        _check_keys(had, {"block_size", "randomized", "seed"}, set(), f"{where}.hadamard")
+        check_keys(had, {"block_size", "randomized", "seed"}, where=f"{where}.hadamard")
         had = Hadamard(**had)
     return GemmRecipe(
         lhs=_operand_from(d["lhs"], f"{where}.lhs"),
@@ -281,5 +408,5 @@ def from_dict(d: Mapping[str, Any] | str) -> PrecisionPolicy:
     """
     if isinstance(d, str):
         return get(d)
-    _check_keys(d, {"name", *GEMMS}, set(GEMMS), "policy dict")
+    check_keys(d, {"name", *GEMMS}, GEMMS, where="policy dict")
     return PrecisionPolicy(name=d.get("name"), **{g: _gemm_from(d[g], g) for g in GEMMS})

@@ -10,7 +10,6 @@ derivation: split(key, 3) -> (fprop, dgrad, wgrad); split(gemm_key, 3) ->
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 import subprocess
 import sys
@@ -24,14 +23,14 @@ import pytest
 from absl.testing import parameterized
 from jax import lax
 
+import mxjax
+from mxjax import interceptor as DG
 from mxjax import policies
 from mxjax.formats import BF16, MXFP4
-from mxjax.hadamard import fixed_signs, hadamard, random_signs
-from mxjax.policy import GemmRecipe, Hadamard, OperandRecipe, PrecisionPolicy
-from mxjax.quantize import dequantize, quantize
-
-# The module (the package re-exports the function under the same name).
-DG = importlib.import_module("mxjax.dot_general")
+from mxjax.policies import PrecisionPolicy
+from mxjax.quantization import dequantize, quantize
+from mxjax.recipes import GemmRecipe, Hadamard, OperandRecipe
+from mxjax.rotation import fixed_signs, hadamard, random_signs
 
 HI = lax.Precision.HIGHEST
 F32 = jnp.float32
@@ -169,7 +168,7 @@ def _ours_and_reference(policy, cases, key):
         out = {}
         for case, (x, w, g) in inputs.items():
             dims = CASES[case][2]
-            f = functools.partial(DG.dot_general, dimension_numbers=dims, policy=p, key=key)
+            f = functools.partial(mxjax.dot_general, dimension_numbers=dims, policy=p, key=key)
             out[case] = (_vjp_all(f, x, w, g), CASES[case][3](x, w, g, p, _keys(key)))
         return out
 
@@ -210,7 +209,7 @@ class VariantsTest(chex.TestCase):
         x, w, g = (jax.random.normal(ki, (64, 64)) for ki in k)
         dims = CASES["2d"][2]
         got = self.variant(lambda x, w, g: _vjp_all(
-            lambda a, b: DG.dot_general(a, b, dims, policy=p), x, w, g))(x, w, g)
+            lambda a, b: mxjax.dot_general(a, b, dims, policy=p), x, w, g))(x, w, g)
         want = jax.jit(lambda x, w, g: CASES["2d"][3](x, w, g, p, _keys(None)))(x, w, g)
         _assert_same(got, want, "mxfp4_all/2d")
 
@@ -222,7 +221,7 @@ class VariantsTest(chex.TestCase):
             x, w, g, dims = _inputs(case, jnp.dtype(dtype))
             g = g.astype(pet or g.dtype)
 
-            ours_fn = functools.partial(DG.dot_general, dimension_numbers=dims,
+            ours_fn = functools.partial(mxjax.dot_general, dimension_numbers=dims,
                                         preferred_element_type=pet, policy="bf16")
             lax_fn = functools.partial(lax.dot_general, dimension_numbers=dims,
                                        preferred_element_type=pet)
@@ -246,7 +245,7 @@ def test_pass_through_gemm_inside_a_mixed_policy_is_lax(policy):
 
     @jax.jit
     def run(x, w, g):
-        ours = _vjp_all(lambda a, b: DG.dot_general(a, b, dims, policy=p, key=key), x, w, g)
+        ours = _vjp_all(lambda a, b: mxjax.dot_general(a, b, dims, policy=p, key=key), x, w, g)
         theirs = _vjp_all(lambda a, b: lax.dot_general(a, b, dims), x, w, g)
         return ours, theirs
 
@@ -266,9 +265,9 @@ def test_dtypes_preferred_element_type_and_cotangents(preferred):
 
     @jax.jit
     def run(x, w, g):
-        f = lambda a, b: DG.dot_general(a, b, dims, preferred_element_type=preferred,
+        f = lambda a, b: mxjax.dot_general(a, b, dims, preferred_element_type=preferred,
                                         policy="mxfp4_all")
-        y32 = DG.dot_general(x.astype(F32), w.astype(F32), dims, policy="mxfp4_all")
+        y32 = mxjax.dot_general(x.astype(F32), w.astype(F32), dims, policy="mxfp4_all")
         return _vjp_all(f, x, w, g), y32
 
     (y, dx, dw), y32 = run(x, w, g)
@@ -282,7 +281,7 @@ def test_mixed_operand_dtypes_follow_lax_promotion():
     x = jnp.ones((32, 32), jnp.bfloat16)
     w = jnp.ones((32, 16), F32)
     dims = (((1,), (0,)), ((), ()))
-    y = jax.jit(lambda x, w: DG.dot_general(x, w, dims, policy="mxfp4_all"))(x, w)
+    y = jax.jit(lambda x, w: mxjax.dot_general(x, w, dims, policy="mxfp4_all"))(x, w)
     assert y.dtype == lax.dot_general(x, w, dims).dtype == F32
     np.testing.assert_array_equal(np.asarray(y), 32.0)
 
@@ -298,7 +297,7 @@ def test_hadamard_without_quantization_is_the_plain_dot():
         for case, (x, w, gy) in inputs.items():
             dims = CASES[case][2]
             out[case] = (
-                _vjp_all(functools.partial(DG.dot_general, dimension_numbers=dims, policy=p),
+                _vjp_all(functools.partial(mxjax.dot_general, dimension_numbers=dims, policy=p),
                          x, w, gy),
                 _vjp_all(functools.partial(lax.dot_general, dimension_numbers=dims, precision=HI),
                          x, w, gy))
@@ -318,7 +317,7 @@ def test_contraction_shorter_than_the_hadamard_is_zero_padded():
     g = jax.random.normal(jax.random.key(2), (8, 12))
     dims = (((1,), (0,)), ((), ()))
     run = jax.jit(lambda x, w, g: (
-        _vjp_all(lambda a, b: DG.dot_general(a, b, dims, policy=p), x, w, g),
+        _vjp_all(lambda a, b: mxjax.dot_general(a, b, dims, policy=p), x, w, g),
         CASES["2d"][3](x, w, g, p, _keys(None))))
     got, want = run(x, w, g)
     _assert_same(got, want, "short contraction")
@@ -329,7 +328,7 @@ def test_hadamard_reduces_the_error_of_an_outlier_channel():
     x = jax.random.normal(jax.random.key(0), (64, 128)).at[:, 3].mul(40.0)
     w = jax.random.normal(jax.random.key(1), (128, 64))
     dims = (((1,), (0,)), ((), ()))
-    run = jax.jit(lambda x, w: [DG.dot_general(x, w, dims, policy=n)
+    run = jax.jit(lambda x, w: [mxjax.dot_general(x, w, dims, policy=n)
                                 for n in ("mxfp4_all", "mxfp4_all_h16")]
                   + [lax.dot_general(x, w, dims, precision=HI)])
     plain, h16, exact = map(np.asarray, run(x, w))
@@ -341,7 +340,7 @@ def test_hadamard_reduces_the_error_of_an_outlier_channel():
 def test_randomized_policies_same_key_same_result_different_key_different(name):
     x, w, g, dims = _inputs("2d")
     f = jax.jit(lambda k: _vjp_all(
-        lambda a, b: DG.dot_general(a, b, dims, policy=name, key=k), x, w, g))
+        lambda a, b: mxjax.dot_general(a, b, dims, policy=name, key=k), x, w, g))
     a, b, c = f(jax.random.key(1)), f(jax.random.key(1)), f(jax.random.key(2))
     for i in range(3):
         np.testing.assert_array_equal(np.asarray(a[i]), np.asarray(b[i]))
@@ -354,7 +353,7 @@ def test_randomized_policies_same_key_same_result_different_key_different(name):
 
 def test_raw_uint32_keys_work_like_typed_keys():
     x, w, _, dims = _inputs("2d")
-    f = jax.jit(lambda k: DG.dot_general(x, w, dims, policy="mxfp4_all_rht16", key=k))
+    f = jax.jit(lambda k: mxjax.dot_general(x, w, dims, policy="mxfp4_all_rht16", key=k))
     np.testing.assert_array_equal(np.asarray(f(jax.random.key(3))),
                                   np.asarray(f(jax.random.PRNGKey(3))))
 
@@ -370,7 +369,7 @@ def test_gemms_never_share_noise():
 
     @jax.jit
     def run(x):
-        y, vjp = jax.vjp(lambda a: DG.dot_general(a, eye, (((1,), (0,)), ((), ())), policy=p,
+        y, vjp = jax.vjp(lambda a: mxjax.dot_general(a, eye, (((1,), (0,)), ((), ())), policy=p,
                                                   key=jax.random.key(4)), x)
         return y, vjp(x)[0]
 
@@ -384,7 +383,7 @@ def test_stochastic_rounding_with_prescale_is_unbiased():
     @jax.jit
     def grads(keys):
         return jax.vmap(lambda k: jax.vjp(
-            lambda a: DG.dot_general(a, w, dims, policy="tseng", key=k), x)[1](g)[0])(keys)
+            lambda a: mxjax.dot_general(a, w, dims, policy="tseng", key=k), x)[1](g)[0])(keys)
 
     dx = grads(jax.random.split(jax.random.key(0), 64))
     exact = lax.dot_general(g, w, (((1,), (1,)), ((), ())), precision=HI)
@@ -401,7 +400,7 @@ def test_grad_vmap_scan_remat_agree():
     x = jax.random.normal(jax.random.key(0), (2, 16, 32))
 
     def layer(h, w):
-        return jnp.tanh(DG.dot_general(h, w, dims, policy=p)), None
+        return jnp.tanh(mxjax.dot_general(h, w, dims, policy=p)), None
 
     def loss_unrolled(ws, x):
         h = x
@@ -437,7 +436,7 @@ def test_drop_in_signatures_and_flax_kwargs():
     @jax.jit
     def run(x, w):
         return (dg(x, w, dims, None, None, out_sharding=None),
-                DG.dot_general(x, w, dims, policy="mxfp4_all"),
+                mxjax.dot_general(x, w, dims, policy="mxfp4_all"),
                 jnp.einsum("mk,kn->mn", x, w, _dot_general=dg))
 
     y1, y2, y3 = run(x, w)
@@ -446,19 +445,55 @@ def test_drop_in_signatures_and_flax_kwargs():
     assert dg.policy == policies.get("mxfp4_all")
 
 
+MATMUL_DIMS = (((1,), (0,)), ((), ()))
+
+
+def test_without_an_observer_the_interceptor_traces_the_plain_program():
+    """mxjax.diagnostics plugs in through DG.observe; outside it nothing is added."""
+    pol = policies.get("mxfp4_all_h16")
+    x = jnp.ones((32, 32), jnp.float32)
+    w = jnp.ones((32, 32), jnp.float32)
+    st = DG._Static(DG.normalize_dimension_numbers(MATMUL_DIMS, x.shape, w.shape), None, None, pol)
+    plain = jax.make_jaxpr(jax.grad(lambda w: jnp.sum(DG._policy_dot(x, w, None, st))))(w)
+    public = jax.make_jaxpr(jax.grad(lambda w: jnp.sum(mxjax.dot_general(x, w, MATMUL_DIMS, policy=pol))))(w)
+    assert str(public) == str(plain)
+
+
+def test_observe_sees_each_quantized_call_once_and_keeps_values():
+    seen = []
+
+    def hook(call, lhs, rhs, key, dims, policy):
+        seen.append((dims, policy.name))
+        return call(lhs, rhs, key)
+
+    x = jax.random.normal(jax.random.key(0), (8, 32), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (32, 16), jnp.float32)
+
+    def loss(w, name):
+        return jnp.sum(jnp.sin(mxjax.dot_general(x, w, MATMUL_DIMS, policy=name)))
+
+    want = jax.value_and_grad(loss)(w, "mxfp4_all_h16")
+    with DG.observe(hook):
+        got = jax.value_and_grad(loss)(w, "mxfp4_all_h16")
+        jax.value_and_grad(loss)(w, "bf16")  # pass-through: never reaches the hook
+    chex.assert_trees_all_equal(got, want)
+    assert seen == [(DG.normalize_dimension_numbers(MATMUL_DIMS, x.shape, w.shape), "mxfp4_all_h16")]
+    with pytest.raises(TypeError, match="hook: expected a callable"), DG.observe(None):
+        pass
+
+
 _SHARDING_SCRIPT = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    import importlib
-    DG = importlib.import_module("mxjax.dot_general")
+    import mxjax
     assert jax.device_count() == 8, jax.devices()
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
     x = jax.random.normal(jax.random.key(0), (64, 64))
     w = jax.random.normal(jax.random.key(1), (64, 64))
     dims = (((1,), (0,)), ((), ()))
     def loss(x, w):
-        return jnp.sum(jnp.sin(DG.dot_general(x, w, dims, policy="mxfp4_all_h16")))
+        return jnp.sum(jnp.sin(mxjax.dot_general(x, w, dims, policy="mxfp4_all_h16")))
     f = jax.jit(jax.value_and_grad(loss, (0, 1)))
     ref = f(x, w)
     xs = jax.device_put(x, NamedSharding(mesh, P("data", None)))
@@ -468,7 +503,7 @@ _SHARDING_SCRIPT = textwrap.dedent(
     for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     # fprop quantizes along the unsharded K: bit for bit.
-    y = jax.jit(lambda x, w: DG.dot_general(x, w, dims, policy="mxfp4_all_h16"))
+    y = jax.jit(lambda x, w: mxjax.dot_general(x, w, dims, policy="mxfp4_all_h16"))
     np.testing.assert_array_equal(np.asarray(y(xs, ws)), np.asarray(y(x, w)))
     print("SHARDING_OK")
     """
@@ -499,26 +534,26 @@ def test_named_sharding_over_8_fake_cpu_devices():
 )
 def test_bad_dimension_numbers(lshape, rshape, dims, exc, match):
     with pytest.raises(exc, match=match):
-        DG.dot_general(jnp.ones(lshape), jnp.ones(rshape), dims, policy="mxfp4_all")
+        mxjax.dot_general(jnp.ones(lshape), jnp.ones(rshape), dims, policy="mxfp4_all")
 
 
 def test_bad_operands_policies_and_keys():
     dims = (((1,), (0,)), ((), ()))
     x, w = jnp.ones((32, 32)), jnp.ones((32, 32))
     with pytest.raises(TypeError, match="lhs: .*floating"):
-        DG.dot_general(jnp.ones((32, 32), jnp.int32), w, dims, policy="mxfp4_all")
+        mxjax.dot_general(jnp.ones((32, 32), jnp.int32), w, dims, policy="mxfp4_all")
     with pytest.raises(TypeError, match="rhs: .*floating"):
-        DG.dot_general(x, jnp.ones((32, 32), jnp.int8), dims, policy="bf16")
+        mxjax.dot_general(x, jnp.ones((32, 32), jnp.int8), dims, policy="bf16")
     with pytest.raises(ValueError, match="unknown preset 'mxfp9'.*mxfp4_all_h16"):
-        DG.dot_general(x, w, dims, policy="mxfp9")
+        mxjax.dot_general(x, w, dims, policy="mxfp9")
     with pytest.raises(TypeError, match="policy"):
-        DG.dot_general(x, w, dims, policy=None)
+        mxjax.dot_general(x, w, dims, policy=None)
     with pytest.raises(ValueError, match="key"):
-        DG.dot_general(x, w, dims, policy="mxfp4_all_sr")
+        mxjax.dot_general(x, w, dims, policy="mxfp4_all_sr")
     with pytest.raises(ValueError, match="key"):
         policies.get("tseng").dot_general()
     with pytest.raises(TypeError, match="preferred_element_type"):
-        DG.dot_general(x, w, dims, preferred_element_type=jnp.int32, policy="mxfp4_all")
+        mxjax.dot_general(x, w, dims, preferred_element_type=jnp.int32, policy="mxfp4_all")
 
 
 def test_backward_dimension_numbers_match_jax_transpose_rule():

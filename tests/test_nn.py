@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import importlib
 import pathlib
 import re
 
@@ -15,11 +14,9 @@ import pytest
 from flax import nnx
 from jax import lax
 
+import mxjax
 import mxjax.nn as mnn
 from mxjax import policies
-
-# The module (the package re-exports the function under the same name).
-DG = importlib.import_module("mxjax.dot_general")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MX = policies.get("mxfp4_all")
@@ -89,10 +86,10 @@ def test_linen_dense_dense_general_and_einsum_with_a_policy():
     def run(v, ve, x):
         p, pe = v["params"], ve["params"]
         a, b, c = m.apply(v, x)
-        refs = (DG.dot_general(x, p["dense"]["kernel"], DIMS, policy=MX) + p["dense"]["bias"],
-                DG.dot_general(b, p["dg2"]["kernel"], (((1, 2), (0, 1)), ((), ())), policy=MX)
+        refs = (mxjax.dot_general(x, p["dense"]["kernel"], DIMS, policy=MX) + p["dense"]["bias"],
+                mxjax.dot_general(b, p["dg2"]["kernel"], (((1, 2), (0, 1)), ((), ())), policy=MX)
                 + p["dg2"]["bias"],
-                DG.dot_general(x, pe["kernel"], DIMS, policy=MX) + pe["bias"])
+                mxjax.dot_general(x, pe["kernel"], DIMS, policy=MX) + pe["bias"])
         return (a, c, mnn.wrap(e, MX).apply(ve, x)), refs
 
     (a, c, ein), (ra, rc, re_) = run(v, ve, x)
@@ -139,10 +136,10 @@ def test_nnx_linear_and_einsum_with_policy_modules():
     x = _x()
     rngs = nnx.Rngs(0, mxjax=1)
     lin = nnx.Linear(32, 16, dot_general=MX.dot_general(), rngs=rngs)
-    ref = DG.dot_general(x, lin.kernel[...], DIMS, policy=MX) + lin.bias[...]
+    ref = mxjax.dot_general(x, lin.kernel[...], DIMS, policy=MX) + lin.bias[...]
     np.testing.assert_array_equal(np.asarray(nnx.jit(lambda m, x: m(x))(lin, x)), np.asarray(ref))
     ein = nnx.Einsum("bd,df->bf", (32, 16), einsum_op=mnn.NnxEinsumOp(MX), rngs=rngs)
-    ref = DG.dot_general(x, ein.kernel[...], DIMS, policy=MX)
+    ref = mxjax.dot_general(x, ein.kernel[...], DIMS, policy=MX)
     np.testing.assert_array_equal(np.asarray(nnx.jit(lambda m, x: m(x))(ein, x)), np.asarray(ref))
     # A randomized policy draws a new key on every call: two steps, different noise.
     shared = nnx.Rngs(mxjax=5)
@@ -339,7 +336,7 @@ def test_wrap_a_function_with_named_scopes_and_jnp_dot():
     x, w1, w2 = _x(), _x(32, 32, 2), _x(32, 32, 3)
     wf = mnn.wrap(f, [mnn.Rule(path="first", policy=MX)])
     y = jax.jit(wf)(x, w1, w2)
-    ref = DG.dot_general(x, w1, DIMS, policy=MX) @ w2
+    ref = mxjax.dot_general(x, w1, DIMS, policy=MX) @ w2
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-6, atol=1e-5)
     assert wf.last_report.modules == {"first": "mxfp4_all", "second": None}
 
@@ -365,7 +362,7 @@ def test_wrap_reaches_dots_inside_cond_loops_custom_jvp_and_vmap():
         return cv(cj(x))
 
     def manual(x, i):
-        d = functools.partial(DG.dot_general, dimension_numbers=DIMS, policy=MX)
+        d = functools.partial(mxjax.dot_general, dimension_numbers=DIMS, policy=MX)
         x = jnp.tanh(d(x, w)) if i > 0 else x
         for _ in range(2):
             x = jnp.tanh(d(x, w))

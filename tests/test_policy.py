@@ -1,4 +1,4 @@
-"""mxjax.policy and mxjax.policies: construction, validation, presets, dict round trip."""
+"""mxjax.recipes and mxjax.policies: construction, validation, presets, dict round trip."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import pytest
 from mxjax import formats as F
 from mxjax import policies
 from mxjax.formats import BF16, FP8_E4M3, FP8_E5M2, MXFP4, NVFP4, Rounding, ScaleRule
-from mxjax.policy import GemmRecipe, Hadamard, OperandRecipe, PrecisionPolicy
+from mxjax.policies import PrecisionPolicy
+from mxjax.recipes import GemmRecipe, Hadamard, OperandRecipe
+from mxjax.validation import check_keys
 
 EXPECTED_PRESETS = (
     "bf16", "fp8", "mxfp4_fprop", "mxfp4_fprop_dgrad", "mxfp4_all", "mxfp4_all_sr",
@@ -209,3 +211,16 @@ def test_describe_shows_each_operand():
     assert "dY: nvfp4 stochastic" in text and "H16 (fixed signs, seed 0)" in text
     assert "X: bf16 (pass-through)" in policies.get("tseng").describe()
     assert F.get("mxfp4") is MXFP4
+
+
+def test_check_keys_is_public_and_takes_the_error_type():
+    class ConfErr(ValueError):
+        pass
+
+    with pytest.raises(ConfErr, match=r"x: unknown keys \['b'\]; allowed: \['a'\]"):
+        check_keys({"a": 1, "b": 2}, {"a"}, where="x", error=ConfErr)
+    with pytest.raises(ValueError, match=r"x: missing keys \['a'\]"):
+        check_keys({}, {"a"}, {"a"}, where="x")
+    with pytest.raises(TypeError, match="x: expected a mapping"):
+        check_keys([1], {"a"}, where="x")
+    assert check_keys({"a": 1}, {"a"}, {"a"}, where="x") == {"a": 1}

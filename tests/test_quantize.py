@@ -701,6 +701,18 @@ def test_mxarray_is_a_pytree():
         q.axis = 1
 
 
+@pytest.mark.parametrize("fmt, want", [
+    (mxjax.MXFP4, jnp.float4_e2m1fn), (mxjax.NVFP4, jnp.float4_e2m1fn),
+    (mxjax.MXFP8_E4M3, jnp.float8_e4m3fn), (mxjax.FP8_E4M3, jnp.float8_e4m3fn),
+    (mxjax.MXFP8_E5M2, jnp.float8_e5m2), (mxjax.FP8_E5M2, jnp.float8_e5m2),
+])
+def test_dtype_is_the_element_dtype_and_fmt_the_format(fmt, want):
+    q = jax.eval_shape(lambda x: mxjax.quantize(x, fmt), jnp.ones((2, 32), jnp.float32))
+    assert q.dtype == jnp.dtype(want)
+    assert isinstance(q.dtype, np.dtype)
+    assert q.fmt is fmt
+
+
 @pytest.mark.parametrize(
     "fmt,shape,axis,bits_per_element",
     [

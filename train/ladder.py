@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from train import dynamics
 from train import ladder_report as R
 from train.config import ConfigError
 
@@ -330,8 +331,8 @@ class RunDiagnostics:
     def in_step(self, ctx) -> dict[str, Any]:
         import jax.numpy as jnp
 
-        gn = self.D.layer_norms(ctx.grads)
-        ur = self.D.relative_update(ctx.params, ctx.new_params)
+        gn = dynamics.layer_norms(ctx.grads)
+        ur = dynamics.relative_update(ctx.params, ctx.new_params)
         self.layout = [(k, int(np.prod(v.shape)) if v.ndim else 0) for k, v in gn.items()]
         return {"diag_gemm": ctx.aux["gemm_stats"],
                 "diag_grad_norm": jnp.concatenate([jnp.ravel(v) for v in gn.values()]),
@@ -346,7 +347,7 @@ class RunDiagnostics:
             else:
                 out[name] = [float(v) for v in vec[i:i + n]]
                 i += n
-        return self.D.expand_layers(out)
+        return dynamics.expand_layers(out)
 
     # host
     def on_record(self, rec: dict[str, Any]) -> dict[str, Any]:
@@ -373,7 +374,7 @@ class RunDiagnostics:
         ur = self._named(rec["diag_update"])
         if gn:
             vals = np.asarray(list(gn.values()))
-            more["grad_collapse_rate"] = _round(self.D.collapse_rate(vals))
+            more["grad_collapse_rate"] = _round(dynamics.collapse_rate(vals))
             more["grad_norm_layer_min"] = _round(float(np.nanmin(vals)))
         if ur:
             u = np.asarray(list(ur.values()))
@@ -573,9 +574,7 @@ def _diag_summary(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
 
 
 def _instability(records: Sequence[Mapping[str, Any]]):
-    from mxjax.diagnostics import InstabilityDetector
-
-    det = InstabilityDetector()
+    det = dynamics.InstabilityDetector()
     state = det.init()
     for r in records:
         if r.get("grad_norm") is not None and int(r["step"]) > 0:

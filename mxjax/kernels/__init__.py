@@ -10,7 +10,14 @@ Entry points for the interceptor:
 """
 
 from mxjax.kernels.capabilities import KERNEL_BACKENDS, Capabilities, capabilities
-from mxjax.kernels.dispatch import BACKENDS, auto_backend, mx_dot, resolve_backend, supports
+from mxjax.kernels.dispatch import (
+    BACKENDS,
+    auto_backend,
+    backend_for_formats,
+    mx_dot,
+    resolve_backend,
+    supports,
+)
 from mxjax.kernels.pallas_gemm import GEMM_TOLERANCE_DOC, gemm_error_bound
 from mxjax.kernels.pallas_quantize import QuantSpec, fused_quantize
 
@@ -21,6 +28,7 @@ __all__ = [
     "Capabilities",
     "QuantSpec",
     "auto_backend",
+    "backend_for_formats",
     "capabilities",
     "fused_quantize",
     "gemm_error_bound",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mxjax.quantize import MXArray
+from mxjax.quantization import MXArray
 
 
 def round_up(n: int, m: int) -> int:

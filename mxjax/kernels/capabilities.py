@@ -7,10 +7,13 @@ import importlib.util
 
 import jax
 
+from mxjax.kernels import triton_gemm
+from mxjax.recipes import BACKENDS
+
 __all__ = ["KERNEL_BACKENDS", "Capabilities", "capabilities"]
 
-# Every concrete backend, in the order 'auto' prefers them where they run natively.
-KERNEL_BACKENDS = ("xla", "pallas", "pallas_fp8", "triton")
+# Every concrete backend (all of mxjax.recipes.BACKENDS but 'auto').
+KERNEL_BACKENDS = tuple(b for b in BACKENDS if b != "auto")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -66,8 +69,6 @@ def _compute_capability(dev) -> tuple[int, int] | None:
 
 def capabilities() -> Capabilities:
     """Inspects jax.devices()[0] (the default backend) and the installed packages."""
-    from mxjax.kernels import triton_gemm
-
     platform = jax.default_backend()
     dev = jax.devices()[0]
     kind = str(getattr(dev, "device_kind", platform))

@@ -8,13 +8,23 @@ from jax import lax
 
 from mxjax import formats as F
 from mxjax.kernels import _common as C
-from mxjax.kernels.capabilities import KERNEL_BACKENDS, Capabilities, capabilities
+from mxjax.kernels.capabilities import Capabilities, capabilities
+from mxjax.kernels.fp8_gemm import mxfp4_matmul_fp8
+from mxjax.kernels.pallas_gemm import mxfp4_matmul_pallas
 from mxjax.kernels.reference import mx_dot_reference
-from mxjax.quantize import MXArray, dequantize
+from mxjax.kernels.triton_gemm import mxfp4_matmul_triton
+from mxjax.layout import canonical_dimension_numbers
+from mxjax.quantization import MXArray, dequantize
+from mxjax.recipes import BACKENDS
 
-__all__ = ["BACKENDS", "auto_backend", "mx_dot", "resolve_backend", "supports"]
-
-BACKENDS = KERNEL_BACKENDS + ("auto",)
+__all__ = [
+    "BACKENDS",
+    "auto_backend",
+    "backend_for_formats",
+    "mx_dot",
+    "resolve_backend",
+    "supports",
+]
 
 
 def auto_backend(caps: Capabilities) -> str:
@@ -63,6 +73,26 @@ def supports(backend: str, lhs_fmt, rhs_fmt) -> bool:
     return F.get(lhs_fmt) is F.MXFP4 and F.get(rhs_fmt) is F.MXFP4
 
 
+def backend_for_formats(backend: str, lhs_fmt, rhs_fmt, *, where: str = "backend",
+                        caps: Capabilities | None = None) -> str:
+    """The concrete backend that runs an ``lhs_fmt x rhs_fmt`` GEMM under `backend`.
+
+    Resolves `backend` (:func:`resolve_backend`). A kernel that does not
+    implement the formats (:func:`supports`) gives 'xla' when `backend` is
+    'auto' and raises ValueError (message prefixed with `where`) when it was
+    asked for explicitly: no silent fallback.
+    """
+    concrete = resolve_backend(backend, caps)
+    if supports(concrete, lhs_fmt, rhs_fmt):
+        return concrete
+    if backend != "auto":
+        raise ValueError(
+            f"{where}: backend {backend!r} implements MXFP4 x MXFP4 only, got "
+            f"{F.get(lhs_fmt).name} x {F.get(rhs_fmt).name}; use backend='xla' or 'auto'"
+        )
+    return "xla"
+
+
 def _check(lhs_q, rhs_q):
     for name, q in (("lhs_q", lhs_q), ("rhs_q", rhs_q)):
         if not isinstance(q, MXArray):
@@ -109,15 +139,7 @@ def mx_dot(lhs_q: MXArray, rhs_q: MXArray, *, backend: str = "xla", interpret: b
       **tiles: block_m / block_n / block_k overrides for the kernel.
     """
     _check(lhs_q, rhs_q)
-    auto = backend == "auto"
-    backend = resolve_backend(backend)
-    if not supports(backend, lhs_q.fmt, rhs_q.fmt):
-        if not auto:
-            raise ValueError(
-                f"backend: {backend!r} implements MXFP4 x MXFP4 only, got "
-                f"{lhs_q.fmt.name} x {rhs_q.fmt.name}; use backend='xla' or 'auto'"
-            )
-        backend = "xla"
+    backend = backend_for_formats(backend, lhs_q.fmt, rhs_q.fmt, where="mx_dot")
     if len(lhs_q.shape) > 2:
         return _batched(lhs_q, rhs_q, backend, interpret, tiles)
     if backend == "xla":
@@ -129,16 +151,10 @@ def mx_dot(lhs_q: MXArray, rhs_q: MXArray, *, backend: str = "xla", interpret: b
 def _kernel(backend, a, sa, b, sb, m, n, interpret, tiles):
     tiles = dict(tiles)
     if backend == "pallas":
-        from mxjax.kernels.pallas_gemm import mxfp4_matmul_pallas
-
         return mxfp4_matmul_pallas(a, sa, b, sb, m=m, n=n, interpret=interpret, **tiles)
     if backend == "pallas_fp8":
-        from mxjax.kernels.fp8_gemm import mxfp4_matmul_fp8
-
         tiles.pop("block_k", None)  # the FP8 path steps K by CHUNK
         return mxfp4_matmul_fp8(a, sa, b, sb, m=m, n=n, interpret=interpret, **tiles)
-    from mxjax.kernels.triton_gemm import mxfp4_matmul_triton
-
     return mxfp4_matmul_triton(a, sa, b, sb, m=m, n=n, **tiles)
 
 
@@ -149,9 +165,7 @@ def _batched(lhs_q: MXArray, rhs_q: MXArray, backend, interpret, tiles):
     if backend == "xla":
         a = dequantize(lhs_q, jnp.float32)
         b = dequantize(rhs_q, jnp.float32)
-        nb = len(batch)
-        dims = (((nb + 1,), (nb + 1,)), (tuple(range(nb)), tuple(range(nb))))
-        return lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST,
+        return lax.dot_general(a, b, canonical_dimension_numbers(len(batch)), precision=lax.Precision.HIGHEST,
                                preferred_element_type=jnp.float32)
 
     def flat(x):

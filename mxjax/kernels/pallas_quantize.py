@@ -8,7 +8,7 @@ rounding, optional Hadamard size and signs, SR key).
 
 Bit-identity with `mxjax.quantize` comes from calling the same element-level
 code: the kernel body runs the reference's block quantizer
-(`mxjax.quantize._quantize_mx`, built from the public helpers `e8m0_exponent`,
+(`mxjax.quantization.quantize_mx_blocks`, built from the public helpers `e8m0_exponent`,
 `round_to_grid` and `mxjax._bits`) on the tile's blocks. The Hadamard is
 `_hadamard_tile` below: the same f32 operations as `mxjax.hadamard` (signs
 multiply, log2(h) butterfly stages a+b / a-b, times 1/sqrt(h), cast back to the
@@ -37,9 +37,9 @@ from jax.experimental import pallas as pl
 
 from mxjax import formats as F
 from mxjax.formats import Format, Rounding, ScaleRule
-from mxjax.hadamard import HADAMARD_SIZES
 from mxjax.kernels import _common as C
-from mxjax.quantize import MXArray, _quantize_mx
+from mxjax.quantization import FLOAT_DTYPES, MXArray, quantize_mx_blocks
+from mxjax.rotation import HADAMARD_SIZES
 
 __all__ = ["QuantSpec", "fused_quantize"]
 
@@ -105,7 +105,7 @@ def _quantize_tile(y, spec: QuantSpec, u):
     r, n = y.shape
     xb = y.reshape(r, n // _BLOCK, _BLOCK)
     ub = None if u is None else u.reshape(xb.shape)
-    codes, scales = _quantize_mx(
+    codes, scales = quantize_mx_blocks(
         xb, spec.fmt.element, spec.scale_rule, spec.rounding, ub, spec.sr_prescale
     )
     codes = codes.reshape(r, n)
@@ -117,7 +117,7 @@ def _quantize_tile(y, spec: QuantSpec, u):
 def _pack_tile(codes):
     """u8[r, n] 4-bit codes -> u8[r, n/2], first of each pair in the low nibble.
 
-    Same bytes as mxjax.quantize._pack, written with split (Triton-lowerable)
+    Same bytes as the packing in mxjax.quantize, written with split (Triton-lowerable)
     instead of strided indexing (lax.slice has no Pallas-Triton lowering).
     """
     r, n = codes.shape
@@ -210,7 +210,7 @@ def fused_quantize(
     x = jnp.asarray(x)
     if x.ndim != 2:
         raise ValueError(f"x: expected a 2-D array, got shape {x.shape}")
-    if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+    if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"x: expected float32, bfloat16 or float16, got {x.dtype}")
     if row is None and col is None:
         raise ValueError("row, col: ask for at least one copy")

@@ -42,7 +42,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-from mxjax.dot_general import dot_general as policy_dot_general
+from mxjax.interceptor import dot_general as policy_dot_general
 from mxjax.nn.rules import Rule, Site, WrapReport
 
 try:  # name stacks and tracebacks of re-bound equations (as jax.core.eval_jaxpr does)

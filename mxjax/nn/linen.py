@@ -9,10 +9,10 @@ import flax.linen as nn
 import jax
 
 from mxjax import policies
-from mxjax.dot_general import dot_general
+from mxjax.interceptor import dot_general
 from mxjax.nn.interpret import marker, transform_call
 from mxjax.nn.rules import Rule, WrapReport
-from mxjax.policy import PrecisionPolicy
+from mxjax.policies import PrecisionPolicy
 
 __all__ = ["LinenDotGeneral", "LinenWrapped", "linen_dot_general_cls"]
 

@@ -12,10 +12,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mxjax import policies
-from mxjax.dot_general import dot_general
+from mxjax.interceptor import dot_general
 from mxjax.nn.interpret import marker, transform_call
 from mxjax.nn.rules import Rule, WrapReport
-from mxjax.policy import PrecisionPolicy
+from mxjax.policies import PrecisionPolicy
 
 __all__ = ["NnxDotGeneral", "NnxEinsumOp", "NnxWrapped"]
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mxjax import policies
-from mxjax.policy import PrecisionPolicy
+from mxjax.policies import PrecisionPolicy
 
 __all__ = ["Rule", "Site", "WrapReport", "as_rules"]
 

@@ -16,7 +16,7 @@ import pytest
 from mxjax import formats as F
 from mxjax.kernels import mx_dot
 from mxjax.kernels.fp8_gemm import CHUNK, MAX_SPAN, reencode_e4m3
-from mxjax.quantize import MXArray
+from mxjax.quantization import MXArray
 from tests.kernels._kernel_testutil import assert_gemm_close, dequantize_jit, quantize
 
 reencode = jax.jit(reencode_e4m3, static_argnames="axis")

@@ -1,7 +1,6 @@
 """The interceptor runs all three GEMMs through the kernel backends (interpret mode on CPU)."""
 
 import dataclasses
-import importlib
 
 import chex
 import jax
@@ -11,9 +10,7 @@ import pytest
 
 import mxjax
 from mxjax import kernels, policies
-from mxjax import policy as policy_mod
-
-dg = importlib.import_module("mxjax.dot_general")
+from mxjax import recipes as policy_mod
 
 
 def _with_backend(policy, backend):

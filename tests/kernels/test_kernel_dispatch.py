@@ -12,6 +12,7 @@ from mxjax.kernels import (
     BACKENDS,
     Capabilities,
     auto_backend,
+    backend_for_formats,
     capabilities,
     resolve_backend,
     supports,
@@ -77,3 +78,14 @@ def test_supports():
     assert supports("pallas", F.MXFP4, "mxfp4")
     assert not supports("pallas_fp8", F.MXFP4, F.MXFP8_E4M3)
     assert not supports("triton", F.BF16, F.MXFP4)
+
+
+def test_backend_for_formats_falls_back_only_under_auto():
+    cpu = dataclasses.replace(capabilities(), platform="cpu")
+    assert backend_for_formats("auto", F.NVFP4, F.MXFP4, caps=cpu) == "xla"
+    assert backend_for_formats("xla", F.NVFP4, F.MXFP4, caps=cpu) == "xla"
+    if cpu.can_run("pallas"):
+        assert backend_for_formats("pallas", F.MXFP4, F.MXFP4, caps=cpu) == "pallas"
+        with pytest.raises(ValueError, match=r"wgrad: backend 'pallas' implements MXFP4 x "
+                                             r"MXFP4 only, got nvfp4 x mxfp4"):
+            backend_for_formats("pallas", F.NVFP4, F.MXFP4, where="wgrad", caps=cpu)

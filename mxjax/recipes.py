@@ -1,4 +1,4 @@
-"""Per-GEMM precision policies: what each operand of fprop, dgrad and wgrad gets.
+"""Per-GEMM recipes: what each operand of fprop, dgrad and wgrad gets.
 
 A linear layer ``Y = X·W`` runs three GEMMs (see the design's GEMM table):
 
@@ -7,12 +7,16 @@ GEMM     computes         operands (lhs, rhs)  blocks run along
 =======  ===============  ===================  ===========================
 fprop    Y = X·W          (X, W)               K, the forward contraction
 dgrad    dX = dY·Wᵀ       (dY, W)              N, the output (rhs free) axes
-wgrad    dW = dYᵀ·X       (dY, X)              M, the token (lhs free) axes
+wgrad    dW = Xᵀ·dY       (dY, X)              M, the token (lhs free) axes
 =======  ===============  ===================  ===========================
 
-A :class:`PrecisionPolicy` holds one :class:`GemmRecipe` per GEMM; a recipe holds
-one :class:`OperandRecipe` per operand and an optional :class:`Hadamard` rotation
-applied to both operands along that GEMM's contraction axis. All four classes
+(wgrad's lhs is dY: the interceptor contracts dY with X over M and transposes
+the product into W's layout, as JAX's transpose rule does.)
+
+A ``PrecisionPolicy`` (``mxjax.policies``) holds one :class:`GemmRecipe` per
+GEMM; a recipe holds one :class:`OperandRecipe` per operand and an optional
+:class:`Hadamard` rotation applied to both operands along that GEMM's
+contraction axis. All these classes
 are frozen, keyword-only and hashable (usable as static ``jit`` arguments), and
 validate their fields at construction.
 """
@@ -21,11 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any
+from typing import Any, Protocol
 
 from mxjax import formats as F
 from mxjax.formats import Format, Rounding, ScaleRule
-from mxjax.hadamard import HADAMARD_SIZES
+from mxjax.rotation import HADAMARD_SIZES
 
 __all__ = [
     "BACKENDS",
@@ -34,16 +38,15 @@ __all__ = [
     "GemmRecipe",
     "Hadamard",
     "OperandRecipe",
-    "PrecisionPolicy",
+    "PolicyRecipes",
 ]
 
 # GEMM names in the order fprop, dgrad, wgrad (also the order keys are split in).
 GEMMS = ("fprop", "dgrad", "wgrad")
 
-# Where a GEMM runs. 'xla' is the jnp reference (quantize -> dequantize -> dot
-# in f32 at HIGHEST precision). Kernel backends register their names here and a
-# function in `mxjax.dot_general._BACKEND_FNS`.
-# Must equal mxjax.kernels.BACKENDS (tested); kept here so policies do not import Pallas.
+# Where a GEMM runs (the one list; mxjax.kernels re-exports it). 'xla' is the
+# jnp reference (quantize -> dequantize -> dot in f32 at HIGHEST precision); the
+# others are mxjax.kernels backends; 'auto' picks the best one for the device.
 BACKENDS: tuple[str, ...] = ("xla", "pallas", "pallas_fp8", "triton", "auto")
 
 
@@ -109,6 +112,14 @@ class OperandRecipe:
         """True when rounding is STOCHASTIC."""
         return self.rounding is Rounding.STOCHASTIC
 
+    def quantizer_kwargs(self, key: Any = None) -> dict[str, Any]:
+        """Keyword arguments of ``mxjax.quantize`` / ``fake_quantize`` for this operand.
+
+        ``key`` is kept only when the rounding is STOCHASTIC (None otherwise).
+        """
+        return {"scale_rule": self.scale_rule, "rounding": self.rounding,
+                "key": key if self.needs_key else None, "sr_prescale": self.sr_prescale}
+
     def describe(self) -> str:
         """Short text, e.g. ``'mxfp4 even/nearest_even'`` or ``'bf16 (pass-through)'``."""
         if self.is_passthrough:
@@ -141,7 +152,7 @@ class Hadamard:
       randomized: draw a fresh ±1 sign vector from the GEMM's key on every call
         (the caller folds step and layer into the key). Needs a key.
       seed: deterministic only: a fixed ±1 sign vector from this integer seed
-        (``mxjax.hadamard.fixed_signs``); None means no signs (plain H).
+        (``mxjax.rotation.fixed_signs``); None means no signs (plain H).
     """
 
     block_size: int = 16
@@ -190,7 +201,7 @@ class GemmRecipe:
       rhs: second operand (W in fprop and dgrad, X in wgrad).
       hadamard: rotation of both operands along the contraction, or None. An int
         h is accepted and becomes ``Hadamard(block_size=h)``.
-      backend: where the GEMM runs; one of ``mxjax.policy.BACKENDS``.
+      backend: where the GEMM runs; one of ``mxjax.recipes.BACKENDS``.
     """
 
     lhs: OperandRecipe | Format | str
@@ -222,88 +233,34 @@ class GemmRecipe:
                 or (self.hadamard is not None and self.hadamard.needs_key))
 
 
-def _coerce_gemm(value: Any, name: str) -> GemmRecipe:
-    if not isinstance(value, GemmRecipe):
-        raise TypeError(f"PrecisionPolicy: {name} must be a GemmRecipe, got {value!r}")
-    return value
+class PolicyRecipes(Protocol):
+    """What the interceptor reads of a policy: a GemmRecipe per GEMM (``mxjax.PrecisionPolicy``).
 
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PrecisionPolicy:
-    """Recipes for the three GEMMs of every dot_general it is applied to.
-
-    Attributes:
-      fprop: Y = X·W, operands (X, W), blocks along the forward contraction K.
-      dgrad: dX = dY·Wᵀ, operands (dY, W), blocks along N (rhs free axes).
-      wgrad: dW = dYᵀ·X, operands (dY, X), blocks along M (lhs free axes).
-      name: optional label (presets carry their name). Not part of equality or
-        the hash: two policies with the same recipes are the same policy.
-
-    Use ``policy.dot_general(key)`` for a drop-in ``lax.dot_general`` and
-    ``print(policy.describe())`` for the 3×2 table of what each operand gets.
+    Defined here, below the interceptor, so that the interceptor never imports
+    the policy type (which sits above it and calls it for ``policy.dot_general``).
     """
 
-    fprop: GemmRecipe
-    dgrad: GemmRecipe
-    wgrad: GemmRecipe
-    name: str | None = dataclasses.field(default=None, compare=False)
-
-    def __post_init__(self):
-        for g in GEMMS:
-            _coerce_gemm(getattr(self, g), g)
-        if self.name is not None and not isinstance(self.name, str):
-            raise TypeError(f"PrecisionPolicy: name must be a str or None, got {self.name!r}")
+    @property
+    def fprop(self) -> GemmRecipe: ...
 
     @property
-    def gemms(self) -> dict[str, GemmRecipe]:
-        """{'fprop': ..., 'dgrad': ..., 'wgrad': ...}."""
-        return {g: getattr(self, g) for g in GEMMS}
+    def dgrad(self) -> GemmRecipe: ...
 
     @property
-    def needs_key(self) -> bool:
-        """True when any GEMM uses STOCHASTIC rounding or a randomized Hadamard."""
-        return any(r.needs_key for r in self.gemms.values())
+    def wgrad(self) -> GemmRecipe: ...
 
     @property
-    def is_passthrough(self) -> bool:
-        """True when all three GEMMs are plain ``lax.dot_general`` (the bf16 policy)."""
-        return all(r.is_passthrough for r in self.gemms.values())
+    def name(self) -> str | None: ...
 
-    def describe(self) -> str:
-        """The 3×2 table (GEMM × operand) of what each operand gets, as text."""
-        operand_names = {"fprop": ("X", "W"), "dgrad": ("dY", "W"), "wgrad": ("dY", "X")}
-        rows = []
-        for g, r in self.gemms.items():
-            ln, rn = operand_names[g]
-            had = r.hadamard.describe() if r.hadamard else "-"
-            rows.append((g, f"{ln}: {r.lhs.describe()}", f"{rn}: {r.rhs.describe()}", had, r.backend))
-        header = ("GEMM", "lhs", "rhs", "hadamard", "backend")
-        widths = [max(len(str(row[i])) for row in rows + [header]) for i in range(len(header))]
-        fmt_row = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
-        title = f"PrecisionPolicy {self.name!r}" if self.name else "PrecisionPolicy"
-        lines = [title + (" (needs a PRNG key)" if self.needs_key else ""), fmt_row(header)]
-        lines.append("  ".join("-" * w for w in widths))
-        lines += [fmt_row(row) for row in rows]
-        return "\n".join(lines)
+    @property
+    def needs_key(self) -> bool: ...
 
-    def __str__(self) -> str:
-        return self.describe()
+    @property
+    def is_passthrough(self) -> bool: ...
 
-    def dot_general(self, key=None):
-        """A drop-in for ``jax.lax.dot_general`` under this policy.
 
-        Args:
-          key: PRNG key (typed or raw uint32); required when ``needs_key``.
-        Returns:
-          ``f(lhs, rhs, dimension_numbers, precision=None,
-          preferred_element_type=None, **kwargs)``; extra keyword arguments
-          (e.g. Flax's ``out_sharding``) are accepted and ignored.
-        """
-        # Imported here: the interceptor sits one layer above the policy types.
-        from mxjax.dot_general import bind_policy
-
-        return bind_policy(self, key)
-
-    def replace(self, **changes) -> PrecisionPolicy:
-        """A copy with some fields replaced (re-validated)."""
-        return dataclasses.replace(self, **changes)
+def check_policy_recipes(policy: Any, name: str = "policy") -> PolicyRecipes:
+    """Raises TypeError unless `policy` holds a GemmRecipe for each of :data:`GEMMS`."""
+    if not all(isinstance(getattr(policy, g, None), GemmRecipe) for g in GEMMS):
+        raise TypeError(f"{name}: expected a PrecisionPolicy, got {policy!r}")
+    return policy

@@ -22,16 +22,21 @@ from mxjax import formats as F
 from mxjax.formats import ElementFormat, Format, Rounding, ScaleRule
 
 __all__ = [
+    "FLOAT_DTYPES",
     "MXArray",
     "decode_magnitude",
     "dequantize",
     "e8m0_exponent",
     "fake_quantize",
     "quantize",
+    "quantize_mx_blocks",
     "round_to_grid",
 ]
 
-_FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# The input dtypes the quantizer (and every quantized GEMM) accepts.
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# Element format name -> the ml_dtypes dtype of one element (MXArray.dtype).
+_ELEMENT_DTYPES = {"e2m1": jnp.float4_e2m1fn, "e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 SR_PRESCALE = 0.75  # Tseng et al.: keep stochastic rounding away from saturation
 SR_UNSCALE = 4.0 / 3.0  # dequantize multiplies by fp32(4/3)
 
@@ -201,8 +206,12 @@ class MXArray:
         return total
 
     @property
-    def dtype(self):
-        return self.fmt
+    def dtype(self) -> jnp.dtype:
+        """The element dtype: float4_e2m1fn (MXFP4, NVFP4), float8_e4m3fn or float8_e5m2.
+
+        What each code holds (before its scale); the format itself is ``fmt``.
+        """
+        return jnp.dtype(_ELEMENT_DTYPES[self.fmt.element.name])
 
     def dequantize(self, dtype=jnp.float32) -> jnp.ndarray:
         return dequantize(self, dtype)
@@ -218,7 +227,7 @@ def _check_input(x: Any, fmt: Any, axis: int, scale_rule, rounding, key):
     fmt = F.get(fmt)
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
         x = jnp.asarray(x)
-    if not any(x.dtype == d for d in _FLOAT_DTYPES):
+    if not any(x.dtype == d for d in FLOAT_DTYPES):
         raise TypeError(f"x: expected a float32, bfloat16 or float16 array, got dtype {x.dtype}")
     ndim = x.ndim
     if ndim == 0:
@@ -273,8 +282,13 @@ def _mx_prepare(xb, elem, rule, prescale):
     return jnp.where(nonfinite, 0.0, y), s, nonfinite
 
 
-def _quantize_mx(xb, elem, rule, mode, u, prescale):
-    """xb f32 [..., nb, bs] -> (codes uint8 [..., nb, bs], E8M0 scale bytes uint8 [..., nb])."""
+def quantize_mx_blocks(xb, elem, rule, mode, u, prescale):
+    """xb f32 [..., nb, bs] -> (codes uint8 [..., nb, bs], E8M0 scale bytes uint8 [..., nb]).
+
+    The E8M0 block quantizer on blocks laid out last (unpacked codes); also the
+    body of the fused Pallas kernel. ``u``: uniforms for STOCHASTIC (else None);
+    ``prescale``: the 3/4 SR pre-scale.
+    """
     y, s, nonfinite = _mx_prepare(xb, elem, rule, prescale)
     sign, code = round_to_grid(y, elem, mode, u)
     scale_bytes = jnp.where(nonfinite, 255, s + 127).astype(jnp.uint8)[..., 0]
@@ -430,7 +444,7 @@ def _core(x, fmt: Format, axis: int, rule: ScaleRule, mode: Rounding, key, presc
             out = _fake_nvfp4(xb, mode, ub, prescale)
         return out.reshape(xm.shape), None, None, n
     if fmt.scale == "e8m0":
-        codes, scales = _quantize_mx(xb, elem, rule, mode, ub, prescale)
+        codes, scales = quantize_mx_blocks(xb, elem, rule, mode, ub, prescale)
         t = None
     else:
         codes, scales, t = _quantize_nvfp4(xb, mode, ub, prescale)

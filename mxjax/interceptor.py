@@ -28,6 +28,8 @@ re-quantizes them along its own axes. Pass-through GEMMs call
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 import operator
@@ -39,14 +41,22 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mxjax import diagnostics
-from mxjax.hadamard import fixed_signs, hadamard, random_signs
-from mxjax.policy import GemmRecipe, PrecisionPolicy
-from mxjax.quantize import fake_quantize, quantize
+from mxjax.layout import canonical_dimension_numbers
+from mxjax.quantization import FLOAT_DTYPES, fake_quantize, quantize
+from mxjax.recipes import BACKENDS, GemmRecipe, PolicyRecipes, check_policy_recipes
+from mxjax.rotation import fixed_signs, hadamard, random_signs
 
-__all__ = ["Dims", "backward_dimension_numbers", "bind_policy", "dot_general", "gemm"]
-
-_QUANT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+__all__ = [
+    "Dims",
+    "backward_dimension_numbers",
+    "canonical_operands",
+    "dot_general",
+    "gemm",
+    "normalize_dimension_numbers",
+    "observe",
+    "quantizer_operands",
+    "split_key",
+]
 
 
 class Dims(NamedTuple):
@@ -198,12 +208,20 @@ def _to_canonical(x: jax.Array, batch: Sequence[int], contract: Sequence[int]) -
     return x.reshape(bshape + (f, k)).astype(jnp.float32)
 
 
+def canonical_operands(a: jax.Array, b: jax.Array, dims: Dims) -> tuple[jax.Array, jax.Array]:
+    """Both operands of ``dot_general(a, b, dims)`` in the canonical layout, f32.
+
+    Returns ``(a3, b3)``: f32 ``[batch..., Fa, K]`` and ``[batch..., Fb, K]``
+    (``mxjax.layout``), free and contracting axes flattened in order.
+    """
+    (ca, cb), (ba, bb) = dims
+    return _to_canonical(a, ba, ca), _to_canonical(b, bb, cb)
+
+
 def _prepare_operand(x: jax.Array, recipe, key) -> jax.Array:
     if recipe.is_passthrough:
         return x
-    return fake_quantize(x, recipe.fmt, axis=-1, scale_rule=recipe.scale_rule,
-                         rounding=recipe.rounding, key=key if recipe.needs_key else None,
-                         sr_prescale=recipe.sr_prescale)
+    return fake_quantize(x, recipe.fmt, axis=-1, **recipe.quantizer_kwargs(key))
 
 
 def _rotate(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, k_had):
@@ -231,9 +249,33 @@ def _rotate(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, k_had):
                                      hadamard(b3, h, axis=-1, signs=signs)))
 
 
-def _operand_keys(key):
-    """(lhs rounding, rhs rounding, Hadamard signs) keys of one GEMM."""
-    return jax.random.split(key, 3) if key is not None else (None, None, None)
+def split_key(key):
+    """Three keys from one, or three Nones for None.
+
+    The call's key gives (fprop, dgrad, wgrad); each GEMM's key gives (lhs
+    rounding, rhs rounding, Hadamard signs).
+    """
+    if key is None:
+        return None, None, None
+    k0, k1, k2 = jax.random.split(key, 3)
+    return k0, k1, k2
+
+
+def quantizer_operands(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key):
+    """One GEMM's operands as its backend hands them to the quantizer.
+
+    Args:
+      a3, b3: the canonical operands (:func:`canonical_operands`).
+      recipe: the GEMM's recipe.
+      key: the GEMM's key (ignored unless the recipe needs one).
+    Returns:
+      ``(a3, b3, lhs_key, rhs_key)``: the operands rotated by the recipe's
+      Hadamard along K (zero-padded to its size) when it has one, and the keys
+      of the two roundings (None unless needed).
+    """
+    k_lhs, k_rhs, k_had = split_key(key if recipe.needs_key else None)
+    a3, b3 = _rotate(a3, b3, recipe, k_had)
+    return a3, b3, k_lhs, k_rhs
 
 
 def _xla_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key, gemm_name: str) -> jax.Array:
@@ -248,16 +290,13 @@ def _xla_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key, gemm_name: 
     Returns:
       f32 [batch..., Fa, Fb].
     """
-    k_lhs, k_rhs, k_had = _operand_keys(key)
-    a3, b3 = _rotate(a3, b3, recipe, k_had)
-    diagnostics.record_gemm(gemm_name, a3, b3, recipe, k_lhs, k_rhs)  # no-op unless collecting
+    a3, b3, k_lhs, k_rhs = quantizer_operands(a3, b3, recipe, key)
     aq = _prepare_operand(a3, recipe.lhs, k_lhs)
     bq = _prepare_operand(b3, recipe.rhs, k_rhs)
     # The dequantized operands are computed with integer ops, but keep XLA from
     # algebraically simplifying anything across the quantization boundary.
     aq, bq = lax.optimization_barrier((aq, bq))
-    nb = a3.ndim - 2
-    dims = (((nb + 1,), (nb + 1,)), (tuple(range(nb)), tuple(range(nb))))
+    dims = canonical_dimension_numbers(a3.ndim - 2)
     return lax.dot_general(aq, bq, dims, precision=lax.Precision.HIGHEST,
                            preferred_element_type=jnp.float32)
 
@@ -272,34 +311,23 @@ def _kernel_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key, gemm_nam
     """
     from mxjax import kernels  # imported here: keeps `import mxjax` free of Pallas
 
-    backend = kernels.resolve_backend(recipe.backend)
+    backend = kernels.backend_for_formats(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt,
+                                          where=gemm_name)
     if backend == "xla":
         return _xla_gemm(a3, b3, recipe, key, gemm_name)
-    if recipe.lhs.is_passthrough or recipe.rhs.is_passthrough or not kernels.supports(
-        backend, recipe.lhs.fmt, recipe.rhs.fmt
-    ):
-        if recipe.backend != "auto":
-            raise ValueError(
-                f"{gemm_name}: backend {recipe.backend!r} implements MXFP4 x MXFP4 only, got "
-                f"{recipe.lhs.fmt.name} x {recipe.rhs.fmt.name}; use backend='xla' or 'auto'"
-            )
-        return _xla_gemm(a3, b3, recipe, key, gemm_name)
-    k_lhs, k_rhs, k_had = _operand_keys(key)
-    a3, b3 = _rotate(a3, b3, recipe, k_had)
-    diagnostics.record_gemm(gemm_name, a3, b3, recipe, k_lhs, k_rhs)  # no-op unless collecting
+    a3, b3, k_lhs, k_rhs = quantizer_operands(a3, b3, recipe, key)
 
     def q(x, op, k):
-        return quantize(x, op.fmt, axis=-1, scale_rule=op.scale_rule, rounding=op.rounding,
-                        key=k if op.needs_key else None, sr_prescale=op.sr_prescale)
+        return quantize(x, op.fmt, axis=-1, **op.quantizer_kwargs(k))
 
     return kernels.mx_dot(q(a3, recipe.lhs, k_lhs), q(b3, recipe.rhs, k_rhs), backend=backend)
 
 
-# Backend name -> function(a3, b3, recipe, key, gemm_name) -> f32 [batch..., Fa, Fb].
-# Kernel backends add themselves here (and to mxjax.policy.BACKENDS).
+# Backend name (mxjax.recipes.BACKENDS) -> function(a3, b3, recipe, key, gemm_name)
+# -> f32 [batch..., Fa, Fb]. Every name but 'xla' runs through mxjax.kernels.
 _BACKEND_FNS: dict[str, Callable[..., jax.Array]] = {
     "xla": _xla_gemm,
-    **{name: _kernel_gemm for name in ("pallas", "pallas_fp8", "triton", "auto")},
+    **{name: _kernel_gemm for name in BACKENDS if name != "xla"},
 }
 
 
@@ -331,13 +359,43 @@ def gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key, *,
         jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(b.shape, b.dtype),
     ).dtype
     (ca, cb), (ba, bb) = dims
-    a3 = _to_canonical(a, ba, ca)
-    b3 = _to_canonical(b, bb, cb)
+    a3, b3 = canonical_operands(a, b, dims)
     out = _backend_fn(recipe)(a3, b3, recipe, key if recipe.needs_key else None, gemm_name)
     fa = [a.shape[i] for i in _remaining(a.ndim, ba, ca)]
     fb = [b.shape[i] for i in _remaining(b.ndim, bb, cb)]
     out = out.reshape(tuple(a.shape[i] for i in ba) + tuple(fa) + tuple(fb))
     return out.astype(out_dtype)
+
+
+# --------------------------------------------------------------------------- #
+# The observer hook
+# --------------------------------------------------------------------------- #
+# hook(call, lhs, rhs, key, dims, policy) -> call(lhs, rhs, key). `call` is the
+# quantized dot_general with its custom VJP (it closes over static values only);
+# `dims` are the normalized dimension numbers, `key` the call's key (None when
+# the policy needs none). Context-local: set only inside `observe`.
+_HOOK: contextvars.ContextVar[Callable[..., jax.Array] | None] = contextvars.ContextVar(
+    "mxjax_interceptor_hook", default=None)
+
+
+@contextlib.contextmanager
+def observe(hook: Callable[..., jax.Array]):
+    """Routes every quantized ``dot_general`` traced inside the block through `hook`.
+
+    The one extension point of the interceptor (``mxjax.diagnostics`` uses it to
+    collect GEMM statistics). Once per quantized call, at trace time, the
+    interceptor calls ``hook(call, lhs, rhs, key, dims, policy)`` instead of
+    ``call(lhs, rhs, key)``; the hook must return that value (it may wrap
+    ``call`` in its own custom VJP to see the cotangent). Pass-through policies
+    never reach it. Outside the block nothing is added to the traced program.
+    """
+    if not callable(hook):
+        raise TypeError(f"hook: expected a callable, got {hook!r}")
+    token = _HOOK.set(hook)
+    try:
+        yield
+    finally:
+        _HOOK.reset(token)
 
 
 # --------------------------------------------------------------------------- #
@@ -347,18 +405,11 @@ class _Static(NamedTuple):
     dims: Dims
     precision: Any
     preferred_element_type: Any
-    policy: PrecisionPolicy
-
-
-def _gemm_keys(key):
-    if key is None:
-        return None, None, None
-    kf, kd, kw = jax.random.split(key, 3)
-    return kf, kd, kw
+    policy: PolicyRecipes
 
 
 def _fprop(lhs, rhs, key, st: _Static):
-    kf, _, _ = _gemm_keys(key)
+    kf, _, _ = split_key(key)
     return gemm(lhs, rhs, st.dims, st.policy.fprop, kf, precision=st.precision,
                 preferred_element_type=st.preferred_element_type, gemm_name="fprop")
 
@@ -374,7 +425,7 @@ def _policy_dot_fwd(lhs, rhs, key, st: _Static):
 
 def _policy_dot_bwd(st: _Static, res, g):
     lhs, rhs, key = res
-    _, kd, kw = _gemm_keys(key)
+    _, kd, kw = split_key(key)
     (d_dims, d_perm), (w_dims, w_perm) = backward_dimension_numbers(st.dims, lhs.ndim, rhs.ndim)
     kw_args = {"precision": st.precision, "preferred_element_type": st.preferred_element_type}
     dlhs = gemm(g, rhs, d_dims, st.policy.dgrad, kd, gemm_name="dgrad", **kw_args)
@@ -402,7 +453,7 @@ def dot_general(
     precision=None,
     preferred_element_type=None,
     *,
-    policy: PrecisionPolicy | str,
+    policy: PolicyRecipes,
     key: jax.Array | None = None,
     **kwargs,
 ) -> jax.Array:
@@ -417,7 +468,8 @@ def dot_general(
       precision: used by pass-through GEMMs; quantized GEMMs always accumulate
         the dequantized operands in f32 at HIGHEST precision.
       preferred_element_type: output dtype, as for ``lax.dot_general``.
-      policy: a PrecisionPolicy or a preset name (``mxjax.policies.names()``).
+      policy: a ``mxjax.PrecisionPolicy`` (``mxjax.dot_general`` also takes a preset
+        name and resolves it before calling this).
       key: PRNG key; required when ``policy.needs_key``. Split per GEMM.
       **kwargs: accepted and ignored (e.g. Flax's ``out_sharding``), except that
         a pass-through policy forwards ``out_sharding`` to ``lax.dot_general``.
@@ -425,12 +477,7 @@ def dot_general(
       Array with ``lax.dot_general``'s shape and dtype. Its cotangents have the
       primals' dtypes.
     """
-    if isinstance(policy, str):
-        from mxjax import policies  # same layer; a preset table
-
-        policy = policies.get(policy)
-    if not isinstance(policy, PrecisionPolicy):
-        raise TypeError(f"policy: expected a PrecisionPolicy or a preset name, got {policy!r}")
+    policy = check_policy_recipes(policy)
     lhs = _check_operand(lhs, "lhs")
     rhs = _check_operand(rhs, "rhs")
     dims = normalize_dimension_numbers(dimension_numbers, lhs.shape, rhs.shape)
@@ -445,7 +492,7 @@ def dot_general(
         return lax.dot_general(lhs, rhs, dims.as_lax(), precision=precision,
                                preferred_element_type=preferred_element_type, **extra)
     for name, x in (("lhs", lhs), ("rhs", rhs)):
-        if not any(x.dtype == d for d in _QUANT_DTYPES):
+        if not any(x.dtype == d for d in FLOAT_DTYPES):
             raise TypeError(
                 f"{name}: quantized GEMMs support float32, bfloat16 and float16, got {x.dtype}"
             )
@@ -459,27 +506,7 @@ def dot_general(
         key = None
     st = _Static(dims, precision, None if preferred_element_type is None
                  else jnp.dtype(preferred_element_type), policy)
-    slot = diagnostics.next_probe()  # None unless mxjax.diagnostics is collecting
-    if slot is not None:
-        return diagnostics.probed_call(lambda a, b, k: _policy_dot(a, b, k, st), slot,
-                                       lhs, rhs, key)
+    hook = _HOOK.get()  # None unless an observer (mxjax.diagnostics) is active
+    if hook is not None:
+        return hook(lambda a, b, k: _policy_dot(a, b, k, st), lhs, rhs, key, dims, policy)
     return _policy_dot(lhs, rhs, key, st)
-
-
-def bind_policy(policy: PrecisionPolicy, key=None) -> Callable[..., jax.Array]:
-    """``policy.dot_general(key)``: a function with ``lax.dot_general``'s signature."""
-    if not isinstance(policy, PrecisionPolicy):
-        raise TypeError(f"policy: expected a PrecisionPolicy, got {policy!r}")
-    if policy.needs_key and key is None:
-        raise ValueError(
-            f"key: policy {policy.name or ''!s} uses stochastic rounding or a randomized "
-            "Hadamard; policy.dot_general(key) needs a PRNG key"
-        )
-
-    def policy_dot_general(lhs, rhs, dimension_numbers, precision=None,
-                           preferred_element_type=None, **kwargs):
-        return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
-                           policy=policy, key=key, **kwargs)
-
-    policy_dot_general.policy = policy
-    return policy_dot_general
