@@ -1,10 +1,10 @@
 """Tokens/s of the full train step of configs/tiny.yaml under precision policies.
 
-The step is the real one from `train.loop` (forward + backward + clip + AdamW +
-non-finite guard, state donated) on real batches of the embedded corpus. All
-policies are compiled first, then timed interleaved in one process: each round
-runs ``--steps`` steps of every policy (the order rotates per round), so load
-from other processes hits all policies alike. Reported per policy: median and
+The step is the real one (`train.step`, jitted by `train.loop.Trainer`: forward +
+backward + clip + AdamW + non-finite guard, state donated) on real batches of the
+embedded corpus. All policies are compiled first, then timed interleaved in one
+process: each round runs ``--steps`` steps of every policy (the order rotates per
+round), so load from other processes hits all policies alike. Reported per policy: median and
 best wall time per step over rounds, tokens/s (median), the process CPU time
 per step (all threads; the least sensitive to other processes' load), and the
 slowdown relative to no policy for each of the three. Target: ``mxfp4_all_h16``

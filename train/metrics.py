@@ -1,6 +1,6 @@
 """Run outputs: per-step JSONL, MLPerf-style log, progress display, loss plot.
 
-Files in a run directory (see `train.loop.run`):
+Files in a run directory (see `train.loop.run` and `train.trainer`):
 
 * ``metrics.jsonl``: one JSON object per logged step with keys ``step``,
   ``tokens`` (tokens consumed so far), ``loss`` (train loss of that step),

@@ -14,8 +14,8 @@ from train.config import ConfigError
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("data_cache")
+def cache(data_cache):
+    return data_cache
 
 
 def test_tiny_yaml_parses_with_documented_defaults():

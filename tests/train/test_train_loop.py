@@ -29,8 +29,8 @@ def _steps(out) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("data_cache")
+def cache(data_cache):
+    return data_cache
 
 
 @pytest.fixture(scope="module")

@@ -41,10 +41,10 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_data2_fsdp4_matches_single_device(tmp_path):
+def test_data2_fsdp4_matches_single_device(tmp_path, data_cache):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests" / "train")]))
-    r = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path), str(tmp_path / "data")],
+    r = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path), str(data_cache)],
                        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
                        check=False)
     assert r.returncode == 0, r.stderr[-4000:]
