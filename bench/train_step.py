@@ -1,10 +1,10 @@
 """Tokens/s of the full train step of configs/tiny.yaml under precision policies.
 
-The step is the real one from `train.loop` (forward + backward + clip + AdamW +
-non-finite guard, state donated) on real batches of the embedded corpus. All
-policies are compiled first, then timed interleaved in one process: each round
-runs ``--steps`` steps of every policy (the order rotates per round), so load
-from other processes hits all policies alike. Reported per policy: median and
+The step is the real one (`train.step`, jitted by `train.loop.Trainer`: forward +
+backward + clip + AdamW + non-finite guard, state donated) on real batches of the
+embedded corpus. All policies are compiled first, then timed interleaved in one
+process: each round runs ``--steps`` steps of every policy (the order rotates per
+round), so load from other processes hits all policies alike. Reported per policy: median and
 best wall time per step over rounds, tokens/s (median), the process CPU time
 per step (all threads; the least sensitive to other processes' load), and the
 slowdown relative to no policy for each of the three. Target: ``mxfp4_all_h16``
@@ -93,7 +93,8 @@ def main(argv=None) -> int:
     print(f"{'policy':16s} {'ms/step':>8s} {'best ms':>8s} {'tokens/s':>9s} {'cpu ms':>8s} "
           f"{'x none':>7s} {'x best':>7s} {'x cpu':>6s}")
     for name in names:
-        med, best, c = statistics.median(times[name]), min(times[name]), statistics.median(cpu[name])
+        med, best = statistics.median(times[name]), min(times[name])
+        c = statistics.median(cpu[name])
         row = {"policy": name, "ms_per_step": med * 1e3, "best_ms_per_step": best * 1e3,
                "tokens_per_s": tokens / med, "cpu_ms_per_step": c * 1e3,
                "slowdown_vs_none": med / base, "slowdown_best": best / base_best,

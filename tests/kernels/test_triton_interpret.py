@@ -32,7 +32,7 @@ import pytest
 from mxjax import formats as F
 from mxjax.kernels import _common as C
 from mxjax.kernels import gemm_error_bound, mx_dot
-from mxjax.quantize import MXArray
+from mxjax.quantization import MXArray
 from tests.kernels._kernel_testutil import assert_gemm_close, hard_matrix, quantize
 
 pytestmark = [

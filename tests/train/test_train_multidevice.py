@@ -35,16 +35,16 @@ _SCRIPT = textwrap.dedent("""
                      "grad_norms": [r["grad_norm"] for r in recs]}
     # the sharded run really was sharded: parameters split over fsdp
     tr = loop.Trainer(loop.validate(cfg, verbose=False), None, False)
-    spec = tr.param_sh["layers"]["gate_proj"]["kernel"].spec
+    spec = tr.layout.param_shardings["layers"]["gate_proj"]["kernel"].spec
     out["gate_spec"] = [str(s) for s in spec]
     print("RESULT " + json.dumps(out))
 """)
 
 
-def test_data2_fsdp4_matches_single_device(tmp_path):
+def test_data2_fsdp4_matches_single_device(tmp_path, data_cache):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests" / "train")]))
-    r = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path), str(tmp_path / "data")],
+    r = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path), str(data_cache)],
                        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
                        check=False)
     assert r.returncode == 0, r.stderr[-4000:]

@@ -44,8 +44,8 @@ def _final_state(out):
     # a randomized policy: its per-step keys must resume too (slower to compile)
     pytest.param("mxfp4_all_sr", marks=pytest.mark.slow),
 ])
-def test_sigkill_and_restart_is_bit_identical(tmp_path, policy):
-    cache, jcache = tmp_path / "data", tmp_path / "jax"
+def test_sigkill_and_restart_is_bit_identical(tmp_path, data_cache, policy):
+    cache, jcache = data_cache, data_cache / "jax"
     a, b = tmp_path / "a", tmp_path / "b"
     r = run_cli(_args(a, cache, jcache, policy), timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -55,8 +55,8 @@ def test_sigkill_and_restart_is_bit_identical(tmp_path, policy):
 
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.Popen([sys.executable, "-m", "train", *_args(b, cache, jcache, policy)], cwd=ROOT,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-m", "train", *_args(b, cache, jcache, policy)],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 300
     killed_at = None
     while time.time() < deadline and proc.poll() is None:

@@ -14,10 +14,15 @@ MODEL = "{dim: 64, n_layers: 2, n_heads: 4, n_kv_heads: 2, ffn_dim: 128, max_seq
 
 
 def fast_sets(out: Path, cache: Path, *extra: str) -> list[str]:
-    """--set overrides for a tiny, quick run on a slice of the embedded corpus."""
+    """--set overrides for a tiny, quick run on a slice of the embedded corpus.
+
+    Runs share the persistent compilation cache ``<cache>/jax``: runs of the same
+    program (same model, policy, shapes and schedule) compile it once.
+    """
     return [
         f"out_dir={out}",
         f"data.cache_dir={cache}",
+        f"jax_cache_dir={Path(cache) / 'jax'}",
         "data.max_docs=3000",
         "data.vocab_size=512",
         "data.seq_len=64",
