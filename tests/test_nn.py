@@ -171,7 +171,7 @@ def test_wrap_linen_mlp_equals_the_model_built_with_the_policy_and_reports():
     rep = wrapped.last_report
     assert rep.modules == {"up": "mxfp4_all", "down": "mxfp4_all", "": "mxfp4_all"}
     assert [r.path for r in rep.unused_rules] == ["attn.*"]
-    assert "unused: Rule('attn.*' -> fp8)" in str(rep)
+    assert "unused: Rule('attn.*' -> fp8, operands=weight)" in str(rep)
     assert wrapped.report(v, x).modules == rep.modules
 
 
@@ -200,7 +200,7 @@ def test_wrap_reaches_flax_attention_whose_code_we_did_not_write():
     x = jax.random.normal(jax.random.key(1), (2, 16, 32))
     m = Block()
     v = m.init(jax.random.key(0), x)
-    wrapped = mnn.wrap(m, [mnn.Rule(path="attn", policy="bf16"),  # keep the score GEMMs exact
+    wrapped = mnn.wrap(m, [mnn.Rule(path="attn", policy="bf16", operands="activation"),
                            mnn.Rule(path=".*", policy="mxfp4_all")])
     y, grads = jax.jit(jax.value_and_grad(lambda v: jnp.sum(wrapped.apply(v, x) ** 2)))(v)
     rep = wrapped.last_report
@@ -288,7 +288,7 @@ def test_wrap_nnx_reaches_flax_attention_whose_code_we_did_not_write():
 
     x = jax.random.normal(jax.random.key(1), (2, 16, 32))
     model = Model(nnx.Rngs(0))
-    wrapped = mnn.wrap(model, [mnn.Rule(path=r"blocks/1/.*", policy="bf16"),
+    wrapped = mnn.wrap(model, [mnn.Rule(path=r"blocks/1/.*", policy="bf16", operands="any"),
                                mnn.Rule(path=r"blocks/0/(attn/\w+|ffn)", policy="mxfp4_all")])
     rep = wrapped.report(x)
     expected = {f"blocks/{i}/{n}": ("mxfp4_all", "bf16")[i] for i in (0, 1)
@@ -337,7 +337,7 @@ def test_wrap_a_function_with_named_scopes_and_jnp_dot():
             return h @ w2
 
     x, w1, w2 = _x(), _x(32, 32, 2), _x(32, 32, 3)
-    wf = mnn.wrap(f, [mnn.Rule(path="first", policy=MX)])
+    wf = mnn.wrap(f, [mnn.Rule(path="first", policy=MX)], params_argnums=(1, 2))
     y = jax.jit(wf)(x, w1, w2)
     ref = DG.dot_general(x, w1, DIMS, policy=MX) @ w2
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-6, atol=1e-5)
