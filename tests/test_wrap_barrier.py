@@ -19,53 +19,46 @@ import mxjax.nn as mnn
 _CALL_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
-def _deps(jaxpr, ins: list[frozenset], positional_barrier: bool) -> list[frozenset]:
-    """Which inputs each output depends on (sets of input labels)."""
+def _read(env: dict, v) -> frozenset:
+    return frozenset() if isinstance(v, jcore.Literal) else env[v]
+
+
+def _step(eqn, args: list, positional_barrier: bool) -> list:
+    """Dependences of one equation's outputs."""
+    sub = next((eqn.params[k] for k in _CALL_KEYS if isinstance(
+        eqn.params.get(k), (jcore.Jaxpr, jcore.ClosedJaxpr))), None)
+    if sub is not None and eqn.primitive.name not in ("scan", "while", "cond"):
+        return _deps(sub, args, positional_barrier)
+    if positional_barrier and eqn.primitive.name == "optimization_barrier":
+        return args
+    return [frozenset().union(*args)] * len(eqn.outvars)
+
+
+def _deps(jaxpr, ins: list, positional_barrier: bool, dots: list | None = None) -> list:
+    """Which inputs each output depends on (sets of input labels); `dots` collects the
+    (lhs, rhs) dependences of the dot_generals at this level."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     env = {v: frozenset() for v in jaxpr.constvars}
     env.update(zip(jaxpr.invars, ins, strict=True))
-    read = lambda v: frozenset() if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
     for eqn in jaxpr.eqns:
-        args = [read(v) for v in eqn.invars]
-        sub = next((eqn.params[k] for k in _CALL_KEYS if isinstance(
-            eqn.params.get(k), (jcore.Jaxpr, jcore.ClosedJaxpr))), None)
-        if sub is not None and eqn.primitive.name not in ("scan", "while", "cond"):
-            outs = _deps(sub, args, positional_barrier)
-        elif positional_barrier and eqn.primitive.name == "optimization_barrier":
-            outs = args
-        else:
-            outs = [frozenset().union(*args)] * len(eqn.outvars)
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return [read(v) for v in jaxpr.outvars]
+        args = [_read(env, v) for v in eqn.invars]
+        if dots is not None and eqn.primitive.name == "dot_general":
+            dots.append(tuple(args))
+        env.update(zip(eqn.outvars, _step(eqn, args, positional_barrier), strict=True))
+    return [_read(env, v) for v in jaxpr.outvars]
 
 
-def _quantized_gemm_operand_deps(jaxpr, positional_barrier: bool):
+def _quantized_gemm_operand_deps(jaxpr, positional_barrier: bool) -> list:
     """For each quantized GEMM (a custom_vjp_call): deps of its inner dot's (lhs, rhs)."""
-    found = []
+    found: list = []
     for eqn in jaxpr.jaxpr.eqns:
         if eqn.primitive.name != "custom_vjp_call":
             continue
         body = eqn.params["call_jaxpr"]
-        body = getattr(body, "jaxpr", body)
         n = eqn.params.get("num_consts", 0)  # constants first, then (lhs, rhs, ...)
-        names = ["const"] * n + ["lhs", "rhs"] + ["other"] * (len(body.invars) - n - 2)
-        labels = [frozenset({name}) for name in names]
-        env = dict(zip(body.invars, labels, strict=True))
-        env.update({v: frozenset() for v in body.constvars})
-        read = lambda v: frozenset() if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
-        for inner in body.eqns:
-            args = [read(v) for v in inner.invars]
-            if inner.primitive.name == "dot_general":
-                found.append(tuple(args))
-            sub = next((inner.params[k] for k in _CALL_KEYS if isinstance(
-                inner.params.get(k), (jcore.Jaxpr, jcore.ClosedJaxpr))), None)
-            if sub is not None:
-                outs = _deps(sub, args, positional_barrier)
-            elif positional_barrier and inner.primitive.name == "optimization_barrier":
-                outs = args
-            else:
-                outs = [frozenset().union(*args)] * len(inner.outvars)
-            env.update(zip(inner.outvars, outs, strict=True))
+        n_in = len(getattr(body, "jaxpr", body).invars)
+        names = ["const"] * n + ["lhs", "rhs"] + ["other"] * (n_in - n - 2)
+        _deps(body, [frozenset({name}) for name in names], positional_barrier, found)
     return found
 
 

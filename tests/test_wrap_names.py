@@ -54,8 +54,9 @@ def _sub_jaxprs(eqn):
                 yield getattr(j, "jaxpr", j)
 
 
-def _walk(jaxpr, parent=siu.NameStack()):
+def _walk(jaxpr, parent=None):
     """(full name stack, eqn) of every equation, recursively through all sub-jaxprs."""
+    parent = siu.NameStack() if parent is None else parent
     for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
         full = parent + eqn.source_info.name_stack
         yield full, eqn
