@@ -402,21 +402,32 @@ def test_wrap_and_rule_errors():
 
 
 # ----------------------------------------------------------------------------- README
-def _usage_snippet() -> str:
-    """The wrap example from README.md."""
+def _wrap_snippets() -> list[str]:
+    """The wrap examples from README.md (tests/test_readme.py leaves them to this file)."""
     readme = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
-    for b in blocks:
-        if "mxjax.nn.wrap" in b:
-            return b
-    raise AssertionError("README.md has no python block with mxjax.nn.wrap")
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
+              if "mxjax.nn.wrap" in b]
+    assert len(blocks) == 2, "README.md: expected the wrap example and the kinds/testing example"
+    return blocks
 
 
 def test_readme_usage_snippet_runs(capsys):
-    code = _usage_snippet()
     ns: dict = {}
-    exec(compile(code, "README usage", "exec"), ns)  # noqa: S102 - the README's own example
+    exec(compile(_wrap_snippets()[0], "README usage", "exec"), ns)  # noqa: S102 - README's own
     out = capsys.readouterr().out
     assert "fprop" in out and "mxjax.nn.wrap report" in out
     assert ns["wrapped"].last_report.modules == {"up": "mxfp4_all_h16", "down": "bf16"}
+    assert ns["wrapped"].report() is ns["wrapped"].last_report
     assert set(ns["grads"]["params"]) == {"up", "down"}
+
+
+def test_readme_kinds_and_testing_snippet_runs(capsys):
+    ns: dict = {}
+    exec(compile(_wrap_snippets()[1], "README kinds", "exec"), ns)  # noqa: S102 - README's own
+    out = capsys.readouterr().out.splitlines()
+    rows = [line.split()[:3] for line in out if line.split()[:1] in (["q"], ["k"], ["(root)"])]
+    assert rows == [["q", "weight", "mxfp4_all"], ["k", "weight", "mxfp4_all"],
+                    ["(root)", "activation", "unchanged"], ["(root)", "head", "unchanged"]]
+    assert int(out[-1]) > 0  # "Attention/q/" in the lowered program's locations
+    rep = ns["with_attention"].report(ns["params"], ns["tokens"])
+    assert all(s.policy is not None for s in rep.sites)
