@@ -124,3 +124,25 @@ def test_untied_head_by_name_and_nnx_and_functions():
         "activation", "activation", "weight"]
     with pytest.raises(ValueError, match="params_argnums"):
         mnn.wrap(m, "bf16", params_argnums=0)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_projects_llama_wrapped_keeps_its_default_recipe(tied):
+    # models.llama keeps attention and the embedding/head at compute precision
+    # unless quantize_attention / quantize_embed_head: wrap's default agrees.
+    from models.llama import Llama, LlamaConfig
+
+    cfg = LlamaConfig.tiny(vocab_size=64, n_layers=1, dim=32, n_heads=2, n_kv_heads=1,
+                           ffn_dim=48, tie_embeddings=tied)
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    rep = mnn.wrap(model, "mxfp4_all").report(jnp.zeros((1, 8), jnp.int32))
+    kinds = {}
+    for s in rep.sites:
+        kinds.setdefault(s.kind, []).append(s.path)
+    assert len(kinds["weight"]) == 7  # q, k, v, o, gate, up, down
+    assert len(kinds["activation"]) == 2  # scores and values
+    assert len(kinds["head"]) == 1
+    head = rep.sites_of("head")[0]
+    assert head.policy is None
+    assert ("embedding table" if tied else "parameter named like an output head") in head.why
+    mt.assert_quantized_weight_matmuls(rep, "mxfp4_all")

@@ -41,7 +41,9 @@ data, and a ``'head'`` site (an output head) when its parameter-only operand
 comes from a parameter the program also reads with a ``gather`` at
 data-dependent indices (an embedding table: a tied head, e.g. ``jnp.dot(x,
 embedding.T)`` or ``nn.Embed.attend``), or when its module path's last
-component fully matches ``rules.HEAD_NAMES`` (``lm_head``, ``head``, ...).
+component, or a component of its parameter's pytree path (e.g.
+``params/lm_head/kernel``), fully matches ``rules.HEAD_NAMES`` (``lm_head``,
+``head``, ...).
 Loops are analysed to a fixed point (a scan carry that mixes in data is data).
 
 Randomness: the key of a dot_general is ``fold_in(key, crc32(path#index))``
@@ -250,10 +252,11 @@ def _read_dep(env: dict, v):
 class _Ctx:
     """Trace-time state: rules, the base key, embedding tables, and what was found."""
 
-    def __init__(self, rules: tuple[Rule, ...], key, tables: frozenset):
+    def __init__(self, rules: tuple[Rule, ...], key, tables: frozenset, head_params: frozenset):
         self.rules = rules
         self.key = key
         self.tables = tables
+        self.head_params = head_params
         self.sites: list[Site] = []
         self.skipped: list[str] = []
         self._counts: dict[str, int] = {}
@@ -282,15 +285,17 @@ def _join(prefix: str, s: str) -> str:
     return f"{prefix}/{s}" if prefix and s else (prefix or s)
 
 
-def _kind(path: str, lhs_dep, rhs_dep, tables: frozenset) -> tuple[str, str]:
+def _kind(path: str, lhs_dep, rhs_dep, ctx: _Ctx) -> tuple[str, str]:
     """(kind, why) of a dot_general from its operands' dependences."""
     if lhs_dep is None and rhs_dep is None:
         return "activation", "both operands depend on the inputs"
     sides = [n for n, d in (("lhs", lhs_dep), ("rhs", rhs_dep)) if d is not None]
     side = sides[0] if len(sides) == 1 else "lhs and rhs"
     params = _join_all(d for d in (lhs_dep, rhs_dep) if d is not None)
-    if params & tables:
+    if params & ctx.tables:
         return "head", f"{side} is the embedding table (a parameter also read by a gather)"
+    if params & ctx.head_params:
+        return "head", f"{side} from a parameter named like an output head"
     if re.fullmatch(HEAD_NAMES, path.rsplit("/", 1)[-1]):
         return "head", f"{side} from parameters alone, in a module named like an output head"
     what = "parameters alone" if params else "constants alone"
@@ -301,7 +306,7 @@ def _dot(eqn, invals, deps, ctx: _Ctx, stack: str, salts: tuple):
     lhs, rhs = invals
     path = module_path(stack)
     idx = ctx.next_index(path)
-    kind, why = _kind(path, deps[0], deps[1], ctx.tables)
+    kind, why = _kind(path, deps[0], deps[1], ctx)
     rule, policy = ctx.match(path, kind)
     note = ""
     if policy is None:
@@ -448,6 +453,14 @@ def _is_dynamic(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
+def _key_name(k) -> str:
+    """The name of one pytree path entry (dict key, attribute or index)."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
 def _mask(tree, value: bool):
     return jax.tree.map(lambda _: value, tree)
 
@@ -468,6 +481,7 @@ def transform_call(fn: Callable, args: tuple, kwargs: dict, *, rules: tuple[Rule
                              f"(there are {len(args)})")
     is_param = jax.tree_util.tree_leaves(
         (tuple(_mask(a, i in param_args) for i, a in enumerate(args)), _mask(kwargs, False)))
+    paths, _ = jax.tree_util.tree_flatten_with_path((args, kwargs))
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     if len(is_param) != len(leaves):  # pragma: no cover - tree.map keeps the structure
         raise AssertionError("mxjax.nn: parameter mask does not match the arguments")
@@ -482,9 +496,11 @@ def transform_call(fn: Callable, args: tuple, kwargs: dict, *, rules: tuple[Rule
 
     dyn = [leaves[i] for i in dyn_idx]
     deps = [frozenset({n}) if is_param[i] else None for n, i in enumerate(dyn_idx)]
+    head_params = frozenset(n for n, i in enumerate(dyn_idx) if is_param[i]
+                            and any(re.fullmatch(HEAD_NAMES, _key_name(k)) for k in paths[i][0]))
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
     tables: set = set()
     _analyze(closed, deps, tables)
-    ctx = _Ctx(rules, key, frozenset(tables))
+    ctx = _Ctx(rules, key, frozenset(tables), head_params)
     outs = _eval(closed, dyn, deps, ctx, prefix, ())
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs), ctx.report()

@@ -14,8 +14,10 @@ __all__ = ["HEAD_NAMES", "KINDS", "Rule", "Site", "WrapReport", "as_rules"]
 
 # What a dot_general's operands are (see `Site.kind`).
 KINDS = ("weight", "head", "activation")
-# A weight matmul in a module whose last path component fully matches this is an
-# output head (besides a tied head, found as a parameter that is also gathered).
+# A weight matmul is an output head when its weight comes from a parameter with a
+# path component (e.g. 'params/lm_head/kernel') fully matching this, or sits in a
+# module whose last path component does; and when its weight is a parameter the
+# program also gathers from (the embedding table: a tied head).
 HEAD_NAMES = r"lm_head|head|output_head|unembed|unembedding"
 
 
@@ -34,7 +36,7 @@ class Rule:
         (``Site.kind``): ``'weight'`` (default: one operand is computed from
         parameters alone; the linear layers), ``'head'`` (an output head: a
         weight matmul whose weight is the embedding table, i.e. a tied head,
-        or in a module named like ``lm_head``; see ``HEAD_NAMES``),
+        or a parameter or module named like ``lm_head``; see ``HEAD_NAMES``),
         ``'activation'`` (both operands depend on the inputs: attention
         scores and values), ``'any'`` (all three), or a tuple of kinds.
     Rules are tried in order; the first rule whose path and operands both match
