@@ -7,7 +7,9 @@ one policy: ``mxjax.nn.wrap(model, policy)`` and the model built with
 ``value_and_grad`` of a squared loss. Compile time = trace + lower + compile of
 a fresh ``jax.jit`` each round; step time = the compiled step, ``--iters`` calls
 per round. Rounds alternate the two variants (the order flips each round);
-the table gives medians and the wrapped/injected ratios.
+the table gives medians and the wrapped/injected ratios. It also checks that
+both give the same loss and gradients bit for bit and compile to the same
+optimized HLO (modulo metadata): then any step-time difference is noise.
 
     python bench/wrap.py [--policy mxfp4_all --dim 256 --layers 4 --batch 256 --rounds 5]
 
@@ -17,6 +19,7 @@ Target (issue 12): compile time within 1.5x, step time within noise.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 
@@ -58,6 +61,13 @@ def _step(apply):
     return step
 
 
+def optimized_hlo(compiled) -> str:
+    """A compiled program's optimized HLO without metadata and source-location tables."""
+    text = re.sub(r",? metadata=\{[^}]*\}", "", compiled.as_text())
+    return "\n".join(line for line in text.splitlines()
+                     if re.match(r"\s*(ROOT )?%|\s*ENTRY|\s*\}|HloModule", line))
+
+
 def run(policy_name: str, dim: int, layers: int, batch: int, rounds: int, iters: int) -> dict:
     policy = policies.get(policy_name)
     x = jax.random.normal(jax.random.key(1), (batch, dim), jnp.float32)
@@ -89,7 +99,9 @@ def run(policy_name: str, dim: int, layers: int, batch: int, rounds: int, iters:
                 step_s[name].append((time.perf_counter() - t0) / iters)
     same = all(bool(jnp.array_equal(a, b)) for a, b in
                zip(jax.tree.leaves(outs["wrapped"]), jax.tree.leaves(outs["injected"])))
+    same_hlo = optimized_hlo(compiled["wrapped"]) == optimized_hlo(compiled["injected"])
     return {"compile": {k: statistics.median(v) for k, v in compile_s.items()},
+            "same_hlo": same_hlo,
             "step": {k: statistics.median(v) for k, v in step_s.items()},
             "step_spread": {k: (min(v), max(v)) for k, v in step_s.items()},
             "identical": same}
@@ -116,7 +128,8 @@ def main() -> None:
     print(f"ratio wrapped/injected: compile {res['compile']['wrapped'] / res['compile']['injected']:.2f}x"
           f" (target <= 1.5x), step {res['step']['wrapped'] / res['step']['injected']:.2f}x "
           "(target: within noise)")
-    print(f"loss and gradients identical: {res['identical']}")
+    print(f"loss and gradients identical: {res['identical']}; optimized HLO identical (modulo "
+          f"metadata): {res['same_hlo']}")
 
 
 if __name__ == "__main__":
