@@ -124,3 +124,42 @@ def test_hlo_op_metadata_carries_the_module_names():
     assert any("layers/q_proj" in n for n in want) and any("head_mlp" in n for n in want)
     assert set(_dot_op_names(ours)) == set(want)
     assert "mxjax[" not in ours
+
+
+def test_functions_cond_loops_jit_and_custom_rules_keep_their_names():
+    w = jax.random.normal(jax.random.key(2), (16, 16)) * 0.2
+
+    @jax.custom_vjp
+    def cv(x):
+        return x @ w
+
+    cv.defvjp(lambda x: (cv(x), None), lambda _, g: (g @ w.T,))
+
+    @jax.custom_jvp
+    def cj(x):
+        return x @ w
+
+    cj.defjvp(lambda p, t: (cj(p[0]), t[0] @ w))
+
+    @jax.jit
+    def inner(x):
+        with jax.named_scope("in_jit"):
+            return x @ w
+
+    def f(x, i):
+        with jax.named_scope("outer"):
+            with jax.named_scope("cond"):
+                x = jax.lax.cond(i > 0, lambda x: jnp.tanh(x @ w), lambda x: x, x)
+            with jax.named_scope("loop"):
+                x = jax.lax.fori_loop(0, 2, lambda _, x: jnp.tanh(x @ w), x)
+            with jax.named_scope("custom"):
+                x = cv(cj(x))
+            return inner(x)
+
+    plain = _dot_stacks(jax.make_jaxpr(f)(X, 1))
+    wrapped = mnn.wrap(f, "mxfp4_all")
+    jaxpr = jax.make_jaxpr(wrapped)(X, 1)
+    assert _dot_stacks(jaxpr) == plain
+    assert plain["outer/custom"] == 2 and plain["outer/in_jit"] == 1
+    assert [s.kind for s in wrapped.last_report.sites] == ["weight"] * 4
+    assert len(wrapped.last_report.skipped) == 1  # the custom_vjp's own matmul

@@ -369,10 +369,14 @@ def _eval(j, args, deps, ctx: _Ctx, prefix: str, salts: tuple) -> list:
     return [read(v) for v in jaxpr.outvars]
 
 
+def _bind(eqn, invals) -> list:
+    ans = eqn.primitive.bind(*invals, **_bind_params(eqn))
+    return list(ans) if eqn.primitive.multiple_results else [ans]
+
+
 def _rebind(eqn, invals) -> list:
     with _as(eqn):
-        ans = eqn.primitive.bind(*invals, **_bind_params(eqn))
-    return list(ans) if eqn.primitive.multiple_results else [ans]
+        return _bind(eqn, invals)
 
 
 def _scan_counts(params: dict) -> tuple[int, int]:
@@ -383,7 +387,7 @@ def _scan_counts(params: dict) -> tuple[int, int]:
 
 
 def _higher_order(eqn, invals, sub_deps: list, ctx: _Ctx, stack: str, salts: tuple) -> list:
-    """Re-emits a higher-order equation with a dot_general inside (under the eqn's name stack).
+    """Re-emits a higher-order equation with a dot_general inside; called under ``_as(eqn)``.
 
     `sub_deps`: the input dependences of each sub-jaxpr, from `_eqn_deps`.
     """
@@ -394,7 +398,7 @@ def _higher_order(eqn, invals, sub_deps: list, ctx: _Ctx, stack: str, salts: tup
     if name in ("custom_vjp_call", "custom_vjp_call_jaxpr"):
         ctx.skipped.append(f"{module_path(stack) or '(root)'}: dot_general inside a custom_vjp "
                            "(left unchanged)")
-        return _rebind(eqn, invals)
+        return _bind(eqn, invals)  # already under the equation's name stack
     if name in ("remat", "remat2", "checkpoint"):
         def body(*args):
             return _eval(p["jaxpr"], list(args), sub_deps[0], ctx, stack, salts)

@@ -95,10 +95,11 @@ class LinenWrapped(Reporting):
             raise TypeError("report: expected the apply arguments (variables, *args, **kwargs)")
         kwargs = dict(kwargs)
         rngs = kwargs.pop("rngs", None)
+        method = kwargs.pop("method", None)
+        mutable = kwargs.pop("mutable", False)
         if abstract_key and self.needs_key and (rngs is None or RNG_STREAM not in rngs):
             rngs = {**(rngs or {}), RNG_STREAM: placeholder_key()}
-        return self._call(args[0], args[1:], kwargs, rngs, kwargs.pop("method", None),
-                          kwargs.pop("mutable", False))
+        return self._call(args[0], args[1:], kwargs, rngs, method, mutable)
 
     def _call(self, variables, args, kwargs, rngs, method, mutable):
         key, rest = self._split_rngs(rngs)
