@@ -65,6 +65,13 @@ def _hlo(fn, *args) -> str:
                      if re.match(r"\s*(ROOT )?%|\s*ENTRY|\s*\}|HloModule", line))
 
 
+def _cuda_program(fn, *args) -> str:
+    """StableHLO exported for CUDA (no device needed), without source locations."""
+    text = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+    text = re.sub(r"\s*loc\(#loc\d*\)", "", text)
+    return "\n".join(line for line in text.splitlines() if not line.startswith("#loc"))
+
+
 def test_wrapping_under_bf16_compiles_to_the_unwrapped_program():
     from test_wrap_names import Stack
     from test_wrap_names import X as XS  # remat + scan + einsum attention
@@ -79,4 +86,8 @@ def test_wrapping_under_bf16_compiles_to_the_unwrapped_program():
 
     plain, ours = _hlo(step(m.apply), v), _hlo(step(wrapped.apply), v)
     assert len(re.findall(r"= \S+ dot\(", plain)) >= 6  # forward and backward GEMMs
+    assert ours == plain
+    # What a GPU gets: the exported CUDA program (before XLA) is the same too.
+    plain, ours = _cuda_program(step(m.apply), v), _cuda_program(step(wrapped.apply), v)
+    assert plain.count("stablehlo.dot_general") >= 6
     assert ours == plain

@@ -19,10 +19,10 @@ through the public API: ``jit``/``pjit``/``closed_call`` and ``custom_jvp_call``
 are inlined (a custom JVP rule around a matmul is replaced by differentiating
 the policy's custom VJP), ``remat`` becomes ``jax.checkpoint``, ``scan``,
 ``while`` and ``cond`` become ``lax.scan``/``lax.while_loop``/``lax.switch``
-with an iteration counter folded into the keys (so each iteration, e.g. each
-scanned layer, draws its own noise). A dot_general inside a ``custom_vjp`` is
-left alone and reported as skipped. Any other primitive with a dot_general
-inside raises NotImplementedError.
+(when a policy is randomized, with an iteration counter folded into the keys,
+so each iteration, e.g. each scanned layer, draws its own noise). A
+dot_general inside a ``custom_vjp`` is left alone and reported as skipped. Any
+other primitive with a dot_general inside raises NotImplementedError.
 
 Name stacks: everything the interpreter emits for an equation (a re-bound
 equation, the quantized GEMM with its quantizer ops, the re-emitted
@@ -410,14 +410,19 @@ def _higher_order(eqn, invals, sub_deps: list, ctx: _Ctx, stack: str, salts: tup
         consts, init, xs = (invals[:n_consts], invals[n_consts:n_consts + n_carry],
                             invals[n_consts + n_carry:])
 
-        def scan_body(carry, x):
-            i, c = carry
-            outs = _eval(p["jaxpr"], [*consts, *c, *x], sub_deps[0], ctx, stack, salts + (i,))
-            return (i + 1, outs[:n_carry]), outs[n_carry:]
+        counted = ctx.key is not None  # an iteration counter only where noise needs it
 
-        (_, final), ys = lax.scan(scan_body, (jnp.int32(0), list(init)), list(xs),
-                                  length=p["length"], reverse=p["reverse"],
-                                  unroll=p.get("unroll", 1))
+        def scan_body(carry, x):
+            i, c = carry if counted else (None, carry)
+            outs = _eval(p["jaxpr"], [*consts, *c, *x], sub_deps[0], ctx, stack,
+                         salts + (i,) if counted else salts)
+            new = outs[:n_carry]
+            return ((i + 1, new) if counted else new), outs[n_carry:]
+
+        init_carry = (jnp.int32(0), list(init)) if counted else list(init)
+        final, ys = lax.scan(scan_body, init_carry, list(xs), length=p["length"],
+                             reverse=p["reverse"], unroll=p.get("unroll", 1))
+        final = final[1] if counted else final
         return [*final, *ys]
     if name == "while":
         cn, bn = p["cond_nconsts"], p["body_nconsts"]
@@ -425,15 +430,21 @@ def _higher_order(eqn, invals, sub_deps: list, ctx: _Ctx, stack: str, salts: tup
         if _has_dot(p["cond_jaxpr"], ctx.has_dot_cache):
             raise NotImplementedError("mxjax.nn: a dot_general in a while_loop condition")
 
+        counted = ctx.key is not None
+
         def cond_fn(carry):
-            return _eval(p["cond_jaxpr"], [*cconsts, *carry[1]], sub_deps[0], ctx, stack,
-                         salts)[0]
+            c = carry[1] if counted else carry
+            return _eval(p["cond_jaxpr"], [*cconsts, *c], sub_deps[0], ctx, stack, salts)[0]
 
         def body_fn(carry):
+            if not counted:
+                return _eval(p["body_jaxpr"], [*bconsts, *carry], sub_deps[1], ctx, stack, salts)
             i, c = carry
             return i + 1, _eval(p["body_jaxpr"], [*bconsts, *c], sub_deps[1], ctx, stack,
                                 salts + (i,))
 
+        if not counted:
+            return list(lax.while_loop(cond_fn, body_fn, list(init)))
         return list(lax.while_loop(cond_fn, body_fn, (jnp.int32(0), list(init)))[1])
     if name == "cond":
         index, ops = invals[0], invals[1:]
