@@ -168,7 +168,7 @@ def test_wrap_linen_mlp_equals_the_model_built_with_the_policy_and_reports():
     rep = wrapped.last_report
     assert rep.modules == {"up": "mxfp4_all", "down": "mxfp4_all", "": "mxfp4_all"}
     assert [r.path for r in rep.unused_rules] == ["attn.*"]
-    assert "unused: Rule('attn.*' -> fp8)" in str(rep)
+    assert "unused: Rule('attn.*' -> fp8, operands=weight)" in str(rep)
     assert wrapped.report(v, x).modules == rep.modules
 
 
@@ -197,7 +197,7 @@ def test_wrap_reaches_flax_attention_whose_code_we_did_not_write():
     x = jax.random.normal(jax.random.key(1), (2, 16, 32))
     m = Block()
     v = m.init(jax.random.key(0), x)
-    wrapped = mnn.wrap(m, [mnn.Rule(path="attn", policy="bf16"),  # keep the score GEMMs exact
+    wrapped = mnn.wrap(m, [mnn.Rule(path="attn", policy="bf16", operands="activation"),
                            mnn.Rule(path=".*", policy="mxfp4_all")])
     y, grads = jax.jit(jax.value_and_grad(lambda v: jnp.sum(wrapped.apply(v, x) ** 2)))(v)
     rep = wrapped.last_report
@@ -285,7 +285,7 @@ def test_wrap_nnx_reaches_flax_attention_whose_code_we_did_not_write():
 
     x = jax.random.normal(jax.random.key(1), (2, 16, 32))
     model = Model(nnx.Rngs(0))
-    wrapped = mnn.wrap(model, [mnn.Rule(path=r"blocks/1/.*", policy="bf16"),
+    wrapped = mnn.wrap(model, [mnn.Rule(path=r"blocks/1/.*", policy="bf16", operands="any"),
                                mnn.Rule(path=r"blocks/0/(attn/\w+|ffn)", policy="mxfp4_all")])
     rep = wrapped.report(x)
     expected = {f"blocks/{i}/{n}": ("mxfp4_all", "bf16")[i] for i in (0, 1)
@@ -334,7 +334,7 @@ def test_wrap_a_function_with_named_scopes_and_jnp_dot():
             return h @ w2
 
     x, w1, w2 = _x(), _x(32, 32, 2), _x(32, 32, 3)
-    wf = mnn.wrap(f, [mnn.Rule(path="first", policy=MX)])
+    wf = mnn.wrap(f, [mnn.Rule(path="first", policy=MX)], params_argnums=(1, 2))
     y = jax.jit(wf)(x, w1, w2)
     ref = mxjax.dot_general(x, w1, DIMS, policy=MX) @ w2
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-6, atol=1e-5)
@@ -399,21 +399,32 @@ def test_wrap_and_rule_errors():
 
 
 # ----------------------------------------------------------------------------- README
-def _usage_snippet() -> str:
-    """The wrap example from README.md."""
+def _wrap_snippets() -> list[str]:
+    """The wrap examples from README.md (tests/test_readme.py leaves them to this file)."""
     readme = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
-    for b in blocks:
-        if "mxjax.nn.wrap" in b:
-            return b
-    raise AssertionError("README.md has no python block with mxjax.nn.wrap")
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
+              if "mxjax.nn.wrap" in b]
+    assert len(blocks) == 2, "README.md: expected the wrap example and the kinds/testing example"
+    return blocks
 
 
 def test_readme_usage_snippet_runs(capsys):
-    code = _usage_snippet()
     ns: dict = {}
-    exec(compile(code, "README usage", "exec"), ns)  # noqa: S102 - the README's own example
+    exec(compile(_wrap_snippets()[0], "README usage", "exec"), ns)  # noqa: S102 - README's own
     out = capsys.readouterr().out
     assert "fprop" in out and "mxjax.nn.wrap report" in out
     assert ns["wrapped"].last_report.modules == {"up": "mxfp4_all_h16", "down": "bf16"}
+    assert ns["wrapped"].report() is ns["wrapped"].last_report
     assert set(ns["grads"]["params"]) == {"up", "down"}
+
+
+def test_readme_kinds_and_testing_snippet_runs(capsys):
+    ns: dict = {}
+    exec(compile(_wrap_snippets()[1], "README kinds", "exec"), ns)  # noqa: S102 - README's own
+    out = capsys.readouterr().out.splitlines()
+    rows = [line.split()[:3] for line in out if line.split()[:1] in (["q"], ["k"], ["(root)"])]
+    assert rows == [["q", "weight", "mxfp4_all"], ["k", "weight", "mxfp4_all"],
+                    ["(root)", "activation", "unchanged"], ["(root)", "head", "unchanged"]]
+    assert int(out[-1]) > 0  # "Attention/q/" in the lowered program's locations
+    rep = ns["with_attention"].report(ns["params"], ns["tokens"])
+    assert all(s.policy is not None for s in rep.sites)

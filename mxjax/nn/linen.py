@@ -10,13 +10,19 @@ import jax
 
 from mxjax import policies
 from mxjax.interceptor import dot_general
+from mxjax.nn.frontend import (
+    RNG_STREAM,
+    ReportBox,
+    Reporting,
+    missing_key_error,
+    placeholder_key,
+    rules_need_key,
+)
 from mxjax.nn.interpret import marker, transform_call
-from mxjax.nn.rules import Rule, WrapReport
+from mxjax.nn.rules import Rule
 from mxjax.policies import PrecisionPolicy
 
 __all__ = ["LinenDotGeneral", "LinenWrapped", "linen_dot_general_cls"]
-
-RNG_STREAM = "mxjax"
 
 
 class LinenDotGeneral(nn.Module):
@@ -52,7 +58,7 @@ def _scope_interceptor(next_fun, args, kwargs, context):
         return next_fun(*args, **kwargs)
 
 
-class LinenWrapped:
+class LinenWrapped(Reporting):
     """A Linen module whose dot_generals run under path rules (from ``mxjax.nn.wrap``).
 
     ``init`` is the module's own. ``apply(variables, *args, rngs=None,
@@ -60,14 +66,17 @@ class LinenWrapped:
     dot_general (Dense, DenseGeneral, Einsum, attention, and ``jnp.einsum``/
     ``jnp.dot``/``@`` in the module's code) replaced by the matching rule's
     policy. Randomized policies take their key from ``rngs['mxjax']``.
-    Module paths are the Linen scope paths ('/'-joined, root ``''``).
+    Module paths are the Linen scope paths ('/'-joined, root ``''``); the
+    parameters (for operand kinds) are ``variables``.
+    ``report()`` returns the last call's WrapReport (``last_report``);
+    ``report(variables, *args, **kwargs)`` traces one abstractly.
     """
 
     def __init__(self, module: nn.Module, rules: tuple[Rule, ...]):
         self.module = module
         self.rules = rules
-        self.needs_key = any(r.policy is not None and r.policy.needs_key for r in rules)
-        self.last_report: WrapReport | None = None
+        self.needs_key = rules_need_key(rules)
+        self._box = ReportBox()
 
     def init(self, rngs, *args, **kwargs):
         """The wrapped module's ``init`` (parameters are the same as unwrapped)."""
@@ -81,39 +90,33 @@ class LinenWrapped:
         rest = dict(rngs)
         return rest.pop(RNG_STREAM, None), (rest or None)
 
+    def _trace(self, args, kwargs, *, abstract_key):
+        if not args:
+            raise TypeError("report: expected the apply arguments (variables, *args, **kwargs)")
+        kwargs = dict(kwargs)
+        rngs = kwargs.pop("rngs", None)
+        method = kwargs.pop("method", None)
+        mutable = kwargs.pop("mutable", False)
+        if abstract_key and self.needs_key and (rngs is None or RNG_STREAM not in rngs):
+            rngs = {**(rngs or {}), RNG_STREAM: placeholder_key()}
+        return self._call(args[0], args[1:], kwargs, rngs, method, mutable)
+
     def _call(self, variables, args, kwargs, rngs, method, mutable):
         key, rest = self._split_rngs(rngs)
         if self.needs_key and key is None:
-            raise ValueError(
-                "rngs: a rule's policy is randomized; pass rngs={'mxjax': key} (a new key each "
-                "step) to apply"
-            )
+            raise missing_key_error("rngs", "rngs={'mxjax': key} (a new key each step) to apply")
 
         def fn(variables, rest, *args, **kwargs):
             with nn.intercept_methods(_scope_interceptor):
                 return self.module.apply(variables, *args, rngs=rest, method=method,
                                          mutable=mutable, **kwargs)
 
-        return transform_call(fn, (variables, rest, *args), kwargs, rules=self.rules, key=key)
+        return transform_call(fn, (variables, rest, *args), kwargs, rules=self.rules, key=key,
+                              param_args=(0,))
 
     def apply(self, variables, *args, rngs=None, method=None, mutable=False, **kwargs):
-        out, self.last_report = self._call(variables, args, kwargs, rngs, method, mutable)
+        out, self._box.report = self._call(variables, args, kwargs, rngs, method, mutable)
         return out
-
-    def report(self, variables, *args, rngs=None, method=None, mutable=False,
-               **kwargs) -> WrapReport:
-        """Traces ``apply`` abstractly (no FLOPs) and returns the WrapReport."""
-        if self.needs_key and (rngs is None or RNG_STREAM not in rngs):
-            rngs = {**(rngs or {}), RNG_STREAM: jax.random.key(0)}
-        box = []
-
-        def run():
-            out, rep = self._call(variables, args, kwargs, rngs, method, mutable)
-            box.append(rep)
-            return out
-
-        jax.eval_shape(run)
-        return box[0]
 
     def __repr__(self) -> str:
         return f"mxjax.nn.wrap({type(self.module).__name__}, {len(self.rules)} rule(s))"

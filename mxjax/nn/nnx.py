@@ -13,13 +13,12 @@ from flax import nnx
 
 from mxjax import policies
 from mxjax.interceptor import dot_general
+from mxjax.nn.frontend import RNG_STREAM, ReportBox, Reporting, placeholder_key, rules_need_key
 from mxjax.nn.interpret import marker, transform_call
-from mxjax.nn.rules import Rule, WrapReport
+from mxjax.nn.rules import Rule
 from mxjax.policies import PrecisionPolicy
 
 __all__ = ["NnxDotGeneral", "NnxEinsumOp", "NnxWrapped"]
-
-RNG_STREAM = "mxjax"
 
 
 def _check_stream(rngs, stream: str, what: str) -> None:
@@ -129,40 +128,36 @@ def _scoped(root: nnx.Module):
             object.__setattr__(m, "__class__", cls)
 
 
-class _Box:
-    """Mutable holder for the last report (static, outside NNX state)."""
-
-    def __init__(self):
-        self.report: WrapReport | None = None
-
-
-class NnxWrapped(nnx.Module):
+class NnxWrapped(Reporting, nnx.Module):
     """An NNX module whose dot_generals run under path rules (from ``mxjax.nn.wrap``).
 
     Calling it calls the wrapped module (``.module``) with every dot_general
     (``nnx.Linear``, ``nnx.Einsum``, attention, ``jnp.einsum``/``jnp.dot``/``@``
     in the module's own code) under the first matching rule's policy. Module
     paths are NNX graph paths ('/'-joined, e.g. ``'layers/0/mlp/up'``; root
-    ``''``). Randomized policies draw ``rngs.mxjax()`` once per call (a new key
-    each step; per-layer noise is derived from it). State updates of the
-    wrapped module (e.g. batch statistics) are written back.
+    ``''``); the parameters (for operand kinds) are the module's state.
+    Randomized policies draw ``rngs.mxjax()`` once per call (a new key each
+    step; per-layer noise is derived from it). State updates of the wrapped
+    module (e.g. batch statistics) are written back. ``report()`` returns the
+    last call's WrapReport (``last_report``); ``report(*args)`` traces one
+    abstractly.
     """
 
     def __init__(self, module: nnx.Module, rules: tuple[Rule, ...], *,
                  rngs: nnx.Rngs | None = None):
         self.module = module
         self.rules = rules
-        self.needs_key = any(r.policy is not None and r.policy.needs_key for r in rules)
+        self.needs_key = rules_need_key(rules)
         if self.needs_key:
             _check_stream(rngs, RNG_STREAM, "mxjax.nn.wrap")
         self.rngs = rngs if self.needs_key else None
-        self._box = _Box()
+        self._box = ReportBox()
 
-    @property
-    def last_report(self) -> WrapReport | None:
-        return self._box.report
-
-    def _call(self, key, args, kwargs):
+    def _trace(self, args, kwargs, *, abstract_key):
+        if abstract_key:
+            key = placeholder_key() if self.needs_key else None
+        else:
+            key = _stream_key(self.rngs, RNG_STREAM, "mxjax.nn.wrap") if self.needs_key else None
         graphdef, state = nnx.split(self.module)
 
         def fn(state, *args, **kwargs):
@@ -171,23 +166,10 @@ class NnxWrapped(nnx.Module):
                 out = m(*args, **kwargs)
             return out, nnx.state(m)
 
-        return transform_call(fn, (state, *args), kwargs, rules=self.rules, key=key)
+        return transform_call(fn, (state, *args), kwargs, rules=self.rules, key=key,
+                              param_args=(0,))
 
     def __call__(self, *args, **kwargs):
-        key = _stream_key(self.rngs, RNG_STREAM, "mxjax.nn.wrap") if self.needs_key else None
-        (out, new_state), self._box.report = self._call(key, args, kwargs)
+        (out, new_state), self._box.report = self._trace(args, kwargs, abstract_key=False)
         nnx.update(self.module, new_state)
         return out
-
-    def report(self, *args, **kwargs) -> WrapReport:
-        """Traces a call abstractly (no FLOPs, no state change) and returns the WrapReport."""
-        box = []
-
-        def run():
-            key = jax.random.key(0) if self.needs_key else None
-            out, rep = self._call(key, args, kwargs)
-            box.append(rep)
-            return out
-
-        jax.eval_shape(run)
-        return box[0]

@@ -10,7 +10,15 @@ from typing import Any
 from mxjax import policies
 from mxjax.policies import PrecisionPolicy
 
-__all__ = ["Rule", "Site", "WrapReport", "as_rules"]
+__all__ = ["HEAD_NAMES", "KINDS", "Rule", "Site", "WrapReport", "as_rules"]
+
+# What a dot_general's operands are (see `Site.kind`).
+KINDS = ("weight", "head", "activation")
+# A weight matmul is an output head when its weight comes from a parameter with a
+# path component (e.g. 'params/lm_head/kernel') fully matching this, or sits in a
+# module whose last path component does; and when its weight is a parameter the
+# program also gathers from (the embedding table: a tied head).
+HEAD_NAMES = r"lm_head|head|output_head|unembed|unembedding"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -24,11 +32,23 @@ class Rule:
         ``'.*'`` matches everything.
       policy: a PrecisionPolicy, a preset name, or None to leave the matched
         dot_generals untouched (plain ``lax.dot_general``).
-    Rules are tried in order; the first match wins.
+      operands: which dot_generals the rule selects by what their operands are
+        (``Site.kind``): ``'weight'`` (default: one operand is computed from
+        parameters alone; the linear layers), ``'head'`` (an output head: a
+        weight matmul whose weight is the embedding table, i.e. a tied head,
+        or a parameter or module named like ``lm_head``; see ``HEAD_NAMES``),
+        ``'activation'`` (both operands depend on the inputs: attention
+        scores and values), ``'any'`` (all three), or a tuple of kinds.
+    Rules are tried in order; the first rule whose path and operands both match
+    wins. So by default (a bare policy or preset name is ``Rule(path='.*',
+    policy=...)``) only the linear layers are quantized: attention and the
+    output head stay at the model's precision, like the paper's recipe and
+    ``models.llama`` (``quantize_attention`` / ``quantize_embed_head`` off).
     """
 
     path: str
     policy: PrecisionPolicy | str | None
+    operands: str | tuple[str, ...] = "weight"
 
     def __post_init__(self):
         if not isinstance(self.path, str):
@@ -39,13 +59,29 @@ class Rule:
             raise ValueError(f"Rule: path {self.path!r} is not a valid regular expression: {e}") from None
         if self.policy is not None:
             object.__setattr__(self, "policy", policies.get(self.policy))
+        kinds = (self.operands,) if isinstance(self.operands, str) else self.operands
+        if not isinstance(kinds, tuple) or not kinds or not all(
+                isinstance(k, str) and k in (*KINDS, "any") for k in kinds):
+            raise ValueError(
+                f"Rule: operands must be one of {(*KINDS, 'any')} or a non-empty tuple of them, "
+                f"got {self.operands!r}"
+            )
+        object.__setattr__(self, "operands", KINDS if "any" in kinds else
+                           tuple(k for k in KINDS if k in kinds))
 
-    def matches(self, path: str) -> bool:
-        return re.fullmatch(self.path, path) is not None
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The operand kinds this rule selects (normalized, in ``KINDS`` order)."""
+        return self.operands
+
+    def matches(self, path: str, kind: str | None = None) -> bool:
+        """Whether the rule selects a dot_general at `path` whose operands are `kind`."""
+        return re.fullmatch(self.path, path) is not None and (kind is None or kind in self.kinds)
 
     def describe(self) -> str:
         name = "unchanged" if self.policy is None else (self.policy.name or "custom policy")
-        return f"Rule({self.path!r} -> {name})"
+        kinds = "any" if self.kinds == KINDS else ",".join(self.kinds)
+        return f"Rule({self.path!r} -> {name}, operands={kinds})"
 
 
 def as_rules(policy_or_rules: Any) -> tuple[Rule, ...]:
@@ -75,6 +111,11 @@ class Site:
       lhs_shape, rhs_shape: operand shapes (per scan/vmap iteration).
       note: why a site was left alone although a rule matched (e.g. integer
         operands), else ''.
+      kind: what the operands are: ``'weight'`` (at least one operand is
+        computed from parameters alone, e.g. a parameter cast, reshaped or
+        transposed), ``'head'`` (a weight matmul that is an output head),
+        ``'activation'`` (both operands depend on the inputs).
+      why: how the kind was found and why the site was or was not quantized.
     """
 
     path: str
@@ -84,6 +125,8 @@ class Site:
     lhs_shape: tuple[int, ...]
     rhs_shape: tuple[int, ...]
     note: str = ""
+    kind: str = "weight"
+    why: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +153,12 @@ class WrapReport:
             out.setdefault(s.path, name)
         return out
 
+    def sites_of(self, kind: str) -> tuple[Site, ...]:
+        """The sites whose operands are `kind` ('weight', 'head' or 'activation')."""
+        if kind not in KINDS:
+            raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
+        return tuple(s for s in self.sites if s.kind == kind)
+
     @property
     def used_rules(self) -> tuple[Rule, ...]:
         used = {s.rule for s in self.sites if s.rule is not None}
@@ -125,10 +174,11 @@ class WrapReport:
         rows = {}
         for s in self.sites:
             name = "unchanged" if s.policy is None else (s.policy.name or "custom")
-            key = (s.path or "(root)", name, "-" if s.rule is None else str(s.rule), s.note)
+            key = (s.path or "(root)", s.kind, name, "-" if s.rule is None else str(s.rule),
+                   s.why or s.note)
             rows[key] = rows.get(key, 0) + 1
-        header = ("module", "policy", "rule", "dots", "note")
-        table = [header] + [(p, n, r, str(c), note) for (p, n, r, note), c in rows.items()]
+        header = ("module", "kind", "policy", "rule", "dots", "why")
+        table = [header] + [(p, k, n, r, str(c), why) for (p, k, n, r, why), c in rows.items()]
         widths = [max(len(row[i]) for row in table) for i in range(len(header))]
         lines = ["mxjax.nn.wrap report"]
         lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]

@@ -1,0 +1,91 @@
+"""What the Linen, NNX and function front ends of ``mxjax.nn.wrap`` share.
+
+One place for the RNG stream name, whether a set of rules needs a key, the
+"randomized policy needs a key" error, and ``report()`` / ``last_report``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from mxjax.nn.rules import Rule, WrapReport
+
+__all__ = ["RNG_STREAM", "ReportBox", "Reporting", "missing_key_error", "rules_need_key"]
+
+# The RNG collection (Linen) / nnx.Rngs stream randomized policies draw from.
+RNG_STREAM = "mxjax"
+
+
+def rules_need_key(rules: Sequence[Rule]) -> bool:
+    """Whether any rule's policy is randomized (stochastic rounding, random Hadamard)."""
+    return any(r.policy is not None and r.policy.needs_key for r in rules)
+
+
+def missing_key_error(arg: str, how: str) -> ValueError:
+    """The error for a randomized policy called without its key (`how`: what to pass)."""
+    return ValueError(f"{arg}: a rule's policy is randomized and needs a key; pass {how}")
+
+
+class ReportBox:
+    """Mutable holder for the last report (kept outside NNX state and pytrees)."""
+
+    def __init__(self):
+        self.report: WrapReport | None = None
+
+
+class Reporting:
+    """``last_report`` and ``report()`` for the wrapped front ends.
+
+    A subclass sets ``self._box = ReportBox()`` and implements
+    ``_trace(args, kwargs, *, abstract_key) -> (output, WrapReport)``.
+    """
+
+    _box: ReportBox
+
+    @property
+    def last_report(self) -> WrapReport | None:
+        """The WrapReport of the last call (None before the first call)."""
+        return self._box.report
+
+    def _trace(self, args: tuple, kwargs: dict, *, abstract_key: bool) -> tuple[Any, WrapReport]:
+        raise NotImplementedError
+
+    def report(self, *args, **kwargs) -> WrapReport:
+        """The WrapReport: of the last call without arguments, else of a call with these.
+
+        With arguments (the call's own: e.g. ``variables, x`` for Linen, ``x``
+        for NNX) the call is traced abstractly (``jax.eval_shape``: no FLOPs,
+        no state change; randomized policies get a placeholder key), and
+        ``last_report`` is left as it was.
+        Raises:
+          RuntimeError: without arguments, before the first call.
+        """
+        if not args and not kwargs:
+            if self._box.report is None:
+                raise RuntimeError(
+                    "report(): the wrapped model has not been called yet; call it once, or pass "
+                    "the call's arguments (report(*args, **kwargs)) to trace one abstractly"
+                )
+            return self._box.report
+        return traced_report(lambda: self._trace(args, kwargs, abstract_key=True))
+
+
+def traced_report(run: Callable[[], tuple[Any, WrapReport]]) -> WrapReport:
+    """Runs `run` under ``jax.eval_shape`` and returns the report it produced."""
+    box: list[WrapReport] = []
+
+    def shapes_only():
+        out, rep = run()
+        box.append(rep)
+        return out
+
+    jax.eval_shape(shapes_only)
+    return box[0]
+
+
+def placeholder_key():
+    """The key used when tracing a randomized policy for its report only."""
+    return jax.random.key(0)

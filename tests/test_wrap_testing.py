@@ -1,0 +1,93 @@
+"""mxjax.testing helpers, used on wrapped and policy-injected models; wrap costs nothing under bf16."""
+
+from __future__ import annotations
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+import mxjax.nn as mnn
+import mxjax.testing as mt
+from mxjax import policies
+
+
+class MLP(nn.Module):
+    dot_general: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        kw = {} if self.dot_general is None else {"dot_general": self.dot_general}
+        h = jax.nn.gelu(nn.Dense(64, name="up", **kw)(x))
+        return nn.Dense(32, name="down", **kw)(h)
+
+
+X = jax.random.normal(jax.random.key(1), (16, 32))
+PARAMS = MLP().init(jax.random.key(0), X)
+
+
+def test_wrapped_equals_injected_and_passthrough_is_exact():
+    policy = policies.get("mxfp4_all")
+    wrapped = mnn.wrap(MLP(), policy)
+    mt.assert_equivalent(wrapped.apply, MLP(dot_general=policy.dot_general()).apply, PARAMS, X,
+                         argnums=(0, 1))
+    mt.assert_passthrough_exact(MLP().apply, mnn.wrap(MLP(), "bf16").apply, PARAMS, X,
+                                argnums=(0, 1))
+    mt.assert_quantized_weight_matmuls(wrapped.report(PARAMS, X), policy, paths=("up", "down"))
+    # The helpers fail when they should: quantized vs exact, a layer left out.
+    with pytest.raises(AssertionError):
+        mt.assert_passthrough_exact(MLP().apply, wrapped.apply, PARAMS, X, argnums=())
+    partial = mnn.wrap(MLP(), mnn.Rule(path="up", policy=policy)).report(PARAMS, X)
+    with pytest.raises(AssertionError, match="down"):
+        mt.assert_quantized_weight_matmuls(partial, policy)
+
+
+def test_kernel_backend_matches_the_reference_within_the_stated_bound():
+    base = policies.get("mxfp4_fprop")
+    pallas = base.replace(fprop=base.fprop.__class__(**{**base.fprop.__dict__,
+                                                        "backend": "pallas"}))
+    assert mt.reference_policy(pallas) == base
+    make = lambda p: mnn.wrap(MLP(), p).apply
+    # f32 sums in another order: a few ulps of the output over a contraction of 32-64.
+    mt.assert_matches_reference(make, pallas, PARAMS, X, argnums=(), rtol=1e-5, atol=1e-5)
+    mt.assert_matches_reference(make, base, PARAMS, X)  # the reference itself: bit for bit
+    with pytest.raises(ValueError, match="argnums"):
+        mt.assert_equivalent(make(base), make(base), PARAMS, X, argnums=5)
+
+
+def _hlo(fn, *args) -> str:
+    """Optimized HLO without metadata and source-location tables (names of ops kept)."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    text = re.sub(r",? metadata=\{[^}]*\}", "", text)
+    return "\n".join(line for line in text.splitlines()
+                     if re.match(r"\s*(ROOT )?%|\s*ENTRY|\s*\}|HloModule", line))
+
+
+def _cuda_program(fn, *args) -> str:
+    """StableHLO exported for CUDA (no device needed), without source locations."""
+    text = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+    text = re.sub(r"\s*loc\(#loc\d*\)", "", text)
+    return "\n".join(line for line in text.splitlines() if not line.startswith("#loc"))
+
+
+def test_wrapping_under_bf16_compiles_to_the_unwrapped_program():
+    from test_wrap_names import Stack
+    from test_wrap_names import X as XS  # remat + scan + einsum attention
+
+    m = Stack()
+    v = m.init(jax.random.key(0), XS)
+    wrapped = mnn.wrap(m, mnn.Rule(path=".*", policy="bf16", operands="any"))
+    assert all(s.policy is not None for s in wrapped.report(v, XS).sites)
+
+    def step(apply):
+        return jax.value_and_grad(lambda v: jnp.sum(apply(v, XS) ** 2))
+
+    plain, ours = _hlo(step(m.apply), v), _hlo(step(wrapped.apply), v)
+    assert len(re.findall(r"= \S+ dot\(", plain)) >= 6  # forward and backward GEMMs
+    assert ours == plain
+    # What a GPU gets: the exported CUDA program (before XLA) is the same too.
+    plain, ours = _cuda_program(step(m.apply), v), _cuda_program(step(wrapped.apply), v)
+    assert plain.count("stablehlo.dot_general") >= 6
+    assert ours == plain
