@@ -466,21 +466,23 @@ def test_observe_sees_each_quantized_call_once_and_keeps_values():
         seen.append((dims, policy.name))
         return call(lhs, rhs, key)
 
-    x = jax.random.normal(jax.random.key(0), (8, 32), jnp.float32)
-    w = jax.random.normal(jax.random.key(1), (32, 16), jnp.float32)
+    x = jax.random.normal(jax.random.key(0), (4, 32), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (32, 8), jnp.float32)
 
     def loss(w, name):
         return jnp.sum(jnp.sin(mxjax.dot_general(x, w, MATMUL_DIMS, policy=name)))
 
-    want = jax.value_and_grad(loss)(w, "mxfp4_all_h16")
+    def step():  # a fresh jit each time: traced (and so observed) on every call
+        return jax.jit(jax.value_and_grad(loss), static_argnums=1)
+
+    want = step()(w, "mxfp4_all")
     with DG.observe(hook):
-        got = jax.value_and_grad(loss)(w, "mxfp4_all_h16")
-        jax.value_and_grad(loss)(w, "bf16")  # pass-through: never reaches the hook
+        got = step()(w, "mxfp4_all")
+        jax.make_jaxpr(jax.value_and_grad(loss), static_argnums=1)(w, "bf16")  # never observed
     chex.assert_trees_all_equal(got, want)
-    assert seen == [(DG.normalize_dimension_numbers(MATMUL_DIMS, x.shape, w.shape), "mxfp4_all_h16")]
+    assert seen == [(DG.normalize_dimension_numbers(MATMUL_DIMS, x.shape, w.shape), "mxfp4_all")]
     with pytest.raises(TypeError, match="hook: expected a callable"), DG.observe(None):
         pass
-
 
 _SHARDING_SCRIPT = textwrap.dedent(
     """
