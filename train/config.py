@@ -153,7 +153,7 @@ class MeshSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MLPerfSection:
-    """The submission records of mllog.txt (MLPerf Training rules; see train/mlperf_log.py)."""
+    """The submission records of mllog.txt (MLPerf Training rules; see train/mlperf.py)."""
 
     benchmark: str | None = _field(
         None, "submission_benchmark; null: llama31_8b for the llama3_8b preset, else the run name")

@@ -5,7 +5,7 @@ and its TensorBoard events are read back with TensorBoard's own reader.
 Shrunk: a 2-layer d-64 model instead of Llama 3.1-8B, the bundled Austen corpus (BPE 512)
 standing in for C4, sequences of 64 tokens, 4 steps of 8 sequences (2 micro-batches), 16 eval
 sequences, no checkpoints, and the bf16 policy (the MLPerf file's mxfp4_all_h16 would double the
-compile time; its precision records are tested in test_mlperf_log.py). The optimizer section,
+compile time; its precision records are tested in test_mlperf.py). The optimizer section,
 seed, target and submission records are the MLPerf file's. Four rules cannot hold at that size,
 and the checker must name exactly those:
 
@@ -21,11 +21,11 @@ import json
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from train_testutil import ROOT
+from train_testutil import MODEL, ROOT
 
 from train import config as C
 from train import loop
-from train import mlperf_log as M
+from train import mlperf as M
 from train.metrics import read_jsonl
 
 CANNOT_PASS_AT_CPU_SIZE = {
@@ -36,8 +36,7 @@ CANNOT_PASS_AT_CPU_SIZE = {
 }
 SHRINK = [
     "policy=bf16", "model.preset=tiny",
-    "model.overrides={dim: 64, n_layers: 2, n_heads: 4, n_kv_heads: 2, ffn_dim: 128, "
-    "max_seq_len: 128}",
+    f"model.overrides={MODEL}",
     "data.sources=[embedded:austen]", "data.val_sources=[]", "data.format=auto",
     "data.tokenizer=bpe", "data.eos_token=null", "data.vocab_size=512", "data.max_docs=3000",
     "data.seq_len=64",

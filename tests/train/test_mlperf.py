@@ -1,4 +1,4 @@
-"""train.mlperf_log: the MLPerf records written through mlperf_logging.mllog, checked by the
+"""train.mlperf: the MLPerf records written through mlperf_logging.mllog, checked by the
 package's own compliance checker (ruleset training 6.1.0, closed llama31_8b)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from train_testutil import ROOT
 
 from train import config as C
-from train import mlperf_log as M
+from train import mlperf as M
 
 MLPERF_YAML = ROOT / "configs" / "llama3_8b_mlperf.yaml"
 
