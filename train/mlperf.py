@@ -246,7 +246,8 @@ class MLPerfLog:
         self._handler.setFormatter(logging.Formatter("%(message)s"))
         logger = logging.Logger(f"mxjax.mllog:{self.path}", level=logging.INFO)  # noqa: LOG001
         logger.addHandler(self._handler)
-        self._mllog = MLLogger(logger=logger)
+        # metadata.file is the caller's path relative to the repository (e.g. train/trainer.py)
+        self._mllog = MLLogger(logger=logger, root_dir=str(Path(__file__).resolve().parents[1]))
 
     def _log(self, kind: str, key: str, value: Any = None, *, step: int, depth: int = 0,
              **metadata: Any) -> None:
