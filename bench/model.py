@@ -27,24 +27,19 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models.llama import Llama, LlamaConfig
+from mxjax import policies
 
 DEFAULT_POLICIES = ("none", "bf16", "mxfp4_all", "mxfp4_all_h16")
 
 
 def _get_policy(name: str):
-    """The policy for ``name`` ('none' -> None), or a string saying why it is unavailable."""
+    """The policy for ``name`` ('none' -> None); an unknown name is an error."""
     if name == "none":
         return None
-    try:
-        from mxjax import policies
-    except ImportError as e:
-        return f"mxjax.policies not importable ({e})"
     if name not in policies.names():
-        return "not in mxjax.policies.names()"
-    pol = policies.get(name)
-    if not callable(getattr(pol, "dot_general", None)):
-        return "policy has no dot_general yet"
-    return pol
+        raise SystemExit(f"--policies: unknown policy {name!r}; known: none, "
+                         f"{', '.join(policies.names())}")
+    return policies.get(name)
 
 
 def make_step(model: Llama, policy):
@@ -91,9 +86,6 @@ def main(argv=None) -> int:
     steps = {}
     for name in args.policies.split(","):
         pol = _get_policy(name)
-        if isinstance(pol, str):
-            print(f"# skipping policy {name!r}: {pol}")
-            continue
         step, state = make_step(model, pol)
         t0 = time.perf_counter()
         jax.block_until_ready(step(state, tokens, key))

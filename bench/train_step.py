@@ -93,7 +93,8 @@ def main(argv=None) -> int:
     print(f"{'policy':16s} {'ms/step':>8s} {'best ms':>8s} {'tokens/s':>9s} {'cpu ms':>8s} "
           f"{'x none':>7s} {'x best':>7s} {'x cpu':>6s}")
     for name in names:
-        med, best, c = statistics.median(times[name]), min(times[name]), statistics.median(cpu[name])
+        med, best = statistics.median(times[name]), min(times[name])
+        c = statistics.median(cpu[name])
         row = {"policy": name, "ms_per_step": med * 1e3, "best_ms_per_step": best * 1e3,
                "tokens_per_s": tokens / med, "cpu_ms_per_step": c * 1e3,
                "slowdown_vs_none": med / base, "slowdown_best": best / base_best,

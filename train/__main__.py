@@ -7,7 +7,14 @@ import json
 import sys
 from collections.abc import Sequence
 
+import jax
+import yaml
+
+from mxjax import policies
 from train import config as cfgmod
+from train import loop
+from train.checkpoint import CheckpointError
+from train.config import ConfigError
 
 _EPILOG = """\
 what a run writes (in --out, default runs/<name>):
@@ -65,13 +72,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.list_policies:
-        from mxjax import policies
-
         print("\n".join(("none",) + tuple(policies.names())))
         return 0
-    from train.checkpoint import CheckpointError
-    from train.config import ConfigError
-
     try:
         raw = cfgmod.read_yaml(args.config) if args.config else {}
         raw = cfgmod.apply_overrides(raw, args.set)
@@ -83,12 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raw.setdefault("mesh", {})["distributed"] = True
         cfg = cfgmod.from_dict(raw)
         if args.print_config:
-            import yaml
-
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
             return 0
-        from train import loop
-
         if cfg.mesh.distributed:
             loop.init_distributed(cfg.mesh)
         if args.check:
@@ -108,8 +106,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"checkpoint error: {e}", file=sys.stderr)
         return 4
-    import jax
-
     if jax.process_index() == 0:
         s = summary
         fe = f"{s.final_eval_loss:.4f}" if s.final_eval_loss is not None else "n/a"

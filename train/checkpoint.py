@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from train.process import fetch
+
 FORMAT_VERSION = 1
 
 
@@ -77,9 +79,7 @@ def _checksums(flat: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 def checksums(flat: Mapping[str, jax.Array]) -> dict[str, list[float]]:
     """Per-array [sum, sum of |x|] in fp32 (detects altered or mixed-up arrays)."""
-    out = _checksums(dict(flat))
-    out = {k: np.asarray(v if v.is_fully_addressable else v.addressable_shards[0].data)
-           for k, v in out.items()}
+    out = fetch(_checksums(dict(flat)))
     return {k: [float(v[0]), float(v[1])] for k, v in out.items()}
 
 

@@ -29,7 +29,9 @@ schema with defaults and help text for ``--help``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import textwrap
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -37,6 +39,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from train.jsonsafe import jsonable
 
 
 class ConfigError(ValueError):
@@ -77,7 +81,8 @@ class DataSection:
     holdout_every: int = _field(
         20, "without val_sources: every N-th block of documents is held out for validation")
     holdout_block: int = _field(50, "documents per hold-out block")
-    max_docs: int | None = _field(None, "read at most this many documents from sources (and from val_sources)")
+    max_docs: int | None = _field(
+        None, "read at most this many documents from sources (and from val_sources)")
     tokenizer: str = _field(
         "bpe", "'bpe' (byte-level BPE trained on the training documents, cached) or a "
         "path to a Hugging Face tokenizer.json")
@@ -198,15 +203,7 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (JSON/YAML-safe) of the whole config."""
-        return _to_plain(dataclasses.asdict(self))
-
-
-def _to_plain(x: Any) -> Any:
-    if isinstance(x, Mapping):
-        return {str(k): _to_plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_to_plain(v) for v in x]
-    return x
+        return jsonable(self)
 
 
 # --------------------------------------------------------------------------- parsing
@@ -228,7 +225,7 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _convert(value: Any, tp: Any, path: str) -> Any:
+def _convert(value: Any, tp: Any, path: str, what: str = "config") -> Any:
     """Check `value` against the annotation `tp`; return the converted value."""
     origin = typing.get_origin(tp)
     if tp is Any:
@@ -236,7 +233,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__} {value!r}")
-        return _build(tp, value, path)
+        return build(tp, value, path, what=what)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
@@ -246,7 +243,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             if a is type(None):
                 continue
             try:
-                return _convert(value, a, path)
+                return _convert(value, a, path, what)
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(f"{path}: expected {_type_name(tp)}, got "
@@ -265,7 +262,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             value = [value]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{path}: expected a list, got {type(value).__name__} {value!r}")
-        return tuple(_convert(v, elem, f"{path}[{i}]") for i, v in enumerate(value))
+        return tuple(_convert(v, elem, f"{path}[{i}]", what) for i, v in enumerate(value))
     if origin is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__} {value!r}")
@@ -294,17 +291,24 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     raise TypeError(f"unsupported config annotation {tp!r} at {path}")
 
 
-def _build(cls: type, raw: Mapping[str, Any], path: str = "") -> Any:
+def build(cls: type, raw: Mapping[str, Any], path: str = "", *, what: str = "config") -> Any:
+    """An instance of the config dataclass `cls` from the mapping `raw`.
+
+    Every value is checked against its field's annotation (nested dataclasses,
+    unions, Literal, tuple, dict, bool/int/float/str); unknown keys and wrong
+    types raise ConfigError naming the key (``path.key``; `what` names the kind
+    of config in the unknown-key message). Value ranges are the caller's checks.
+    """
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(map(str, raw)) - names)
     if unknown:
         where = f" in section '{path}'" if path else ""
-        raise ConfigError(f"unknown config key(s){where}: {', '.join(unknown)}; valid keys: "
+        raise ConfigError(f"unknown {what} key(s){where}: {', '.join(unknown)}; valid keys: "
                           f"{', '.join(sorted(names))}")
     kwargs = {}
     for k, v in raw.items():
-        kwargs[k] = _convert(v, hints[k], f"{path}.{k}" if path else k)
+        kwargs[k] = _convert(v, hints[k], f"{path}.{k}" if path else k, what)
     return cls(**kwargs)
 
 
@@ -312,7 +316,7 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
     """Build and validate a `Config` from a nested mapping (as read from YAML)."""
     if not isinstance(raw, Mapping):
         raise ConfigError(f"config must be a mapping, got {type(raw).__name__}")
-    cfg = _build(Config, raw)
+    cfg = build(Config, raw)
     check(cfg)
     return cfg
 
@@ -334,8 +338,6 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Return a copy of `raw` with each ``key.sub=value`` override applied."""
-    import copy
-
     out = copy.deepcopy(dict(raw))
     for item in overrides:
         parts, value = parse_override(item)
@@ -380,7 +382,8 @@ def check(cfg: Config) -> None:
         if not cond:
             raise ConfigError(msg)
 
-    need(bool(cfg.name) and "/" not in cfg.name, f"name: must be a non-empty name without '/', got {cfg.name!r}")
+    need(bool(cfg.name) and "/" not in cfg.name,
+         f"name: must be a non-empty name without '/', got {cfg.name!r}")
     need(t.steps >= 1, f"train.steps must be >= 1, got {t.steps}")
     need(t.global_batch >= 1, f"train.global_batch must be >= 1, got {t.global_batch}")
     if t.micro_batch is not None:
@@ -396,13 +399,15 @@ def check(cfg: Config) -> None:
     need(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
     need(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     need(cfg.decay_steps >= 1, f"optim.decay_steps must be >= 1, got {cfg.decay_steps}")
-    need(0.0 <= o.final_lr_ratio <= 1.0, f"optim.final_lr_ratio must be in [0, 1], got {o.final_lr_ratio}")
+    need(0.0 <= o.final_lr_ratio <= 1.0,
+         f"optim.final_lr_ratio must be in [0, 1], got {o.final_lr_ratio}")
     need(0.0 <= o.b1 < 1.0 and 0.0 <= o.b2 < 1.0, "optim.b1 and optim.b2 must be in [0, 1)")
     need(o.eps > 0, f"optim.eps must be > 0, got {o.eps}")
     need(o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}")
     need(o.clip_norm > 0, f"optim.clip_norm must be > 0, got {o.clip_norm}")
     need(d.seq_len >= 2, f"data.seq_len must be >= 2, got {d.seq_len}")
-    need(d.vocab_size >= 260, f"data.vocab_size must be >= 260 (256 bytes + specials), got {d.vocab_size}")
+    need(d.vocab_size >= 260,
+         f"data.vocab_size must be >= 260 (256 bytes + specials), got {d.vocab_size}")
     need(d.holdout_every >= 2, f"data.holdout_every must be >= 2, got {d.holdout_every}")
     need(d.holdout_block >= 1, f"data.holdout_block must be >= 1, got {d.holdout_block}")
     need(len(d.sources) >= 1, "data.sources must name at least one file")
@@ -425,8 +430,6 @@ def check(cfg: Config) -> None:
 
 def describe(width: int = 100) -> str:
     """Human-readable schema with defaults and help, for ``--help``."""
-    import textwrap
-
     lines = []
 
     def entry(indent: str, name: str, tp: Any, default: Any, help_text: str) -> None:

@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from train import config as cfgmod
 from train.config import ConfigError, DataSection
 from train.tokenizer import TextTokenizer, TokenizerError, load_hf, train_bpe
 
@@ -151,12 +152,14 @@ def iter_split(spec: DataSection) -> Iterator[tuple[str, str]]:
                 yield "train", doc
             else:
                 block = n // spec.holdout_block
-                yield ("val" if block % spec.holdout_every == spec.holdout_every - 1 else "train"), doc
+                held_out = block % spec.holdout_every == spec.holdout_every - 1
+                yield ("val" if held_out else "train"), doc
             n += 1
     if spec.val_sources:
         m = 0
         for path in resolve_sources(spec.val_sources, "data.val_sources"):
-            for doc in iter_documents(path, fmt=spec.format, text_key=spec.text_key, split=spec.split):
+            for doc in iter_documents(path, fmt=spec.format, text_key=spec.text_key,
+                                      split=spec.split):
                 if spec.max_docs is not None and m >= spec.max_docs:
                     break
                 yield "val", doc
@@ -393,7 +396,8 @@ class TrainLoader:
     def __init__(self, seqs: Sequences, *, global_batch: int, seed: int,
                  process_index: int = 0, process_count: int = 1):
         if len(seqs) == 0:
-            raise DataError(f"the training split has fewer than seq_len+1 = {seqs.seq_len + 1} tokens")
+            raise DataError(f"the training split has fewer than seq_len+1 = {seqs.seq_len + 1} "
+                            "tokens")
         if global_batch % process_count:
             raise ConfigError(f"train.global_batch ({global_batch}) must be divisible by the "
                               f"number of processes ({process_count})")
@@ -439,8 +443,6 @@ def eval_batches(seqs: Sequences, n_sequences: int, batch: int) -> list[np.ndarr
 # --------------------------------------------------------------------------- CLI
 
 def _spec_from_args(args: argparse.Namespace) -> DataSection:
-    from train import config as cfgmod
-
     sets = list(args.set or [])
     flag_map = {"source": "sources", "val_source": "val_sources", "format": "format",
                 "text_key": "text_key", "split": "split", "tokenizer": "tokenizer",

@@ -33,7 +33,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import matplotlib
 import numpy as np
+
+# Figures are drawn without pyplot (no global backend or figure registry to touch).
+from matplotlib.figure import Figure
 
 __all__ = [
     "EXTRA_POLICIES",
@@ -304,17 +308,13 @@ def details_table(results: Mapping[str, PolicyResult], outcomes: Sequence[RunOut
 def plot_curves(curves: Mapping[tuple[str, int], Curve], path: str | Path, *,
                 target: float | None = None, title: str = "") -> Path:
     """PNG of every run's eval loss against tokens (colour per policy, style per seed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     path = Path(path)
     policies = list(dict.fromkeys(p for p, _ in curves))
     seeds = sorted({s for _, s in curves})
-    cmap = plt.get_cmap("tab20")
+    cmap = matplotlib.colormaps["tab20"]
     styles = ["-", "--", ":", "-."]
-    fig, ax = plt.subplots(figsize=(10, 6))
+    fig = Figure(figsize=(10, 6))
+    ax = fig.subplots()
     for (p, s), curve in curves.items():
         pts = [(t, as_float(v)) for t, v in curve]
         pts = [(t, v) for t, v in pts if math.isfinite(v)]
@@ -339,7 +339,6 @@ def plot_curves(curves: Mapping[tuple[str, int], Curve], path: str | Path, *,
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
@@ -360,14 +359,10 @@ def plot_run_diagnostics(records: Sequence[Mapping[str, Any]], path: str | Path,
     rows = [r for r in records if any(str(k).startswith("diag/") for k in r)]
     if not rows:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     path = Path(path)
     heat = [r for r in records if r.get("diag_slots")]
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    fig = Figure(figsize=(13, 9))
+    axes = fig.subplots(2, 2)
     steps = [int(r["step"]) for r in rows]
     for ax, field, label in ((axes[0, 0], "rel_err", "relative error ‖Q(x)−x‖/‖x‖"),
                              (axes[0, 1], "underflow", "underflow (nonzero → 0)")):
@@ -403,5 +398,4 @@ def plot_run_diagnostics(records: Sequence[Mapping[str, Any]], path: str | Path,
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path

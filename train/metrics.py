@@ -31,20 +31,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+# Figures are drawn without pyplot (no global backend or figure registry to touch).
+from matplotlib.figure import Figure
+
+from train.jsonsafe import jsonable
+
 
 def _clean(v: Any) -> Any:
-    """JSON-safe: NaN/Inf floats become strings 'nan'/'inf'/'-inf'."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
-    if isinstance(v, Mapping):
-        return {str(k): _clean(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_clean(x) for x in v]
-    if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
-        return _clean(v.item())
-    if hasattr(v, "tolist"):
-        return _clean(v.tolist())
-    return v
+    """Strict JSON: NaN/Inf floats become strings 'nan'/'inf'/'-inf'."""
+    return jsonable(v, nonfinite_as_str=True)
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -172,19 +167,15 @@ class Progress:
 
 
 def plot_losses(records: list[Mapping[str, Any]], path: str | Path, *, title: str = "") -> Path:
-    """Write a PNG of train loss (raw + EMA) and eval loss against tokens."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Write a PNG of train loss (raw + centred moving average) and eval loss against tokens."""
     def num(v):
         return v if isinstance(v, (int, float)) and math.isfinite(v) else None
 
     tr = [(r["tokens"], num(r.get("loss"))) for r in records if num(r.get("loss")) is not None]
     ev = [(r["tokens"], num(r.get("eval_loss"))) for r in records
           if num(r.get("eval_loss")) is not None]
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    fig = Figure(figsize=(7, 4.2), dpi=110)
+    ax = fig.subplots()
     if tr:
         x, y = zip(*tr)
         ax.plot(x, y, color="tab:blue", alpha=0.25, lw=0.8, label="train loss")
@@ -206,5 +197,4 @@ def plot_losses(records: list[Mapping[str, Any]], path: str | Path, *, title: st
     fig.tight_layout()
     p = Path(path)
     fig.savefig(p)
-    plt.close(fig)
     return p

@@ -32,6 +32,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+import numpy as np
+from mlperf_logging.compliance_checker import mlp_compliance
 from mlperf_logging.mllog import constants as K
 from mlperf_logging.mllog.mllog import MLLogger
 
@@ -178,9 +181,6 @@ def plan_facts(plan: Any, *, train_samples: int, config_filename: str) -> RunFac
 
     The platform is ``mlperf.platform`` or ``'<device count>x<device kind>'``.
     """
-    import jax
-    import numpy as np
-
     c, mc = plan.config, plan.model_config
     data, fsdp, tensor = plan.mesh_axes
     return RunFacts(
@@ -287,7 +287,8 @@ class MLPerfLog:
             self._in_block = False
 
     def evaluation(self, eval_loss: float, *, step: int, samples: int) -> None:
-        """Closes the open block; ``eval_start``, ``eval_accuracy`` (log-perplexity), ``eval_stop``."""
+        """Closes the open block; ``eval_start``, ``eval_accuracy`` (log-perplexity),
+        ``eval_stop``."""
         self._close_block(step, samples)
         md = {"samples_count": samples, "epoch_num": samples}
         self._log("start", K.EVAL_START, step=step, **md)
@@ -328,8 +329,6 @@ def check_compliance(path: str | Path, *, ruleset: str = RULESET) -> ComplianceR
     ``check_file``, what ``python -m mlperf_logging.compliance_checker`` runs)
     and returns its messages grouped by the failing key.
     """
-    from mlperf_logging.compliance_checker import mlp_compliance
-
     checker = mlp_compliance.make_checker("training", ruleset, False, False)
     try:
         checker.check_file(str(path), f"training_{ruleset}/common.yaml")

@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tensorboardX import SummaryWriter
+
 TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
         "tokens_per_s": "train/tokens_per_s", "skipped_steps": "train/skipped_steps",
         "eval_loss": "eval/loss"}
@@ -56,8 +58,6 @@ class TensorBoardWriter:
     """
 
     def __init__(self, logdir: str | Path, *, resume_step: int | None):
-        from tensorboardX import SummaryWriter
-
         self.logdir = Path(logdir)
         # tensorboardX names files by the second; the suffix keeps a quick restart (same
         # second) from overwriting the file before it (TensorBoard reads them in name order).

@@ -80,7 +80,8 @@ def _find_special(tok: Tokenizer, name: str | None, known: Sequence[str], what: 
         + (" to the token to use" if arg == "eos_token" else ""))
 
 
-def load_hf(path: str | Path, *, eos_token: str | None = None, add_bos: bool = False) -> TextTokenizer:
+def load_hf(path: str | Path, *, eos_token: str | None = None,
+            add_bos: bool = False) -> TextTokenizer:
     """Load a Hugging Face ``tokenizer.json`` (e.g. the Llama 3.1 tokenizer)."""
     p = Path(path)
     if not p.is_file():

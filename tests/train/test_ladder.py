@@ -245,7 +245,7 @@ def test_two_policy_ladder_end_to_end(tmp_path, tmp_path_factory):
     assert "diag/wgrad/lhs_rel_err" not in tb["mxfp4_all/seed1"]
 
     # switching diagnostics on does not change losses: the same run without them
-    raw = L._run_config(cfg, "mxfp4_all", 0, cfg.max_steps, rep["target_eval_loss"]).to_dict()
+    raw = L.run_config(cfg, "mxfp4_all", 0, cfg.max_steps, rep["target_eval_loss"]).to_dict()
     raw.update(out_dir=str(tmp_path / "plain"))
     plain = loop.run(C.from_dict(raw), verbose=False)
     plain_recs = read_jsonl(plain.metrics_path)

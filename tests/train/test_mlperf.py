@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from train_testutil import ROOT
 
+from mxjax import policies
 from train import config as C
 from train import mlperf as M
 
@@ -48,7 +49,7 @@ def mlperf_cfg():
 
 def test_full_size_run_passes_the_checker(tmp_path, mlperf_cfg):
     """A log with the real MLPerf config's values and an eval at the 3.3 target passes, through
-    the checker's API and through its command line (`python -m mlperf_logging.compliance_checker`)."""
+    the checker's API and its command line (`python -m mlperf_logging.compliance_checker`)."""
     path = tmp_path / "mllog.txt"
     _write_run(path, mlperf_cfg, [(768, 3.9), (1536, 3.29)], success=True)
     res = M.check_compliance(path)
@@ -130,15 +131,11 @@ def test_resume_drops_later_records_and_keeps_the_block(tmp_path, mlperf_cfg):
     ("bf16", "float32", "fp32"), ("bf16", "bfloat16", "bfloat16"), (None, "float16", "fp16"),
 ])
 def test_policy_precision(policy, dtype, want):
-    from mxjax import policies
-
     rec = policies.to_dict(policies.get(policy)) if policy else None
     assert M.policy_precision(rec, dtype) == want
 
 
 def test_every_preset_has_a_precision_name():
-    from mxjax import policies
-
     for name in policies.names():
         assert M.policy_precision(policies.to_dict(policies.get(name)), "bfloat16") in \
             {"mxfp4", "nvfp4", "fp8", "bfloat16"}

@@ -55,8 +55,8 @@ def test_sigkill_and_restart_is_bit_identical(tmp_path, policy):
 
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.Popen([sys.executable, "-m", "train", *_args(b, cache, jcache, policy)], cwd=ROOT,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-m", "train", *_args(b, cache, jcache, policy)],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 300
     killed_at = None
     while time.time() < deadline and proc.poll() is None:
