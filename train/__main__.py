@@ -21,8 +21,9 @@ what a run writes (in --out, default runs/<name>):
   config.yaml     the resolved config
   metrics.jsonl   one JSON record per step: step, tokens, loss, eval_loss, lr,
                   grad_norm, tokens_per_s, skipped_steps, policy, epoch, time_s
-  mllog.txt       MLPerf-style :::MLLOG lines (eval_accuracy = validation
-                  log-perplexity, with samples_count)
+  mllog.txt       the MLPerf Training log (mlperf_logging.mllog; eval_accuracy =
+                  validation log-perplexity, with samples_count)
+  events.out.tfevents.*  TensorBoard scalars (tensorboard --logdir runs/)
   plot.png        train and eval loss against tokens
   checkpoints/    orbax checkpoints (last checkpoint.keep kept)
   summary.json    final status, eval history, tokens/s, wall time

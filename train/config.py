@@ -17,9 +17,10 @@ name the offending key)::
               weight_decay, clip_norm}
     train:   {steps, global_batch, micro_batch, eval_every, eval_sequences,
               eval_batch, eval_at_start, target_eval_loss, max_nonfinite,
-              log_every, progress, plot}
+              log_every, progress, plot, tensorboard}
     checkpoint: {every, keep, async_save, enabled}
     mesh:    {data, fsdp, tensor, distributed}
+    mlperf:  {benchmark, org, platform, division, status}
 
 `load(path, overrides)` reads a file and applies ``key.sub=value`` overrides
 (values parsed as YAML scalars) before validation. `describe()` renders the
@@ -128,6 +129,8 @@ class TrainSection:
     progress: Literal["auto", "bar", "lines", "off"] = _field(
         "auto", "progress display: bar on a terminal, periodic lines otherwise")
     plot: bool = _field(True, "write plot.png (loss vs tokens) at the end")
+    tensorboard: bool = _field(
+        True, "write TensorBoard event files (scalars) into the run directory")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -154,6 +157,20 @@ class MeshSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class MLPerfSection:
+    """The submission records of mllog.txt (MLPerf Training rules; see train/mlperf.py)."""
+
+    benchmark: str | None = _field(
+        None, "submission_benchmark; null: llama31_8b for the llama3_8b preset, else the run name")
+    org: str = _field("mxjax", "submission_org: who ran it")
+    platform: str | None = _field(
+        None, "submission_platform; null: '<devices>x<device kind>' of this run")
+    division: Literal["closed", "open"] = _field("closed", "submission_division")
+    status: Literal["onprem", "cloud", "preview", "research"] = _field(
+        "onprem", "submission_status")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     name: str = _field("run", "run name")
     seed: int = _field(0, "seed for init, data order and randomized-policy keys")
@@ -170,6 +187,7 @@ class Config:
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
     mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
+    mlperf: MLPerfSection = dataclasses.field(default_factory=MLPerfSection)
 
     @property
     def out_path(self) -> Path:

@@ -1,4 +1,4 @@
-"""Run outputs: per-step JSONL, MLPerf-style log, progress display, loss plot.
+"""Run outputs: per-step JSONL, progress display, loss plot.
 
 Files in a run directory (see `train.loop.run` and `train.trainer`):
 
@@ -8,13 +8,16 @@ Files in a run directory (see `train.loop.run` and `train.trainer`):
   (before clipping), ``tokens_per_s``, ``skipped_steps`` (total non-finite steps
   skipped so far), ``policy``, ``epoch``, ``time_s`` (since the run started),
   plus any extra fields from hooks. Step 0 holds the evaluation before training.
-* ``mllog.txt``: ``:::MLLOG {...}`` lines as in MLPerf training logs; every
-  evaluation is an ``eval_accuracy`` record (value = validation log-perplexity,
-  i.e. mean token cross-entropy in nats) with ``samples_count`` metadata.
 * ``plot.png``: train loss (raw and smoothed) and eval loss against tokens.
 
-On resume, records after the restored step are dropped so the files describe
-one consistent history.
+The MLPerf log (``mllog.txt``) is `train.mlperf`'s and the TensorBoard events
+are `train.tensorboard_log`'s. On resume, records after the restored step are
+dropped so the files describe one consistent history.
+
+The progress display is ours rather than tqdm's or rich's: off a terminal
+(logs, CI, SLURM) it prints a plain line every 5% and at each evaluation,
+where those libraries write carriage-return redraws into the log file, and on a
+terminal its bar is a few lines of code.
 """
 
 from __future__ import annotations
@@ -94,47 +97,19 @@ class MetricsWriter:
         self._f.close()
 
 
-class MLLog:
-    """MLPerf-style ``:::MLLOG`` lines (one JSON object each) in ``mllog.txt``.
+class Tee:
+    """Hands each record to several writers (anything with ``write(record)`` and ``close()``)."""
 
-    Every record carries ``metadata.step`` so a resumed run can drop the
-    records of steps it is about to redo.
-    """
+    def __init__(self, *writers: Any):
+        self.writers = writers
 
-    PREFIX = ":::MLLOG "
-
-    def __init__(self, path: str | Path, *, resume_step: int | None):
-        self.path = Path(path)
-        if resume_step is None:
-            self.path.write_text("")
-        elif self.path.is_file():
-            keep = []
-            for line in self.path.read_text().splitlines():
-                if not line.startswith(self.PREFIX):
-                    continue
-                try:
-                    rec = json.loads(line[len(self.PREFIX):])
-                except json.JSONDecodeError:
-                    continue
-                if rec.get("metadata", {}).get("step", 0) <= resume_step:
-                    keep.append(line + "\n")
-            self.path.write_text("".join(keep))
-        self._f: TextIO = open(self.path, "a")  # noqa: SIM115 (closed by close())
-
-    def event(self, key: str, value: Any = None, *, step: int, event_type: str = "POINT_IN_TIME",
-              **metadata: Any) -> None:
-        rec = {"namespace": "", "time_ms": int(time.time() * 1000), "event_type": event_type,
-               "key": key, "value": _clean(value), "metadata": _clean({"step": step, **metadata})}
-        self._f.write(self.PREFIX + json.dumps(rec) + "\n")
-        self._f.flush()
-
-    def eval_accuracy(self, eval_loss: float, *, step: int, samples_count: int) -> None:
-        """The MLPerf LLM eval record: value is log-perplexity, lower is better."""
-        self.event("eval_accuracy", float(eval_loss), step=step, samples_count=samples_count,
-                   epoch_num=samples_count)
+    def write(self, record: Mapping[str, Any]) -> None:
+        for w in self.writers:
+            w.write(record)
 
     def close(self) -> None:
-        self._f.close()
+        for w in self.writers:
+            w.close()
 
 
 def _fmt_time(s: float) -> str:

@@ -5,7 +5,9 @@
 steps, stops at the target eval loss or after ``train.max_nonfinite``
 non-finite steps in a row (status ``'nonfinite'``; the checkpoints written
 before are untouched), checkpoints every ``checkpoint.every`` steps and at the
-end, and writes metrics.jsonl, mllog.txt, plot.png and summary.json.
+end, and writes metrics.jsonl, mllog.txt (`train.mlperf`), TensorBoard event
+files (`train.tensorboard_log`, unless ``train.tensorboard`` is false), plot.png
+and summary.json.
 
 Everything runs under a (data, fsdp, tensor) mesh with the model's partition
 rules (`models.sharding`); each process feeds its slice of every global batch.
@@ -30,13 +32,14 @@ from train.checkpoint import Checkpointer
 from train.compat import check_compatible, fingerprint
 from train.config import ConfigError
 from train.hooks import Hooks
-from train.metrics import MetricsWriter, MLLog, Progress
+from train.metrics import MetricsWriter, Progress, Tee
 from train.optimizer import make_optimizer
 from train.plan import Plan
 from train.process import fetch
 from train.state import make_state_layout, put_batch
 from train.step import make_eval_step, make_train_step, policy_base_key
 from train.summary import RunSummary, read_summary, summarize
+from train.tensorboard_log import TensorBoardWriter
 
 
 class _Null:
@@ -156,8 +159,10 @@ class Trainer:
             self._log(f"resuming from checkpoint step {latest} in {ckpt.directory}")
         if self.primary:
             (self.out / "config.yaml").write_text(yaml.safe_dump(c.to_dict(), sort_keys=False))
-            writer = MetricsWriter(self.out / "metrics.jsonl", resume_step=resumed)
-            mll = MLLog(self.out / "mllog.txt", resume_step=resumed)
+            writer = Tee(MetricsWriter(self.out / "metrics.jsonl", resume_step=resumed),
+                         *([TensorBoardWriter(self.out, resume_step=resumed)]
+                           if t.tensorboard else []))
+            mll = mlperf.MLPerfLog(self.out / "mllog.txt", resume_step=resumed)
         else:  # other hosts of a multi-host run write nothing
             writer, mll = _Null(), _Null()
         done_status = meta.get("status") if meta else None
@@ -183,10 +188,13 @@ class Trainer:
                   f"fsdp={self.plan.mesh_axes[1]} tensor={self.plan.mesh_axes[2]} | "
                   f"{len(self.train_seqs)} train sequences of {c.data.seq_len} tokens")
         if resumed is None:
-            mlperf.log_run_start(mll, c, self.plan.policy_name)
+            mll.begin_init(mlperf.run_header(c, mlperf.plan_facts(
+                self.plan, train_samples=len(self.train_seqs),
+                config_filename=str(self.out / "config.yaml"))))
         with shd.use_mesh(self.mesh):
             if state is None:
                 state = self._init(jax.random.key(c.seed))
+                mll.begin_run()
             return self._loop(state, start, resumed, skipped, time_off, t_start, ckpt, writer,
                               mll)
 
@@ -198,7 +206,7 @@ class Trainer:
         rec.update(kw)
         return rec
 
-    def _emit(self, writer: MetricsWriter, rec: dict[str, Any]) -> None:
+    def _emit(self, writer: Tee, rec: dict[str, Any]) -> None:
         if self.hooks.on_record is not None:
             more = self.hooks.on_record(dict(rec))
             if more:
@@ -220,7 +228,7 @@ class Trainer:
 
         def do_eval(at: int) -> float:
             loss = self.evaluate(state["params"])
-            mlperf.log_eval(mll, loss, step=at, global_batch=t.global_batch)
+            mll.evaluation(loss, step=at, samples=at * t.global_batch)
             return loss
 
         if start == 0 and t.eval_at_start:
@@ -230,6 +238,7 @@ class Trainer:
             prog.update(0, loss=None, tokens_per_s=None, eval_loss=ev)
         try:
             while step < t.steps:
+                mll.train_block(step=step + 1, samples=step * t.global_batch)
                 t0 = time.time()
                 batch = self._put(self.loader.batch(step))
                 state, m = self._train_step(state, batch, self.policy_base)
@@ -287,7 +296,8 @@ class Trainer:
                 ckpt.close()
         if status == "completed":
             message = f"trained {step} steps ({step * self.tokens_per_step} tokens)"
-        mlperf.log_run_stop(mll, status, step=step, config=c)
+        mll.end_run(success=status == "target_reached", step=step,
+                    samples=step * t.global_batch)
         mll.close()
         tps = self.tokens_per_step * steady_n / steady_t if steady_n else None
         return self._summary(status, message, step, skipped, time.time() - t_start, tps, resumed)

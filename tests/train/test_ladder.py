@@ -233,6 +233,16 @@ def test_two_policy_ladder_end_to_end(tmp_path, tmp_path_factory):
         recs = read_jsonl(out / "runs" / other / "metrics.jsonl")
         assert not any("diag/wgrad/lhs_rel_err" in r for r in recs)
     assert "## Diagnostics" in md and "| mxfp4_all | 0 |" in md
+    # TensorBoard: one run per policy and seed; the per-GEMM diagnostics where they were on
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    mux = EventMultiplexer(size_guidance={"scalars": 0}).AddRunsFromDirectory(str(out / "runs"))
+    mux.Reload()
+    tb = {name.replace("\\", "/"): tags["scalars"] for name, tags in mux.Runs().items()}
+    assert set(tb) == {"fp8/seed0", "fp8/seed1", "mxfp4_all/seed0", "mxfp4_all/seed1"}
+    assert all({"train/loss", "eval/loss"} <= set(tags) for tags in tb.values())
+    assert "diag/wgrad/lhs_rel_err" in tb["mxfp4_all/seed0"]
+    assert "diag/wgrad/lhs_rel_err" not in tb["mxfp4_all/seed1"]
 
     # switching diagnostics on does not change losses: the same run without them
     raw = L.run_config(cfg, "mxfp4_all", 0, cfg.max_steps, rep["target_eval_loss"]).to_dict()
