@@ -7,7 +7,7 @@ A checkpoint at step ``s`` holds the state after ``s`` optimizer steps:
   ``StandardSave`` so every array keeps its sharding on restore;
 * ``meta``: JSON with the step, data position (samples consumed), the run's
   config, the policy, the resolved model config, the data fingerprint,
-  every array's shape/dtype and a BLAKE2b-256 digest of every array's bytes.
+  every array's shape/dtype and a SHA-256 digest of every array's bytes.
 
 Digests are computed on the host from the arrays being saved (dtype, shape and
 the C-order bytes; on multi-process runs each array is gathered to every
@@ -42,7 +42,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 FORMAT_VERSION = 2  # 1: sum/abs-sum checksums (refused: too weak to trust)
-DIGEST = "blake2b-256(dtype, shape, C-order bytes)"
+DIGEST = "sha256(dtype, shape, C-order bytes)"
 
 
 class CheckpointError(RuntimeError):
@@ -95,14 +95,14 @@ def _host_arrays(flat: Mapping[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
 
 
 def _digest(a: np.ndarray) -> str:
-    h = hashlib.blake2b(digest_size=32)
+    h = hashlib.sha256()
     h.update(f"{a.dtype.str}{a.dtype.name}{list(a.shape)}".encode())
     h.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)  # hashlib drops the GIL
     return h.hexdigest()
 
 
 def digests(flat: Mapping[str, Any], *, threads: int | None = None) -> dict[str, str]:
-    """{key: BLAKE2b-256 hex digest of the array's dtype, shape and bytes} (see module doc).
+    """{key: SHA-256 hex digest of the array's dtype, shape and bytes} (see module doc).
 
     Arrays are copied to the host one by one and hashed in `threads` worker
     threads (default: up to 8), keeping at most 2 x threads copies alive.
@@ -246,7 +246,7 @@ class Checkpointer:
             if got != want_digests.get(k):
                 raise CorruptCheckpointError(
                     f"checkpoint {where} (step {step}): array {k} does not match its recorded "
-                    f"digest (BLAKE2b of its bytes: got {got[:16]}..., recorded "
+                    f"digest (SHA-256 of its bytes: got {got[:16]}..., recorded "
                     f"{str(want_digests.get(k))[:16]}...); the files were altered or damaged. "
                     "Delete it (the previous ones are kept) or use another output directory.")
         return unflatten(flat, like)
