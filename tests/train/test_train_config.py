@@ -8,7 +8,8 @@ import pytest
 from train_testutil import MODEL, ROOT, fast_sets, run_cli
 
 from train import config as C
-from train import loop
+from train import loop, optimizer
+from train import plan as plan_mod
 from train.config import ConfigError
 
 
@@ -187,7 +188,7 @@ def test_mlperf_config_is_the_real_setting():
     assert t.global_batch == 16 and t.target_eval_loss == 3.3
     assert t.eval_every * t.global_batch == 12_288 and t.eval_sequences == 1024
     assert cfg.model.compute_dtype == "bfloat16"
-    mc = loop.build_model_config(cfg, 128256)
+    mc = plan_mod.build_model_config(cfg, 128256)
     ref = LlamaConfig.llama3_8b()
     for f in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_dim",
               "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings"):
@@ -201,12 +202,12 @@ def test_mlperf_config_is_the_real_setting():
     params = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
     assert params["embed_tokens"]["embedding"].shape == (128256, 4096)
     assert params["layers"]["gate_proj"]["kernel"].shape == (32, 4096, 14336)
-    tx, _ = loop.make_optimizer(cfg)
+    tx, _ = optimizer.make_optimizer(cfg)
     import jax
     opt = jax.eval_shape(tx.init, params)
     n_opt = sum(x.size for x in jax.tree.leaves(opt) if x.ndim > 0)
     assert n_opt == 2 * 8_030_261_248
-    assert loop.resolve_mesh(cfg, 8) == (1, 8, 1)
+    assert plan_mod.resolve_mesh(cfg, 8) == (1, 8, 1)
 
 
 def test_fp32_master_weights_with_bf16_compute(tmp_path, cache):

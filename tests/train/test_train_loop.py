@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from train_testutil import load
 
-from train import loop
+from train import loop, optimizer
+from train import step as step_mod
 from train.checkpoint import Checkpointer, CorruptCheckpointError, IncompatibleCheckpointError
 from train.config import ConfigError
 from train.metrics import read_jsonl
@@ -68,7 +69,7 @@ def test_run_outputs(base):
 def test_learning_rate_schedule_in_records(base):
     cfg, _ = base
     recs = read_jsonl(cfg.out_path / "metrics.jsonl")
-    sched = loop.lr_schedule(cfg)
+    sched = optimizer.lr_schedule(cfg)
     # the record of step s carries the lr used for that update (optimizer count s-1)
     for r in recs[1:]:
         assert r["lr"] == pytest.approx(float(sched(r["step"] - 1)), rel=1e-6)
@@ -91,7 +92,7 @@ def test_schedule_shape():
 
     cfg = C.load(None, ["optim.lr=1.0", "optim.warmup_steps=4", "optim.decay_steps=14",
                         "optim.final_lr_ratio=0.1"])
-    s = loop.lr_schedule(cfg)
+    s = optimizer.lr_schedule(cfg)
     got = [float(s(i)) for i in range(20)]
     assert got[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
     assert got[4] == pytest.approx(1.0) and got[9] == pytest.approx(0.55)
@@ -104,7 +105,7 @@ def test_weight_decay_skips_norms():
               "layers": {"input_layernorm": {"scale": jnp.ones((3, 2))},
                          "q_proj": {"kernel": jnp.ones((3, 2, 2))}},
               "norm": {"scale": jnp.ones((2,))}}
-    m = loop.decay_mask(params)
+    m = optimizer.decay_mask(params)
     assert m == {"embed_tokens": {"embedding": True},
                  "layers": {"input_layernorm": {"scale": False}, "q_proj": {"kernel": True}},
                  "norm": {"scale": False}}
@@ -223,7 +224,7 @@ def test_nonfinite_guard_skips_counts_and_stops(tmp_path, cache):
     assert [r["skipped_steps"] for r in recs] == [0, 0, 1, 2, 2, 3, 4, 5]
     assert all(r["seen_by_hook"] == r["step"] for r in recs)
     # randomized policy: a key per step, derived from the seed and the step
-    base_key = jax.random.fold_in(jax.random.key(cfg.seed), loop._POLICY_TAG)
+    base_key = jax.random.fold_in(jax.random.key(cfg.seed), step_mod.POLICY_TAG)
     for r in recs:
         want = jax.random.key_data(jax.random.fold_in(base_key, r["step"] - 1))
         assert r["policy_key"] == np.asarray(want).tolist()

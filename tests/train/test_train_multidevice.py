@@ -35,7 +35,7 @@ _SCRIPT = textwrap.dedent("""
                      "grad_norms": [r["grad_norm"] for r in recs]}
     # the sharded run really was sharded: parameters split over fsdp
     tr = loop.Trainer(loop.validate(cfg, verbose=False), None, False)
-    spec = tr.param_sh["layers"]["gate_proj"]["kernel"].spec
+    spec = tr.layout.param_shardings["layers"]["gate_proj"]["kernel"].spec
     out["gate_spec"] = [str(s) for s in spec]
     print("RESULT " + json.dumps(out))
 """)

@@ -1,0 +1,53 @@
+"""Which checkpoints a run may resume: the run's fingerprint and the comparison."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from train.checkpoint import IncompatibleCheckpointError
+from train.jsonsafe import jsonable
+from train.plan import Plan
+
+
+def fingerprint(plan: Plan) -> dict[str, Any]:
+    """The parts of a run a checkpoint must agree with to be resumed (stored in its meta)."""
+    c = plan.config
+    return {
+        "model": jsonable(plan.model_config),
+        "policy": plan.policy_record,
+        "data": {"fingerprint": plan.prepared.meta["fingerprint"]["hash"],
+                 "seq_len": c.data.seq_len},
+        "seed": c.seed,
+        "optim": {**jsonable(c.optim), "decay_steps": c.decay_steps},
+        "global_batch": c.train.global_batch,
+    }
+
+
+def check_compatible(meta: Mapping[str, Any], want: Mapping[str, Any], where: Path,
+                     policy_name: str) -> None:
+    """Raise IncompatibleCheckpointError listing what differs between a checkpoint's
+    ``meta['compat']`` and this run's `fingerprint` (`want`)."""
+    have = meta.get("compat", {})
+    diffs = [k for k, v in want.items() if have.get(k) != v]
+    if not diffs:
+        return
+    lines = []
+    for k in diffs:
+        old, new = have.get(k), want[k]
+        if isinstance(old, Mapping) and isinstance(new, Mapping):
+            sub = sorted(s for s in set(old) | set(new) if old.get(s) != new.get(s))
+            detail = ", ".join(f"{s}: {old.get(s)!r} -> {new.get(s)!r}" for s in sub[:4])
+        else:
+            detail = f"{old!r} -> {new!r}"
+        if k == "policy":
+            detail = f"checkpoint {meta.get('policy_name')!r}, this run {policy_name!r}"
+        lines.append(f"  {k}: {detail[:300]}")
+        if k == "optim" and old.get("decay_steps") != new.get("decay_steps"):
+            lines.append(f"  (optim.decay_steps defaults to train.steps; to train longer on the "
+                         f"old schedule set optim.decay_steps={old.get('decay_steps')})")
+    raise IncompatibleCheckpointError(
+        f"the checkpoints in {where} were written by a different run setup and cannot be "
+        f"resumed:\n" + "\n".join(lines) + "\nUse another output directory (--out) or delete "
+        f"{where} to start over.")

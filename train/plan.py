@@ -1,0 +1,170 @@
+"""A run's plan: the config resolved and validated before anything compiles.
+
+`validate(config) -> Plan` checks the data files, the policy, the model
+overrides, the mesh and the batch sizes, prepares (or reuses) the tokenized
+data, and returns everything the trainer needs that does not need compilation.
+Every problem is a `ConfigError` naming the config key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from models.llama import LlamaConfig, RopeScaling
+from mxjax import PrecisionPolicy, policies
+from train import data as datamod
+from train.config import Config, ConfigError
+from train.jsonsafe import jsonable
+from train.tokenizer import TokenizerError, load_hf
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A validated run: everything resolved that does not need compilation.
+
+    mesh_axes: (data, fsdp, tensor) sizes; eval_batch: sequences per eval step;
+    policy_record: the policy as a JSON dict (None without a policy), which a
+    checkpoint must match to be resumed.
+    """
+
+    config: Config
+    model_config: LlamaConfig
+    policy: PrecisionPolicy | None
+    policy_name: str
+    policy_record: dict[str, Any] | None
+    mesh_axes: tuple[int, int, int]
+    prepared: datamod.PreparedData
+    eval_batch: int
+
+
+def resolve_policy(
+        spec: str | Mapping[str, Any] | None,
+) -> tuple[PrecisionPolicy | None, str, dict[str, Any] | None]:
+    """(policy or None, display name, JSON record) for a config's ``policy`` entry."""
+    if spec is None or (isinstance(spec, str) and spec.lower() == "none"):
+        return None, "none", None
+    if isinstance(spec, str):
+        names = tuple(policies.names())
+        if spec not in names:
+            raise ConfigError(f"policy: unknown policy {spec!r}; known: none, {', '.join(names)}")
+        pol = policies.get(spec)
+        name = spec
+    else:
+        try:
+            pol = policies.from_dict(dict(spec))
+        except (ValueError, TypeError, KeyError) as e:
+            raise ConfigError(f"policy: invalid policy dict ({type(e).__name__}: {e})") from None
+        name = getattr(pol, "name", None) or str(spec.get("name") or "custom")
+    return pol, name, jsonable(policies.to_dict(pol))
+
+
+def build_model_config(config: Config, vocab_size: int,
+                       max_token_id: int | None = None) -> LlamaConfig:
+    """LlamaConfig from ``model.preset`` + overrides, fp32 params, configured compute dtype.
+
+    ``vocab_size`` (the tokenizer's) is the model's vocabulary for the ``tiny``
+    preset unless overridden; the Llama presets keep theirs (128256). The data's
+    largest token id, when given, must fit the model's vocabulary.
+    """
+    ms = config.model
+    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+    over = dict(ms.overrides)
+    bad = sorted(set(over) - fields)
+    if bad:
+        raise ConfigError(f"model.overrides: unknown LlamaConfig field(s) {', '.join(bad)}; "
+                          f"valid: {', '.join(sorted(fields))}")
+    for k in ("dtype", "param_dtype"):
+        if k in over:
+            raise ConfigError(f"model.overrides.{k}: not settable here (master weights are fp32;"
+                              " use model.compute_dtype for the compute dtype)")
+    if isinstance(over.get("rope_scaling"), Mapping):
+        try:
+            over["rope_scaling"] = RopeScaling(**over["rope_scaling"])
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"model.overrides.rope_scaling: {e}") from None
+    if ms.preset == "tiny":  # the small model takes the tokenizer's size; Llama presets keep theirs
+        over.setdefault("vocab_size", vocab_size)
+    try:
+        mc = getattr(LlamaConfig, ms.preset)(**over, dtype=ms.compute_dtype,
+                                               param_dtype="float32")
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"model: {e}") from None
+    if max_token_id is not None and max_token_id >= mc.vocab_size:
+        raise ConfigError(f"model vocab_size={mc.vocab_size} is too small for the data: token id "
+                          f"{max_token_id} occurs (tokenizer vocabulary {vocab_size}); set "
+                          "model.overrides.vocab_size")
+    if config.data.seq_len > mc.max_seq_len:
+        raise ConfigError(f"data.seq_len={config.data.seq_len} is longer than the model supports "
+                          f"(max_seq_len={mc.max_seq_len}; raise model.overrides.max_seq_len)")
+    return mc
+
+
+def resolve_mesh(config: Config, n_devices: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) sizes; a -1 axis takes the devices the others leave."""
+    m = config.mesh
+    sizes = [m.data, m.fsdp, m.tensor]
+    if -1 in sizes:
+        i = sizes.index(-1)
+        sizes[i] = 1
+        sizes[i] = max(1, n_devices // math.prod(sizes))
+    data, fsdp, tensor = sizes
+    total = data * fsdp * tensor
+    if total > n_devices:
+        raise ConfigError(f"mesh: data*fsdp*tensor = {data}*{fsdp}*{tensor} = {total} "
+                          f"devices, only {n_devices} available")
+    micro = config.train.micro_batch or config.train.global_batch
+    if micro % (data * fsdp):
+        raise ConfigError(f"train.micro_batch (or global_batch) = {micro} must be divisible by "
+                          f"mesh data*fsdp = {data * fsdp}")
+    return data, fsdp, tensor
+
+
+def _nominal_vocab(config: Config) -> int:
+    d = config.data
+    if d.tokenizer == "bpe" or config.model.preset != "tiny":
+        return d.vocab_size
+    return load_hf(d.tokenizer, eos_token=d.eos_token).vocab_size
+
+
+def validate(config: Config, *, verbose: bool = True) -> Plan:
+    """Check everything that can be checked without compiling; prepare (cached) data.
+
+    Raises ConfigError naming the problem: missing files, unknown policy, model
+    overrides, sequence longer than the model supports, mesh/batch sizes,
+    too few validation sequences.
+    """
+    datamod.check_files(config.data)
+    policy, name, record = resolve_policy(config.policy)
+    try:
+        build_model_config(config, _nominal_vocab(config))
+    except TokenizerError as e:
+        raise ConfigError(f"data.tokenizer: {e}") from None
+    mesh_axes = resolve_mesh(config, jax.device_count())
+    t = config.train
+    micro = t.micro_batch or t.global_batch
+    eval_batch = t.eval_batch or min(micro, t.eval_sequences)
+    if eval_batch % (mesh_axes[0] * mesh_axes[1]):
+        raise ConfigError(f"train.eval_batch={eval_batch} must be divisible by mesh data*fsdp = "
+                          f"{mesh_axes[0] * mesh_axes[1]}")
+    try:
+        prepared = datamod.prepare(config.data, verbose=verbose)
+    except datamod.DataError as e:
+        raise ConfigError(f"data: {e}") from None
+    mc = build_model_config(config, prepared.vocab_size, int(prepared.meta["max_token_id"]))
+    val = datamod.Sequences(prepared.tokens("val"), config.data.seq_len)
+    if t.eval_sequences > len(val):
+        raise ConfigError(f"train.eval_sequences={t.eval_sequences} but the validation split has "
+                          f"only {len(val)} sequences of {config.data.seq_len + 1} tokens")
+    if t.eval_sequences % eval_batch:
+        raise ConfigError(f"train.eval_sequences ({t.eval_sequences}) must be a multiple of the "
+                          f"eval batch ({eval_batch})")
+    if datamod.Sequences(prepared.tokens("train"), config.data.seq_len).n == 0:
+        raise ConfigError("data: the training split is shorter than one sequence")
+    return Plan(config=config, model_config=mc, policy=policy, policy_name=name,
+                policy_record=record, mesh_axes=mesh_axes, prepared=prepared,
+                eval_batch=eval_batch)

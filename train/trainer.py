@@ -1,0 +1,299 @@
+"""The trainer: compiled pieces of a run and the host loop around them.
+
+`Trainer(plan, hooks).run()` resumes from the run directory's last checkpoint
+(after checking it belongs to this setup), evaluates every ``train.eval_every``
+steps, stops at the target eval loss or after ``train.max_nonfinite``
+non-finite steps in a row (status ``'nonfinite'``; the checkpoints written
+before are untouched), checkpoints every ``checkpoint.every`` steps and at the
+end, and writes metrics.jsonl, mllog.txt, plot.png and summary.json.
+
+Everything runs under a (data, fsdp, tensor) mesh with the model's partition
+rules (`models.sharding`); each process feeds its slice of every global batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import yaml
+
+from models import sharding as shd
+from train import data as datamod
+from train import mlperf
+from train.checkpoint import Checkpointer
+from train.compat import check_compatible, fingerprint
+from train.config import ConfigError
+from train.hooks import Hooks
+from train.metrics import MetricsWriter, MLLog, Progress
+from train.optimizer import make_optimizer
+from train.plan import Plan
+from train.process import fetch
+from train.state import make_state_layout, put_batch
+from train.step import make_eval_step, make_train_step, policy_base_key
+from train.summary import RunSummary, read_summary, summarize
+
+
+class _Null:
+    """Stands in for the metrics writers on non-primary hosts."""
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *a, **k: None
+
+
+class Trainer:
+    """Compiled pieces of a run (built from a validated `Plan`); `run()` trains.
+
+    Useful on its own for benchmarks and tests: ``init_state()`` (the sharded
+    fresh state), ``train_step(state, batch) -> (state, metrics)`` (jitted, state
+    donated), ``batch(step)`` (the global batch of a step, placed on the mesh),
+    ``evaluate(params) -> float`` (mean validation cross-entropy).
+    """
+
+    def __init__(self, plan: Plan, hooks: Hooks | None = None, verbose: bool = True):
+        self.plan, self.cfg, self.hooks, self.verbose = plan, plan.config, hooks or Hooks(), verbose
+        c = self.cfg
+        self.out = c.out_path
+        self.out.mkdir(parents=True, exist_ok=True)
+        d, f, t = plan.mesh_axes
+        self.mesh = shd.make_mesh(data=d, fsdp=f, tensor=t)
+        self.tx, self.schedule = make_optimizer(c)
+        self.layout = lay = make_state_layout(plan.model_config, self.mesh, self.tx, c.seed)
+        self.abs_state = lay.abstract
+        self.n_params = lay.n_params
+        self.batch_sh = lay.batch
+        step_fn = make_train_step(graphdef=lay.graphdef, policy=plan.policy, tx=self.tx,
+                                  schedule=self.schedule, accum_steps=c.accum_steps,
+                                  hooks=self.hooks)
+        eval_fn = make_eval_step(graphdef=lay.graphdef, policy=plan.policy, hooks=self.hooks)
+        self._init = lay.init
+        self._train_step = jax.jit(step_fn,
+                                   in_shardings=(lay.shardings, lay.batch, lay.replicated),
+                                   out_shardings=(lay.shardings, lay.replicated),
+                                   donate_argnums=(0,))
+        self._eval_step = jax.jit(eval_fn,
+                                  in_shardings=(lay.param_shardings, lay.batch, lay.replicated),
+                                  out_shardings=lay.replicated)
+        # data
+        pi, pc = jax.process_index(), jax.process_count()
+        self.primary = pi == 0
+        if plan.eval_batch % pc:
+            raise ConfigError(f"the eval batch ({plan.eval_batch}) must be divisible by the "
+                              f"number of processes ({pc})")
+        T = c.data.seq_len
+        self.train_seqs = datamod.Sequences(plan.prepared.tokens("train"), T)
+        self.loader = datamod.TrainLoader(self.train_seqs, global_batch=c.train.global_batch,
+                                          seed=c.seed, process_index=pi, process_count=pc)
+        val = datamod.Sequences(plan.prepared.tokens("val"), T)
+        ev = datamod.eval_batches(val, c.train.eval_sequences, plan.eval_batch)
+        per = plan.eval_batch // pc
+        self.eval_data = [b[pi * per:(pi + 1) * per] for b in ev]
+        self.tokens_per_step = c.train.global_batch * T
+        self.policy_base = policy_base_key(c.seed)
+
+    def init_state(self):
+        with shd.use_mesh(self.mesh):
+            return self._init(jax.random.key(self.cfg.seed))
+
+    def train_step(self, state, batch):
+        with shd.use_mesh(self.mesh):
+            return self._train_step(state, batch, self.policy_base)
+
+    def batch(self, step: int) -> jax.Array:
+        return self._put(self.loader.batch(step))
+
+    def _log(self, msg: str) -> None:
+        if self.verbose and jax.process_index() == 0:
+            print(f"[train] {msg}", file=sys.stderr, flush=True)
+
+    def _put(self, local: np.ndarray) -> jax.Array:
+        return put_batch(local, self.batch_sh)
+
+    def evaluate(self, params) -> float:
+        total = 0.0
+        for b in self.eval_data:
+            total += float(fetch(self._eval_step(params, self._put(b), self.policy_base)))
+        return total / (self.cfg.train.eval_sequences * self.cfg.data.seq_len)
+
+    def _meta(self, step: int, status: str, skipped: int, time_s: float) -> dict[str, Any]:
+        c = self.cfg
+        return {"status": status, "samples": step * c.train.global_batch,
+                "tokens": step * self.tokens_per_step, "epoch": self.loader.epoch(step),
+                "skipped": skipped, "time_s": time_s, "policy_name": self.plan.policy_name,
+                "config": c.to_dict(), "compat": fingerprint(self.plan)}
+
+    def run(self) -> RunSummary:
+        c, t = self.cfg, self.cfg.train
+        t_start = time.time()
+        ckpt = None
+        start, time_off, resumed, skipped = 0, 0.0, None, 0
+        if c.checkpoint.enabled:
+            ckpt = Checkpointer(self.out / "checkpoints", keep=c.checkpoint.keep,
+                                async_save=c.checkpoint.async_save)
+        elif (self.out / "checkpoints").is_dir() and any((self.out / "checkpoints").iterdir()):
+            raise ConfigError(f"checkpoint.enabled is false but {self.out}/checkpoints holds "
+                              "checkpoints of an earlier run; use another output directory "
+                              "(--out) rather than overwrite it")
+        state, meta = None, None
+        if ckpt is not None and ckpt.latest_step() is not None:
+            latest = ckpt.latest_step()
+            try:
+                meta = ckpt.read_meta(latest)
+                check_compatible(meta, fingerprint(self.plan), ckpt.directory,
+                                 self.plan.policy_name)
+                state = ckpt.restore(latest, self.abs_state, meta)
+            except BaseException:
+                ckpt.close()
+                raise
+            start, resumed = latest, latest
+            time_off = float(meta.get("time_s", 0.0))
+            skipped = int(meta.get("skipped", 0))
+            self._log(f"resuming from checkpoint step {latest} in {ckpt.directory}")
+        if self.primary:
+            (self.out / "config.yaml").write_text(yaml.safe_dump(c.to_dict(), sort_keys=False))
+            writer = MetricsWriter(self.out / "metrics.jsonl", resume_step=resumed)
+            mll = MLLog(self.out / "mllog.txt", resume_step=resumed)
+        else:  # other hosts of a multi-host run write nothing
+            writer, mll = _Null(), _Null()
+        done_status = meta.get("status") if meta else None
+        already = resumed is not None and (
+            resumed >= t.steps or (done_status == "target_reached"
+                                   and meta["config"]["train"]["target_eval_loss"]
+                                   == t.target_eval_loss))
+        if already:
+            writer.close()
+            mll.close()
+            if ckpt is not None:
+                ckpt.close()
+            prev = read_summary(self.out / "summary.json")
+            if prev is not None and prev.steps == resumed:
+                note = "run already complete; nothing to do"
+                msg = prev.message if prev.message.startswith(note) else f"{note} ({prev.message})"
+                return dataclasses.replace(prev, message=msg, resumed_from=resumed)
+            return self._summary(done_status if done_status in ("completed", "target_reached")
+                                 else "completed", "run already complete; nothing to do",
+                                 resumed, skipped, time_off, None, resumed)
+        self._log(f"run dir {self.out} | model {self.n_params / 1e6:.2f}M params | policy "
+                  f"{self.plan.policy_name} | mesh data={self.plan.mesh_axes[0]} "
+                  f"fsdp={self.plan.mesh_axes[1]} tensor={self.plan.mesh_axes[2]} | "
+                  f"{len(self.train_seqs)} train sequences of {c.data.seq_len} tokens")
+        if resumed is None:
+            mlperf.log_run_start(mll, c, self.plan.policy_name)
+        with shd.use_mesh(self.mesh):
+            if state is None:
+                state = self._init(jax.random.key(c.seed))
+            return self._loop(state, start, resumed, skipped, time_off, t_start, ckpt, writer,
+                              mll)
+
+    def _record(self, step: int, **kw: Any) -> dict[str, Any]:
+        rec = {"step": step, "tokens": step * self.tokens_per_step, "loss": None,
+               "eval_loss": None, "lr": None, "grad_norm": None, "tokens_per_s": None,
+               "skipped_steps": 0, "policy": self.plan.policy_name,
+               "epoch": round(self.loader.epoch(step), 4)}
+        rec.update(kw)
+        return rec
+
+    def _emit(self, writer: MetricsWriter, rec: dict[str, Any]) -> None:
+        if self.hooks.on_record is not None:
+            more = self.hooks.on_record(dict(rec))
+            if more:
+                rec.update(more)
+        writer.write(rec)
+
+    def _loop(self, state, start, resumed, skipped, time_off, t_start, ckpt, writer, mll):
+        c, t = self.cfg, self.cfg.train
+        prog = Progress(t.steps, mode=t.progress if jax.process_index() == 0 else "off",
+                        start=start)
+        status, message = "completed", ""
+        t_run = time.time()
+        last_ckpt = ckpt.latest_step() if ckpt is not None else None
+        step = start
+        steady_t, steady_n = 0.0, 0
+
+        def now() -> float:
+            return time_off + time.time() - t_run
+
+        def do_eval(at: int) -> float:
+            loss = self.evaluate(state["params"])
+            mlperf.log_eval(mll, loss, step=at, global_batch=t.global_batch)
+            return loss
+
+        if start == 0 and t.eval_at_start:
+            ev = do_eval(0)
+            self._emit(writer, self._record(0, eval_loss=ev, time_s=round(now(), 3),
+                                            lr=float(self.schedule(0))))
+            prog.update(0, loss=None, tokens_per_s=None, eval_loss=ev)
+        try:
+            while step < t.steps:
+                t0 = time.time()
+                batch = self._put(self.loader.batch(step))
+                state, m = self._train_step(state, batch, self.policy_base)
+                m = fetch(m)
+                step += 1
+                dt = time.time() - t0
+                if step > start + 1:
+                    steady_t, steady_n = steady_t + dt, steady_n + 1
+                tps = self.tokens_per_step / dt
+                skipped = int(m["skipped"])
+                loss = float(m["loss"])
+                ev = None
+                stop = False
+                if int(m["consecutive"]) >= t.max_nonfinite:
+                    status = "nonfinite"
+                    where = (f"step {last_ckpt} in {ckpt.directory}" if last_ckpt is not None
+                             else "none written")
+                    message = (f"stopped at step {step}: {t.max_nonfinite} consecutive steps "
+                               f"(steps {step - t.max_nonfinite + 1}-{step}) had a non-finite loss"
+                               f" or gradient norm; their updates were skipped ({skipped} skipped "
+                               f"in total). Last good checkpoint: {where}.")
+                    stop = True
+                elif (t.eval_every and step % t.eval_every == 0) or step == t.steps:
+                    ev = do_eval(step)
+                    if t.target_eval_loss is not None and ev <= t.target_eval_loss:
+                        status = "target_reached"
+                        message = (f"eval loss {ev:.4f} <= target {t.target_eval_loss} at step "
+                                   f"{step} ({step * self.tokens_per_step} tokens)")
+                        stop = True
+                if step % t.log_every == 0 or ev is not None or stop or step == t.steps:
+                    rec = self._record(step, loss=loss, eval_loss=ev, lr=float(m["lr"]),
+                                       grad_norm=float(m["grad_norm"]),
+                                       tokens_per_s=round(tps, 1), skipped_steps=skipped,
+                                       time_s=round(now(), 3))
+                    if not bool(m["finite"]):
+                        rec["nonfinite"] = True
+                    if "extra" in m:
+                        rec.update({k: np.asarray(v).tolist() for k, v in m["extra"].items()})
+                    self._emit(writer, rec)
+                prog.update(step, loss=loss, tokens_per_s=tps, eval_loss=ev)
+                if status == "nonfinite":
+                    break
+                final = stop or step == t.steps
+                if ckpt is not None and (final or (c.checkpoint.every
+                                                   and step % c.checkpoint.every == 0)):
+                    st = status if final else "running"
+                    ckpt.save(step, state, self._meta(step, st, skipped, now()))
+                    last_ckpt = step
+                if stop:
+                    break
+        finally:
+            prog.close()
+            writer.close()
+            if ckpt is not None:
+                ckpt.close()
+        if status == "completed":
+            message = f"trained {step} steps ({step * self.tokens_per_step} tokens)"
+        mlperf.log_run_stop(mll, status, step=step, config=c)
+        mll.close()
+        tps = self.tokens_per_step * steady_n / steady_t if steady_n else None
+        return self._summary(status, message, step, skipped, time.time() - t_start, tps, resumed)
+
+    def _summary(self, status, message, step, skipped, wall, tps, resumed) -> RunSummary:
+        return summarize(self.cfg, policy_name=self.plan.policy_name, status=status,
+                         message=message, step=step, tokens_per_step=self.tokens_per_step,
+                         skipped=skipped, wall=wall, tokens_per_s=tps, resumed=resumed,
+                         primary=self.primary)
