@@ -173,6 +173,13 @@ class Checkpointer:
         steps = self.steps()
         return steps[-1] if steps else None
 
+    def last_good_step(self) -> int | None:
+        """The newest checkpoint saved with ``good=True`` (None if there is none)."""
+        for step in reversed(self.steps()):
+            if self.read_meta(step).get("good"):
+                return step
+        return None
+
     def save(self, step: int, state: Any, meta: Mapping[str, Any], *, good: bool = True) -> None:
         """Save `state` at `step` with the JSON record `meta` (shapes and digests added).
 

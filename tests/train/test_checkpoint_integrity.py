@@ -128,10 +128,10 @@ def test_bad_checkpoints_never_evict_the_last_good_one(tmp_path):
     with Checkpointer(tmp_path / "ck", keep=2, async_save=False) as ck:
         for step, good in ((1, True), (2, True), (3, False), (4, False), (5, False)):
             ck.save(step, state, {}, good=good)
-        assert ck.steps() == [2, 4, 5]
+        assert ck.steps() == [2, 4, 5] and ck.last_good_step() == 2
         assert ck.read_meta(2)["good"] and not ck.read_meta(5)["good"]
     with Checkpointer(tmp_path / "ck", keep=2, async_save=False) as ck:  # a resumed run
         ck.save(6, state, {}, good=False)
         assert ck.steps() == [2, 5, 6]
         ck.save(7, state, {}, good=True)
-        assert ck.steps() == [6, 7]
+        assert ck.steps() == [6, 7] and ck.last_good_step() == 7
