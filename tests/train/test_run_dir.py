@@ -52,13 +52,18 @@ def test_second_live_run_on_one_out_is_refused(tmp_path, cache, done):
                          start_new_session=True)
     try:
         deadline = time.time() + 300
-        while time.time() < deadline and a.poll() is None:
-            if (out / "metrics.jsonl").exists() and read_jsonl(out / "metrics.jsonl"):
+        while time.time() < deadline and a.poll() is None:  # until A owns the dir or trains
+            lock = out / ".run.lock"
+            if (lock.exists() and lock.read_text()) or (
+                    (out / "metrics.jsonl").exists() and read_jsonl(out / "metrics.jsonl")):
                 break
             time.sleep(0.05)
         assert a.poll() is None, a.stderr.read()[-3000:]
-        b = subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=300, check=False)
+        try:  # B must refuse at start; without a lock it would train on (and time out)
+            b = subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, env=env,
+                               capture_output=True, text=True, timeout=120, check=False)
+        except subprocess.TimeoutExpired:
+            pytest.fail("a second run on a busy --out did not refuse to start")
         assert a.poll() is None  # A was alive all along
     finally:
         os.killpg(a.pid, signal.SIGKILL)
@@ -67,9 +72,9 @@ def test_second_live_run_on_one_out_is_refused(tmp_path, cache, done):
     assert b.returncode == 5, b.stderr[-3000:]
     assert f"in use by another run (host {os.uname().nodename}, pid {a.pid}," in b.stderr
     assert "output directory error:" in b.stderr
-    # A's records only: B wrote nothing
-    steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl")]
-    assert steps == list(range(1, len(steps) + 1))
+    # A's records only: B wrote none
+    recs = read_jsonl(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []
+    assert [r["step"] for r in recs] == list(range(1, len(recs) + 1))
 
 
 def test_completed_run_in_read_only_dir_reports_and_exits_0(done, cache):
