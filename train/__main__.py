@@ -15,6 +15,7 @@ from train import config as cfgmod
 from train import loop
 from train.checkpoint import CheckpointError
 from train.config import ConfigError
+from train.run_lock import RunLockError
 
 _EPILOG = """\
 what a run writes (in --out, default runs/<name>):
@@ -34,9 +35,14 @@ or a damaged one, is an error (never a silent fresh start).
 policies: --policy NAME (see --list-policies) or `policy:` in the config
 (a name, a full policy dict, or null for no policy).
 
+One live run per output directory: a second run on it while the first is alive
+is refused (naming the holder's host and pid); a directory left by a killed run
+is taken over. A complete run in a read-only directory is reported (exit 0).
+
 exit codes: 0 done (all steps, or target eval loss reached); 2 configuration
 error (reported before anything compiles); 3 stopped by the non-finite guard;
-4 checkpoint unreadable or incompatible.
+4 checkpoint unreadable or incompatible; 5 output directory in use by another
+run, or not writable.
 
 config keys (set in the YAML file or with --set section.key=value):
 """
@@ -106,13 +112,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"checkpoint error: {e}", file=sys.stderr)
         return 4
+    except RunLockError as e:
+        print(f"output directory error: {e}", file=sys.stderr)
+        return 5
     if jax.process_index() == 0:
         s = summary
-        fe = f"{s.final_eval_loss:.4f}" if s.final_eval_loss is not None else "n/a"
         print(f"status: {s.status} ({s.message})")
         tps = f"{s.tokens_per_s:,.0f}" if s.tokens_per_s else "n/a"
-        print(f"final eval loss: {fe} after {s.steps} steps / {s.tokens} tokens; "
-              f"wall time {s.wall_time_s:.1f}s; {tps} tokens/s; skipped steps: {s.skipped_steps}")
+        if not s.eval_history:
+            ev = "no eval loss in"
+        elif s.eval_history[-1][0] == s.steps:
+            ev = f"final eval loss: {s.eval_history[-1][2]:.4f} after"
+        else:  # e.g. stopped by the non-finite guard: the last eval is older than the state
+            ev = (f"last eval loss: {s.eval_history[-1][2]:.4f} at step {s.eval_history[-1][0]}"
+                  ", none after it; stopped after")
+        print(f"{ev} {s.steps} steps / {s.tokens} tokens; wall time {s.wall_time_s:.1f}s; "
+              f"{tps} tokens/s; skipped steps: {s.skipped_steps}")
         print(f"metrics: {s.metrics_path}")
         if s.plot_path:
             print(f"plot: {s.plot_path}")

@@ -7,7 +7,17 @@ A checkpoint at step ``s`` holds the state after ``s`` optimizer steps:
   ``StandardSave`` so every array keeps its sharding on restore;
 * ``meta``: JSON with the step, data position (samples consumed), the run's
   config, the policy, the resolved model config, the data fingerprint,
-  every array's shape/dtype and a checksum of every array.
+  every array's shape/dtype and a SHA-256 digest of every array's bytes.
+
+Digests are computed on the host from the arrays being saved (dtype, shape and
+the C-order bytes; on multi-process runs each array is gathered to every
+process in turn) and checked after every restore: any changed value, however
+small (one weight +0.01, two values swapped), is a `CorruptCheckpointError`
+naming the array and the step.
+
+Retention: the ``keep`` most recent checkpoints, plus the most recent *good*
+one (saved with ``good=True``, i.e. not inside a non-finite streak), which
+later checkpoints never evict.
 
 Orbax writes each step to a temporary directory and renames it when complete,
 so a run killed mid-save leaves the previous checkpoints intact. Restoring
@@ -19,19 +29,21 @@ start.
 
 from __future__ import annotations
 
+import concurrent.futures
+import hashlib
+import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
-from train.process import fetch
-
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: sum/abs-sum checksums (refused: too weak to trust)
+DIGEST = "sha256(dtype, shape, C-order bytes)"
 
 
 class CheckpointError(RuntimeError):
@@ -69,18 +81,44 @@ def unflatten(flat: Mapping[str, Any], like: Any) -> Any:
     return jax.tree_util.tree_unflatten(treedef, [flat[_key(p)] for p, _ in leaves])
 
 
-@jax.jit
-def _checksums(flat: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    def one(x):
-        x = x.astype(jnp.float32)
-        return jnp.stack([jnp.sum(x), jnp.sum(jnp.abs(x))])
-    return {k: one(v) for k, v in flat.items()}
+def _host_arrays(flat: Mapping[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
+    """(key, full host copy) for each array, one at a time, in key order.
+
+    An array spread over several processes is gathered to every process
+    (a collective: all processes iterate in the same order)."""
+    for k in sorted(flat):
+        v = flat[k]
+        if isinstance(v, jax.Array) and not v.is_fully_addressable:
+            v = multihost_utils.process_allgather(v, tiled=True)
+        yield k, np.asarray(v)
 
 
-def checksums(flat: Mapping[str, jax.Array]) -> dict[str, list[float]]:
-    """Per-array [sum, sum of |x|] in fp32 (detects altered or mixed-up arrays)."""
-    out = fetch(_checksums(dict(flat)))
-    return {k: [float(v[0]), float(v[1])] for k, v in out.items()}
+def _digest(a: np.ndarray) -> str:
+    h = hashlib.sha256()
+    h.update(f"{a.dtype.str}{a.dtype.name}{list(a.shape)}".encode())
+    h.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)  # hashlib drops the GIL
+    return h.hexdigest()
+
+
+def digests(flat: Mapping[str, Any], *, threads: int | None = None) -> dict[str, str]:
+    """{key: SHA-256 hex digest of the array's dtype, shape and bytes} (see module doc).
+
+    Arrays are copied to the host one by one and hashed in `threads` worker
+    threads (default: up to 8), keeping at most 2 x threads copies alive.
+    """
+    n = threads or min(8, os.cpu_count() or 1)
+    out: dict[str, str] = {}
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        pending: dict[concurrent.futures.Future, str] = {}
+        for k, a in _host_arrays(flat):
+            pending[pool.submit(_digest, a)] = k
+            if len(pending) >= 2 * n:
+                done, _ = concurrent.futures.wait(pending, return_when="FIRST_COMPLETED")
+                for f in done:
+                    out[pending.pop(f)] = f.result()
+        for f, k in pending.items():
+            out[k] = f.result()
+    return dict(sorted(out.items()))
 
 
 def shapes(flat: Mapping[str, Any]) -> dict[str, list]:
@@ -92,15 +130,21 @@ class Checkpointer:
 
     Args:
       directory: the checkpoint root (created if missing).
-      keep: number of most recent checkpoints to keep.
+      keep: number of most recent checkpoints to keep; the most recent good one
+        (see `save`) is kept as well.
       async_save: write in a background thread after the device-to-host copy.
     """
 
     def __init__(self, directory: str | Path, *, keep: int, async_save: bool = True):
         self.directory = Path(directory).absolute()
+        pp = ocp.checkpoint_managers
+        good_step = lambda m: m["good_step"]  # a bad checkpoint records -1
+        keep_policy = pp.AnyPreservationPolicy([
+            pp.LatestN(n=keep),
+            pp.BestN(get_metric_fn=good_step, n=1, keep_checkpoints_without_metrics=False)])
         opts = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=True)
+            preservation_policy=keep_policy, best_fn=good_step,  # best_fn: persist the metric
+            create=True, enable_async_checkpointing=async_save, cleanup_tmp_directories=True)
         try:
             self.mngr = ocp.CheckpointManager(self.directory, options=opts,
                                               item_names=("state", "meta"))
@@ -128,14 +172,26 @@ class Checkpointer:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def save(self, step: int, state: Any, meta: Mapping[str, Any]) -> None:
-        """Save `state` at `step` with the JSON record `meta` (shapes and checksums added)."""
+    def last_good_step(self) -> int | None:
+        """The newest checkpoint saved with ``good=True`` (None if there is none)."""
+        for step in reversed(self.steps()):
+            if self.read_meta(step).get("good"):
+                return step
+        return None
+
+    def save(self, step: int, state: Any, meta: Mapping[str, Any], *, good: bool = True) -> None:
+        """Save `state` at `step` with the JSON record `meta` (shapes and digests added).
+
+        ``good=False`` marks a checkpoint written inside a non-finite streak: it
+        counts toward ``keep`` but never evicts the most recent good one.
+        """
         flat, _ = flatten(state)
         record = dict(meta)
-        record.update(format_version=FORMAT_VERSION, step=int(step), arrays=shapes(flat),
-                      checksums=checksums(flat))
+        record.update(format_version=FORMAT_VERSION, step=int(step), good=bool(good),
+                      arrays=shapes(flat), digest=DIGEST, digests=digests(flat))
         self.mngr.save(int(step), args=ocp.args.Composite(
-            state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(record)), force=True)
+            state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(record)), force=True,
+            metrics={"good_step": int(step) if good else -1})
 
     def read_meta(self, step: int) -> dict[str, Any]:
         where = self.directory / str(step)
@@ -146,6 +202,11 @@ class Checkpointer:
             raise CorruptCheckpointError(
                 f"checkpoint {where} is unreadable ({type(e).__name__}: {e}). Delete it (the "
                 "previous ones are kept) or use another output directory.") from e
+        if isinstance(meta, dict) and meta.get("format_version") == 1:
+            raise IncompatibleCheckpointError(
+                f"checkpoint {where} was written by an earlier version of train (record format 1,"
+                " whose sum checksums cannot detect changed values). Finish that run with the "
+                "version that started it, or start over in another output directory.")
         if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
             raise CorruptCheckpointError(f"checkpoint {where}: missing or unknown record "
                                          f"format; delete it or use another output directory")
@@ -156,7 +217,7 @@ class Checkpointer:
 
         `like` is a pytree of `jax.ShapeDtypeStruct` (with `.sharding`) or arrays.
         Raises IncompatibleCheckpointError on a shape/dtype/key mismatch and
-        CorruptCheckpointError when arrays cannot be read or fail their checksums.
+        CorruptCheckpointError when arrays cannot be read or differ from their digests.
         """
         where = self.directory / str(step)
         flat_like, _ = flatten(like)
@@ -186,15 +247,14 @@ class Checkpointer:
             raise CorruptCheckpointError(
                 f"checkpoint {where} cannot be restored ({type(e).__name__}: {e}). Delete it "
                 "(the previous ones are kept) or use another output directory.") from e
-        got = checksums(flat)
-        want_sums = meta.get("checksums", {})
-        for k, (s, a) in got.items():
-            ref = want_sums.get(k)
-            if ref is None or not _close(s, ref[0], a) or not _close(a, ref[1], a):
+        want_digests = meta.get("digests", {})
+        for k, got in digests(flat).items():
+            if got != want_digests.get(k):
                 raise CorruptCheckpointError(
-                    f"checkpoint {where}: array {k} does not match its recorded checksum "
-                    f"(got {[s, a]}, recorded {ref}); the files were altered or damaged. Delete "
-                    "it (the previous ones are kept) or use another output directory.")
+                    f"checkpoint {where} (step {step}): array {k} does not match its recorded "
+                    f"digest (SHA-256 of its bytes: got {got[:16]}..., recorded "
+                    f"{str(want_digests.get(k))[:16]}...); the files were altered or damaged. "
+                    "Delete it (the previous ones are kept) or use another output directory.")
         return unflatten(flat, like)
 
     def __enter__(self) -> Checkpointer:  # noqa: PYI034
@@ -210,8 +270,3 @@ class Checkpointer:
         self.mngr.wait_until_finished()
         self.mngr.close()
 
-
-def _close(x: float, ref: float, scale: float) -> bool:
-    if not (np.isfinite(x) and np.isfinite(ref)):
-        return (np.isnan(x) and np.isnan(ref)) or x == ref
-    return abs(x - ref) <= 1e-5 * (abs(scale) + 1e-30) + 1e-30

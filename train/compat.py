@@ -22,6 +22,8 @@ def fingerprint(plan: Plan) -> dict[str, Any]:
         "seed": c.seed,
         "optim": {**jsonable(c.optim), "decay_steps": c.decay_steps},
         "global_batch": c.train.global_batch,
+        # what defines the eval history: the validation set (data, seq_len above) and its size
+        "eval": {"eval_sequences": c.train.eval_sequences},
     }
 
 
@@ -47,6 +49,9 @@ def check_compatible(meta: Mapping[str, Any], want: Mapping[str, Any], where: Pa
         if k == "optim" and old.get("decay_steps") != new.get("decay_steps"):
             lines.append(f"  (optim.decay_steps defaults to train.steps; to train longer on the "
                          f"old schedule set optim.decay_steps={old.get('decay_steps')})")
+        if k == "eval":
+            lines.append("  (resuming would put evaluations on two validation sets in one "
+                         "history; keep the old train.* eval settings or start a new --out)")
     raise IncompatibleCheckpointError(
         f"the checkpoints in {where} were written by a different run setup and cannot be "
         f"resumed:\n" + "\n".join(lines) + "\nUse another output directory (--out) or delete "

@@ -10,7 +10,8 @@ config into a `Plan` (`train.plan`) and trains it with a `Trainer`
 * `train.state`: the train state's shapes and shardings on the mesh;
 * `train.trainer`: the host loop (checkpoints, evaluation, metrics);
 * `train.compat`, `train.summary`, `train.mlperf`, `train.process`: resume
-  compatibility, the run summary, MLPerf events, process setup.
+  compatibility, the run summary, MLPerf events, process setup;
+* `train.run_lock`: one live run per output directory.
 
 The names below are re-exported so ``from train import loop; loop.run(...)``
 and ``loop.Hooks`` keep working.
@@ -18,11 +19,16 @@ and ``loop.Hooks`` keep working.
 
 from __future__ import annotations
 
+import sys
+
+import jax
+
 from train.config import Config
 from train.hooks import Hooks, StepContext
 from train.plan import Plan, validate
 from train.process import init_distributed, use_compile_cache
-from train.summary import RunSummary
+from train.run_lock import RunDirNotWritable, acquire_for_run
+from train.summary import RunSummary, read_summary
 from train.trainer import Trainer
 
 __all__ = ["Hooks", "Plan", "RunSummary", "StepContext", "Trainer", "init_distributed", "run",
@@ -33,11 +39,31 @@ def run(config: Config, *, hooks: Hooks | None = None, verbose: bool = True) -> 
     """Train per `config`; resume from its output directory's checkpoints if any.
 
     Returns a `RunSummary` (also written to ``<out>/summary.json``). Raises
-    ConfigError for configuration problems (before compiling) and
-    train.checkpoint.CheckpointError for unreadable/incompatible checkpoints.
+    ConfigError for configuration problems (before compiling),
+    train.checkpoint.CheckpointError for unreadable/incompatible checkpoints and
+    train.run_lock.RunLockError when another live run holds the output directory
+    or it cannot be written. A complete run in a read-only directory is
+    reported (nothing to write) rather than refused.
     """
     if config.mesh.distributed:
         init_distributed(config.mesh)
     use_compile_cache(config.jax_cache_dir)
-    plan = validate(config, verbose=verbose)
-    return Trainer(plan, hooks, verbose).run()
+    lock, read_only = None, False
+    try:
+        lock, stale = acquire_for_run(config.out_path)
+    except RunDirNotWritable:
+        prev = read_summary(config.out_path / "summary.json")
+        if prev is None or not (prev.status == "target_reached" or (
+                prev.status == "completed" and prev.steps >= config.train.steps)):
+            raise
+        read_only = True  # the Trainer checks the checkpoints agree, and writes nothing
+    else:
+        if stale is not None and verbose and jax.process_index() == 0:
+            print(f"[train] taking over {config.out_path}: the run that held it "
+                  f"({stale.describe()}) is no longer running", file=sys.stderr, flush=True)
+    try:
+        plan = validate(config, verbose=verbose)
+        return Trainer(plan, hooks, verbose, read_only=read_only).run()
+    finally:
+        if lock is not None:
+            lock.release()

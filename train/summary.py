@@ -76,7 +76,7 @@ def summarize(config: Config, *, policy_name: str, status: str, message: str, st
     if t.plot and primary and recs:
         title = f"{c.name} | policy {policy_name}"
         if evals:
-            title += f" | final eval {evals[-1][2]:.4f}"
+            title += f" | eval {evals[-1][2]:.4f} at step {evals[-1][0]}"
         plot_path = str(plot_losses(recs, out / "plot.png", title=title))
     s = RunSummary(
         status=status, message=message, steps=step, tokens=step * tokens_per_step,

@@ -36,6 +36,7 @@ from train.metrics import MetricsWriter, Progress, Tee
 from train.optimizer import make_optimizer
 from train.plan import Plan
 from train.process import fetch
+from train.run_lock import RunDirNotWritable
 from train.state import make_state_layout, put_batch
 from train.step import make_eval_step, make_train_step, policy_base_key
 from train.summary import RunSummary, read_summary, summarize
@@ -58,8 +59,10 @@ class Trainer:
     ``evaluate(params) -> float`` (mean validation cross-entropy).
     """
 
-    def __init__(self, plan: Plan, hooks: Hooks | None = None, verbose: bool = True):
+    def __init__(self, plan: Plan, hooks: Hooks | None = None, verbose: bool = True, *,
+                 read_only: bool = False):
         self.plan, self.cfg, self.hooks, self.verbose = plan, plan.config, hooks or Hooks(), verbose
+        self.read_only = read_only  # the run dir cannot be written: only a finished run may "run"
         c = self.cfg
         self.out = c.out_path
         self.out.mkdir(parents=True, exist_ok=True)
@@ -157,22 +160,18 @@ class Trainer:
             time_off = float(meta.get("time_s", 0.0))
             skipped = int(meta.get("skipped", 0))
             self._log(f"resuming from checkpoint step {latest} in {ckpt.directory}")
-        if self.primary:
-            (self.out / "config.yaml").write_text(yaml.safe_dump(c.to_dict(), sort_keys=False))
-            writer = Tee(MetricsWriter(self.out / "metrics.jsonl", resume_step=resumed),
-                         *([TensorBoardWriter(self.out, resume_step=resumed)]
-                           if t.tensorboard else []))
-            mll = mlperf.MLPerfLog(self.out / "mllog.txt", resume_step=resumed)
-        else:  # other hosts of a multi-host run write nothing
-            writer, mll = _Null(), _Null()
         done_status = meta.get("status") if meta else None
         already = resumed is not None and (
             resumed >= t.steps or (done_status == "target_reached"
                                    and meta["config"]["train"]["target_eval_loss"]
                                    == t.target_eval_loss))
+        if self.read_only and not already:
+            if ckpt is not None:
+                ckpt.close()
+            raise RunDirNotWritable(f"output directory {self.out} is not writable and the run "
+                                    f"in it is not complete (checkpoint step {resumed} of "
+                                    f"{t.steps}); fix the permissions or choose another --out")
         if already:
-            writer.close()
-            mll.close()
             if ckpt is not None:
                 ckpt.close()
             prev = read_summary(self.out / "summary.json")
@@ -183,6 +182,14 @@ class Trainer:
             return self._summary(done_status if done_status in ("completed", "target_reached")
                                  else "completed", "run already complete; nothing to do",
                                  resumed, skipped, time_off, None, resumed)
+        if self.primary:
+            (self.out / "config.yaml").write_text(yaml.safe_dump(c.to_dict(), sort_keys=False))
+            writer = Tee(MetricsWriter(self.out / "metrics.jsonl", resume_step=resumed),
+                         *([TensorBoardWriter(self.out, resume_step=resumed)]
+                           if t.tensorboard else []))
+            mll = mlperf.MLPerfLog(self.out / "mllog.txt", resume_step=resumed)
+        else:  # other hosts of a multi-host run write nothing
+            writer, mll = _Null(), _Null()
         self._log(f"run dir {self.out} | model {self.n_params / 1e6:.2f}M params | policy "
                   f"{self.plan.policy_name} | mesh data={self.plan.mesh_axes[0]} "
                   f"fsdp={self.plan.mesh_axes[1]} tensor={self.plan.mesh_axes[2]} | "
@@ -219,7 +226,7 @@ class Trainer:
                         start=start)
         status, message = "completed", ""
         t_run = time.time()
-        last_ckpt = ckpt.latest_step() if ckpt is not None else None
+        last_good = ckpt.last_good_step() if ckpt is not None else None
         step = start
         steady_t, steady_n = 0.0, 0
 
@@ -254,7 +261,7 @@ class Trainer:
                 stop = False
                 if int(m["consecutive"]) >= t.max_nonfinite:
                     status = "nonfinite"
-                    where = (f"step {last_ckpt} in {ckpt.directory}" if last_ckpt is not None
+                    where = (f"step {last_good} in {ckpt.directory}" if last_good is not None
                              else "none written")
                     message = (f"stopped at step {step}: {t.max_nonfinite} consecutive steps "
                                f"(steps {step - t.max_nonfinite + 1}-{step}) had a non-finite loss"
@@ -285,8 +292,9 @@ class Trainer:
                 if ckpt is not None and (final or (c.checkpoint.every
                                                    and step % c.checkpoint.every == 0)):
                     st = status if final else "running"
-                    ckpt.save(step, state, self._meta(step, st, skipped, now()))
-                    last_ckpt = step
+                    good = int(m["consecutive"]) == 0  # not inside a non-finite streak
+                    ckpt.save(step, state, self._meta(step, st, skipped, now()), good=good)
+                    last_good = step if good else last_good
                 if stop:
                     break
         finally:
@@ -306,4 +314,4 @@ class Trainer:
         return summarize(self.cfg, policy_name=self.plan.policy_name, status=status,
                          message=message, step=step, tokens_per_step=self.tokens_per_step,
                          skipped=skipped, wall=wall, tokens_per_s=tps, resumed=resumed,
-                         primary=self.primary)
+                         primary=self.primary and not self.read_only)
