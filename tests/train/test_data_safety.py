@@ -38,13 +38,13 @@ def test_cache_key_covers_bytes_past_the_first_mib(tmp_path):
     assert D.prepared_dir(spec, after) != D.prepared_dir(spec, before)
 
 
-def test_file_digest_is_blake2b_of_the_whole_file(tmp_path):
+def test_file_digest_is_sha256_of_the_whole_file(tmp_path):
     import hashlib
 
     p = tmp_path / "x.bin"
     payload = bytes(range(256)) * 9000  # > 2 chunks of 1 MiB
     p.write_bytes(payload)
-    assert D.file_digest(p) == hashlib.blake2b(payload, digest_size=32).hexdigest()
+    assert D.file_digest(p) == hashlib.sha256(payload).hexdigest()
 
 
 def _training_must_not_start(monkeypatch):
