@@ -314,6 +314,10 @@ def open_prepared(path: str | Path) -> PreparedData:
     if meta.get("format_version") != FORMAT_VERSION:
         raise DataError(f"{p}: format version {meta.get('format_version')} != {FORMAT_VERSION}; "
                         "prepare again")
+    if int(meta["max_token_id"]) >= int(meta["vocab_size"]):
+        raise DataError(f"{p}/meta.json: max_token_id {meta['max_token_id']} is outside the "
+                        f"tokenizer's vocabulary ({meta['vocab_size']}); delete {p} and prepare "
+                        "again")
     return PreparedData(path=p, meta=meta)
 
 
@@ -412,11 +416,17 @@ def prepare(spec: DataSection, *, verbose: bool = True, batch_docs: int = 512) -
 # --------------------------------------------------------------------------- packing & loading
 
 class Sequences:
-    """Packed view of a token stream: sequence i = tokens[i*T : i*T + T + 1]."""
+    """Packed view of a token stream: sequence i = tokens[i*T : i*T + T + 1].
 
-    def __init__(self, tokens: np.ndarray, seq_len: int):
+    With ``vocab_size``, every batch read is checked on the host: a token id at or
+    above it (a damaged ``.bin`` or a model built for a smaller vocabulary) raises
+    DataError naming the sequence, instead of reaching the model.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, *, vocab_size: int | None = None):
         self.tokens = tokens
         self.seq_len = seq_len
+        self.vocab_size = vocab_size
         self.n = max(0, (len(tokens) - 1) // seq_len)
 
     def __len__(self) -> int:
@@ -428,7 +438,13 @@ class Sequences:
         if idx.size and (idx.min() < 0 or idx.max() >= self.n):
             raise IndexError(f"sequence index out of range [0, {self.n})")
         pos = idx[:, None] * self.seq_len + np.arange(self.seq_len + 1, dtype=np.int64)
-        return np.asarray(self.tokens[pos], dtype=np.int32)
+        out = np.asarray(self.tokens[pos])
+        if self.vocab_size is not None and out.size and int(out.max()) >= self.vocab_size:
+            row, col = (int(v) for v in np.argwhere(out >= self.vocab_size)[0])
+            raise DataError(f"token id {int(out[row, col])} at position {col} of sequence "
+                            f"{int(idx[row])} (stream offset {int(pos[row, col])}) is outside "
+                            f"the vocabulary [0, {self.vocab_size})")
+        return out.astype(np.int32)
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:

@@ -114,3 +114,26 @@ def test_crlf_text_reads_as_before(tmp_path):
     p = tmp_path / "crlf.txt"
     p.write_bytes(b"one\r\ntwo\r\n\r\nthree\rfour\r\r five")
     assert list(D.iter_documents(p)) == ["one\ntwo", "three\nfour", "five"]
+
+
+def test_sequences_refuse_token_ids_outside_the_vocabulary():
+    toks = np.arange(40, dtype=np.uint32) % 10
+    toks[23] = 10
+    seqs = D.Sequences(toks, 4, vocab_size=10)
+    assert seqs.take(np.array([0, 1])).dtype == np.int32
+    with pytest.raises(D.DataError, match=r"token id 10 at position 3 of sequence 5 "
+                                          r"\(stream offset 23\) is outside the vocabulary "
+                                          r"\[0, 10\)"):
+        seqs.take(np.array([0, 5]))
+    assert D.Sequences(toks, 4).take(np.array([5]))[0, 3] == 10  # unchecked without a vocab
+
+
+def test_prepared_meta_with_ids_beyond_the_vocabulary_is_refused(tmp_path):
+    src = tmp_path / "c.txt"
+    src.write_text("\n\n".join(f"doc {i} " * 5 for i in range(50)))
+    prep = D.prepare(_spec(tmp_path, [src]), verbose=False)
+    meta = json.loads((prep.path / "meta.json").read_text())
+    meta["max_token_id"] = meta["vocab_size"]
+    (prep.path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(D.DataError, match="max_token_id .* outside the tokenizer's vocabulary"):
+        D.open_prepared(prep.path)
