@@ -358,6 +358,10 @@ class _Static(NamedTuple):
     precision: Any
     preferred_element_type: Any
     policy: PrecisionPolicy
+    # Quantized GEMMs inside the custom_vjp get the straight-through rule for higher
+    # derivatives. Off while mxjax.diagnostics collects (first-order only): a custom_jvp
+    # traces its body apart, where the GEMM's recorded stats could not get out.
+    straight_through: bool = True
 
 
 def _gemm_keys(key):
@@ -409,10 +413,10 @@ def _ste_gemm_jvp(spec: _GemmSpec, primals, tangents):
     return out, functools.reduce(operator.add, parts).astype(out.dtype)
 
 
-def _differentiable_gemm(a, b, key, spec: _GemmSpec):
+def _differentiable_gemm(a, b, key, spec: _GemmSpec, straight_through: bool = True):
     """``gemm`` for use inside the custom_vjp: pass-through GEMMs differentiate as
     ``lax.dot_general`` does, quantized ones with the straight-through rule."""
-    if spec.recipe.is_passthrough:
+    if spec.recipe.is_passthrough or not straight_through:
         return gemm(a, b, spec.dims, spec.recipe, key, precision=spec.precision,
                     preferred_element_type=spec.preferred_element_type,
                     gemm_name=spec.gemm_name)
@@ -423,7 +427,7 @@ def _fprop(lhs, rhs, key, st: _Static):
     kf, _, _ = _gemm_keys(key)
     spec = _GemmSpec(st.dims, st.policy.fprop, st.precision, st.preferred_element_type,
                      "fprop")
-    return _differentiable_gemm(lhs, rhs, kf, spec)
+    return _differentiable_gemm(lhs, rhs, kf, spec, st.straight_through)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -441,10 +445,10 @@ def _policy_dot_bwd(st: _Static, res, g):
     (d_dims, d_perm), (w_dims, w_perm) = backward_dimension_numbers(st.dims, lhs.ndim, rhs.ndim)
     pet = st.preferred_element_type
     dspec = _GemmSpec(d_dims, st.policy.dgrad, st.precision, pet, "dgrad")
-    dlhs = _differentiable_gemm(g, rhs, kd, dspec)
+    dlhs = _differentiable_gemm(g, rhs, kd, dspec, st.straight_through)
     dlhs = jnp.transpose(dlhs, d_perm).astype(lhs.dtype)
     wspec = _GemmSpec(w_dims, st.policy.wgrad, st.precision, pet, "wgrad")
-    drhs = _differentiable_gemm(g, lhs, kw, wspec)
+    drhs = _differentiable_gemm(g, lhs, kw, wspec, st.straight_through)
     drhs = jnp.transpose(drhs, w_perm).astype(rhs.dtype)
     return dlhs, drhs, None
 
@@ -532,6 +536,7 @@ def dot_general(
     slot = diagnostics.next_probe()  # None unless mxjax.diagnostics is collecting
     try:
         if slot is not None:
+            st = st._replace(straight_through=False)
             out = diagnostics.probed_call(lambda a, b, k: _policy_dot(a, b, k, st), slot,
                                           lhs, rhs, key)
         else:
