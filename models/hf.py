@@ -26,7 +26,7 @@ import jax
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from models import sharding as shd
@@ -92,13 +92,69 @@ class HFLayout:
 # --------------------------------------------------------------------------- config
 
 
+def _read_json_object(p: str) -> dict:
+    """A JSON file that must hold an object; every failure names the file."""
+    try:
+        with open(p, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{p} is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{p} must hold a JSON object, got a {type(obj).__name__}")  # noqa: TRY004
+    return obj
+
+
 def read_hf_config(path: str) -> dict:
-    """The ``config.json`` dict of a checkpoint directory (or a config.json path)."""
+    """The ``config.json`` dict of a checkpoint directory (or a config.json path).
+
+    Raises FileNotFoundError when it is absent and ValueError (naming the file)
+    when it is not valid JSON or not a JSON object.
+    """
     p = os.path.join(path, CONFIG_FILE) if os.path.isdir(path) else path
     if not os.path.exists(p):
         raise FileNotFoundError(f"no {CONFIG_FILE} at {p}")
-    with open(p) as f:
-        return json.load(f)
+    return _read_json_object(p)
+
+
+def _check_shard_name(directory: str, name: Any, source: str) -> str:
+    """``name`` if it is a plain ``*.safetensors`` file name that stays inside ``directory``.
+
+    Shard names come from ``model.safetensors.index.json`` (or a layout built
+    from one), so they are untrusted: an absolute path, ``..``, a path
+    separator or a symlink resolving outside ``directory`` would let a
+    checkpoint read or overwrite files elsewhere. ``source`` names where the
+    name came from, for the error.
+    """
+    plain = (isinstance(name, str) and name not in ("", ".", "..")
+             and "/" not in name and "\\" not in name and os.sep not in name
+             and (os.altsep is None or os.altsep not in name) and "\0" not in name
+             and not os.path.isabs(name) and name.endswith(".safetensors"))
+    if not plain:
+        raise ValueError(f"{source} names shard file {name!r}: shard names must be plain "
+                         "'*.safetensors' file names inside the checkpoint directory (no "
+                         "absolute paths, '..' or path separators)")
+    _check_resolves_inside(directory, name, f"{source} names shard file {name!r}, which")
+    return name
+
+
+def _check_resolves_inside(directory: str, name: str, what: str) -> None:
+    """Refuse ``directory/name`` when it (through symlinks) lands outside ``directory``."""
+    root = os.path.realpath(directory)
+    target = os.path.realpath(os.path.join(directory, name))
+    if os.path.dirname(target) != root:
+        raise ValueError(f"{what} resolves to {target}, outside the checkpoint directory "
+                         f"{root} (a symlink?)")
+
+
+_FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _check_float_tensor(name: str, dtype: Any, where: str) -> None:
+    """Weights must be floating point: an int/bool tensor is a wrong file, not a cast."""
+    dname = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if dname not in _FLOAT_DTYPES:
+        raise ValueError(f"tensor {name!r} in {where} has dtype {dname}; Llama weights must be "
+                         f"one of {', '.join(_FLOAT_DTYPES)}")
 
 
 def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
@@ -246,12 +302,19 @@ class _Reader:
         index = os.path.join(path, INDEX_FILE)
         single = os.path.join(path, SINGLE_FILE)
         if os.path.exists(index):
-            with open(index) as f:
-                idx = json.load(f)
-            if "weight_map" not in idx:
+            idx = _read_json_object(index)
+            wm = idx.get("weight_map")
+            if wm is None:
                 raise ValueError(f"{index} has no 'weight_map'")
-            self.weight_map = dict(idx["weight_map"])
-            self.index_metadata = dict(idx.get("metadata") or {})
+            if not isinstance(wm, dict) or not all(isinstance(k, str) for k in wm):
+                raise ValueError(f"{index}: 'weight_map' must map tensor names to file names")
+            meta = idx.get("metadata") or {}
+            if not isinstance(meta, dict):
+                raise ValueError(f"{index}: 'metadata' must be a JSON object")
+            for fn in wm.values():
+                _check_shard_name(path, fn, index)
+            self.weight_map = dict(wm)
+            self.index_metadata = dict(meta)
         elif os.path.exists(single):
             self.weight_map = None
             self.index_metadata = None
@@ -262,13 +325,19 @@ class _Reader:
         self.file_metadata = {}
         name_to_file = {}
         for fn in files:
+            _check_shard_name(path, fn, index if self.weight_map is not None else path)
             fp = os.path.join(path, fn)
             if not os.path.exists(fp):
                 raise FileNotFoundError(f"shard {fn} listed in {INDEX_FILE} is missing from {path}")
-            h = safe_open(fp, framework="numpy")
+            try:
+                h = safe_open(fp, framework="numpy")
+                keys = list(h.keys())
+                self.file_metadata[fn] = h.metadata()
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"{fp} is not a readable safetensors file (truncated, empty "
+                                 f"or not safetensors): {e}") from None
             self.handles[fn] = h
-            self.file_metadata[fn] = h.metadata()
-            for k in h.keys():  # noqa: SIM118 (safe_open is not iterable)
+            for k in keys:
                 if k in name_to_file:
                     raise ValueError(f"tensor {k} appears in both {name_to_file[k]} and {fn}")
                 name_to_file[k] = fn
@@ -286,7 +355,13 @@ class _Reader:
         fn = self.name_to_file.get(name)
         if fn is None:
             raise KeyError(f"tensor {name!r} is missing from checkpoint {self.path}")
-        return self.handles[fn].get_tensor(name)
+        fp = os.path.join(self.path, fn)
+        try:
+            a = self.handles[fn].get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"cannot read tensor {name!r} from {fp}: {e}") from None
+        _check_float_tensor(name, a.dtype, fp)
+        return a
 
 
 def load_hf_weights(model: Llama, path: str, *, mesh=None,
@@ -380,6 +455,13 @@ def export_hf(model: Llama, out_dir: str, *, layout: HFLayout | None = None,
         missing = sorted(set(names) - set(layout.weight_map))
         if missing or len(layout.weight_map) != len(names):
             raise ValueError(f"layout does not match this model's tensors (missing {missing[:5]})")
+    if dtype is not None and dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"export_hf dtype={dtype!r}; expected one of {', '.join(_FLOAT_DTYPES)}")
+    if layout is not None:
+        for name in names:
+            _check_float_tensor(name, layout.dtypes[name], "the layout's dtypes")
+        for fn in layout.weight_map.values():
+            _check_shard_name(out_dir, fn, "the layout's weight_map")
     os.makedirs(out_dir, exist_ok=True)
     state = nnx.state(model, nnx.Param)
     tensors: dict[str, np.ndarray] = {}
@@ -422,6 +504,8 @@ def export_hf(model: Llama, out_dir: str, *, layout: HFLayout | None = None,
     by_file: dict[str, dict[str, np.ndarray]] = {}
     for n, fn in weight_map.items():
         by_file.setdefault(fn, {})[n] = tensors[n]
+    for fn in (*by_file, *((INDEX_FILE,) if sharded else ()), CONFIG_FILE):
+        _check_resolves_inside(out_dir, fn, f"export target {fn!r}")
     for fn, group in sorted(by_file.items()):
         p = os.path.join(out_dir, fn)
         save_file(group, p, metadata=file_meta.get(fn))

@@ -472,6 +472,22 @@ def _stack_axes(module: nnx.Module) -> None:
 # --------------------------------------------------------------------------- model
 
 
+def _check_token_ids(tokens, vocab_size: int) -> None:
+    """ValueError for concrete token ids outside [0, vocab_size); traced ids pass (see
+    `Llama.embed` for what they give)."""
+    if isinstance(tokens, jax.core.Tracer):
+        return
+    ids = np.asarray(tokens)
+    if ids.size == 0:
+        return
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        pos = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"tokens: id {int(ids[pos])} at position {pos} is outside the "
+                         f"vocabulary [0, {vocab_size}) ({int(bad.sum())} such ids; min "
+                         f"{int(ids.min())}, max {int(ids.max())})")
+
+
 class Llama(nnx.Module):
     """Llama 3.x causal LM.
 
@@ -508,8 +524,17 @@ class Llama(nnx.Module):
     # -- pieces (public so parity tests can compare layer by layer) -----------------------
 
     def embed(self, tokens: jax.Array, *, policy=None, policy_key=None) -> jax.Array:
-        """Token embedding: int32[B, T] -> compute dtype [B, T, dim]."""
+        """Token embedding: int32[B, T] -> compute dtype [B, T, dim].
+
+        Token ids must lie in ``[0, vocab_size)``. Concrete ids outside it raise
+        ValueError; under ``jit`` (traced ids, which cannot be checked without
+        checkify) such a token's embedding row is NaN; through attention it makes
+        its whole sequence's logits NaN, so the loss is NaN and the training loop's
+        non-finite guard skips the step. Never another row (``jnp.take`` would wrap
+        negative ids) nor a silent zero row (the one-hot path).
+        """
         c = self.config
+        _check_token_ids(tokens, c.vocab_size)
         table = self.embed_tokens.embedding[...]
         if c.quantize_embed_head and policy is not None:
             # Embedding as a one-hot GEMM so the policy sees it (costs a V x D GEMM).
@@ -518,7 +543,9 @@ class Llama(nnx.Module):
             h = gemms.get(_EMBED_INDEX)(onehot, table.astype(c.dtype),
                                         (((2,), (0,)), ((), ())))
         else:
-            h = jnp.take(table, tokens, axis=0).astype(c.dtype)
+            h = jnp.take(table, tokens, axis=0, mode="clip").astype(c.dtype)
+        valid = (tokens >= 0) & (tokens < c.vocab_size)
+        h = jnp.where(valid[..., None], h, jnp.asarray(jnp.nan, h.dtype))
         return shd.constrain(h, ("batch", "seq", "act_embed"))
 
     def rope(self, seq_len: int) -> tuple[jax.Array, jax.Array]:

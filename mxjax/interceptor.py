@@ -24,6 +24,14 @@ GEMM's key is split into three again (lhs rounding, rhs rounding, Hadamard
 signs). The forward residuals are the high-precision primals: the backward
 re-quantizes them along its own axes. Pass-through GEMMs call
 ``lax.dot_general`` exactly as JAX's own differentiation rule would.
+
+Higher-order derivatives: a quantized GEMM (in fprop, dgrad or wgrad) that is
+differentiated again uses the straight-through rule, the derivative of the
+unquantized ``lax.dot_general`` of the same operands, so ``jax.grad`` of
+``jax.grad`` and forward-over-reverse Hessian-vector products are defined (not
+zero). Forward mode through a quantizing policy (``jax.jvp``/``jax.jacfwd`` of
+the function itself) raises a TypeError saying what to use instead. See
+docs/NUMERICS.md, "Second-order derivatives".
 """
 
 from __future__ import annotations
@@ -40,6 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
+from jax.interpreters.ad import JVPTracer
 
 from mxjax.layout import canonical_dimension_numbers
 from mxjax.quantization import FLOAT_DTYPES, fake_quantize, quantize
@@ -406,12 +416,69 @@ class _Static(NamedTuple):
     precision: Any
     preferred_element_type: Any
     policy: PolicyRecipes
+    # Quantized GEMMs inside the custom_vjp get the straight-through rule for higher
+    # derivatives. Off while mxjax.diagnostics collects (first-order only): a custom_jvp
+    # traces its body apart, where the GEMM's recorded stats could not get out.
+    straight_through: bool = True
+
+
+class _GemmSpec(NamedTuple):
+    """The static part of one GEMM of the custom_vjp (hashable: a nondiff argument)."""
+
+    dims: Dims
+    recipe: GemmRecipe
+    precision: Any
+    preferred_element_type: Any
+    gemm_name: str
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _ste_gemm(a, b, key, spec: _GemmSpec):
+    """A quantized GEMM whose own derivative is the straight-through one.
+
+    Its value is ``gemm(a, b)`` under ``spec.recipe``; its derivative is that of
+    the unquantized ``lax.dot_general(a, b)`` (the quantization error is held
+    constant). First-order gradients never reach this rule (the custom_vjp's
+    backward runs the policy's dgrad/wgrad instead); it gives second and higher
+    derivatives (``jax.grad`` of ``jax.grad``, ``jax.hessian``, Hessian-vector
+    products) a defined meaning where rounding's own derivative is zero.
+    """
+    return gemm(a, b, spec.dims, spec.recipe, key, precision=spec.precision,
+                preferred_element_type=spec.preferred_element_type, gemm_name=spec.gemm_name)
+
+
+@functools.partial(_ste_gemm.defjvp, symbolic_zeros=True)
+def _ste_gemm_jvp(spec: _GemmSpec, primals, tangents):
+    a, b, key = primals
+    ta, tb, _ = tangents
+    out = _ste_gemm(a, b, key, spec)
+    kw = {"precision": spec.precision, "preferred_element_type": spec.preferred_element_type}
+    dims = spec.dims.as_lax()
+    parts = []
+    if type(ta) is not SymbolicZero:
+        parts.append(lax.dot_general(ta, b, dims, **kw))
+    if type(tb) is not SymbolicZero:
+        parts.append(lax.dot_general(a, tb, dims, **kw))
+    if not parts:
+        return out, SymbolicZero(jax.typeof(out).to_tangent_aval())
+    return out, functools.reduce(operator.add, parts).astype(out.dtype)
+
+
+def _differentiable_gemm(a, b, key, spec: _GemmSpec, straight_through: bool = True):
+    """``gemm`` for use inside the custom_vjp: pass-through GEMMs differentiate as
+    ``lax.dot_general`` does, quantized ones with the straight-through rule."""
+    if spec.recipe.is_passthrough or not straight_through:
+        return gemm(a, b, spec.dims, spec.recipe, key, precision=spec.precision,
+                    preferred_element_type=spec.preferred_element_type,
+                    gemm_name=spec.gemm_name)
+    return _ste_gemm(a, b, key if spec.recipe.needs_key else None, spec)
 
 
 def _fprop(lhs, rhs, key, st: _Static):
     kf, _, _ = split_key(key)
-    return gemm(lhs, rhs, st.dims, st.policy.fprop, kf, precision=st.precision,
-                preferred_element_type=st.preferred_element_type, gemm_name="fprop")
+    spec = _GemmSpec(st.dims, st.policy.fprop, st.precision, st.preferred_element_type,
+                     "fprop")
+    return _differentiable_gemm(lhs, rhs, kf, spec, st.straight_through)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -427,10 +494,12 @@ def _policy_dot_bwd(st: _Static, res, g):
     lhs, rhs, key = res
     _, kd, kw = split_key(key)
     (d_dims, d_perm), (w_dims, w_perm) = backward_dimension_numbers(st.dims, lhs.ndim, rhs.ndim)
-    kw_args = {"precision": st.precision, "preferred_element_type": st.preferred_element_type}
-    dlhs = gemm(g, rhs, d_dims, st.policy.dgrad, kd, gemm_name="dgrad", **kw_args)
+    pet = st.preferred_element_type
+    dspec = _GemmSpec(d_dims, st.policy.dgrad, st.precision, pet, "dgrad")
+    dlhs = _differentiable_gemm(g, rhs, kd, dspec, st.straight_through)
     dlhs = jnp.transpose(dlhs, d_perm).astype(lhs.dtype)
-    drhs = gemm(g, lhs, w_dims, st.policy.wgrad, kw, gemm_name="wgrad", **kw_args)
+    wspec = _GemmSpec(w_dims, st.policy.wgrad, st.precision, pet, "wgrad")
+    drhs = _differentiable_gemm(g, lhs, kw, wspec, st.straight_through)
     drhs = jnp.transpose(drhs, w_perm).astype(rhs.dtype)
     return dlhs, drhs, None
 
@@ -476,6 +545,11 @@ def dot_general(
     Returns:
       Array with ``lax.dot_general``'s shape and dtype. Its cotangents have the
       primals' dtypes.
+    Raises:
+      TypeError: when differentiated in forward mode (``jax.jvp``, ``jax.jacfwd``)
+        under a quantizing policy; reverse mode, ``jax.grad`` of ``jax.grad`` and
+        ``jax.jvp`` of ``jax.grad`` work (second derivatives of quantized GEMMs
+        use the straight-through rule; docs/NUMERICS.md).
     """
     policy = check_policy_recipes(policy)
     lhs = _check_operand(lhs, "lhs")
@@ -507,6 +581,30 @@ def dot_general(
     st = _Static(dims, precision, None if preferred_element_type is None
                  else jnp.dtype(preferred_element_type), policy)
     hook = _HOOK.get()  # None unless an observer (mxjax.diagnostics) is active
-    if hook is not None:
-        return hook(lambda a, b, k: _policy_dot(a, b, k, st), lhs, rhs, key, dims, policy)
-    return _policy_dot(lhs, rhs, key, st)
+    try:
+        if hook is not None:
+            st = st._replace(straight_through=False)
+            out = hook(lambda a, b, k: _policy_dot(a, b, k, st), lhs, rhs, key, dims, policy)
+        else:
+            out = _policy_dot(lhs, rhs, key, st)
+    except TypeError as e:  # JAX's own message, raised here when jvp runs eagerly
+        if "forward-mode" in str(e):
+            raise TypeError(_forward_mode_message(policy)) from e
+        raise
+    # Under jit JAX's error would come only when the program is lowered; a tangent
+    # attached to the output here means this call is being forward-differentiated.
+    if isinstance(out, JVPTracer):
+        raise TypeError(_forward_mode_message(policy))
+    return out
+
+
+def _forward_mode_message(policy: PolicyRecipes) -> str:
+    return (
+        f"mxjax.dot_general under policy {getattr(policy, 'name', None) or policy!s} cannot be "
+        "differentiated in forward mode (jax.jvp, jax.jacfwd, jax.linearize): its gradient is "
+        "defined by the policy's quantized dgrad/wgrad GEMMs, which are not the transpose of "
+        "any tangent map. Use reverse mode (jax.grad, jax.vjp, jax.jacrev); for Hessian-vector "
+        "products use jax.jvp of jax.grad (forward-over-reverse) or jax.grad of jax.grad, which "
+        "are supported (see docs/NUMERICS.md, 'Second-order derivatives'); or the 'bf16' "
+        "policy for exact forward-mode derivatives."
+    )

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from mxjax import _bits
@@ -223,7 +224,7 @@ class MXArray:
 # --------------------------------------------------------------------------- #
 # Validation
 # --------------------------------------------------------------------------- #
-def _check_input(x: Any, fmt: Any, axis: int, scale_rule, rounding, key):
+def _check_input(x: Any, fmt: Any, axis: int, scale_rule, rounding, key, sr_prescale=False):
     fmt = F.get(fmt)
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
         x = jnp.asarray(x)
@@ -252,6 +253,10 @@ def _check_input(x: Any, fmt: Any, axis: int, scale_rule, rounding, key):
         )
     if rounding is Rounding.STOCHASTIC and key is None:
         raise ValueError("key: STOCHASTIC rounding needs a PRNG key (key=jax.random.key(...))")
+    if not isinstance(sr_prescale, (bool, np.bool_)):
+        raise TypeError(f"sr_prescale: expected a bool, got {sr_prescale!r}")
+    if sr_prescale and rounding is not Rounding.STOCHASTIC:
+        raise ValueError(f"sr_prescale: True needs rounding=STOCHASTIC, got {rounding.name}")
     return x, fmt, axis, scale_rule, rounding
 
 
@@ -270,11 +275,24 @@ def _to_blocks(x: jnp.ndarray, axis: int, block: int) -> tuple[jnp.ndarray, int]
 # (scales and the scaled elements y), then either codes (`_quantize_*`) or the
 # dequantized values straight from the rounding (`_fake_*`, no codes).
 # --------------------------------------------------------------------------- #
-def _mx_prepare(xb, elem, rule, prescale):
+def max_scale_exponent(dtype, elem: ElementFormat, prescale: bool) -> int:
+    """The largest E8M0 exponent s whose dequantized values stay finite in `dtype`.
+
+    A saturated element dequantizes to ``max_normal * 2^s`` (times 4/3 with the SR
+    pre-scale); with s <= emax(dtype) - emax(elem) (minus one with the pre-scale,
+    as 4/3 * max_normal >= 2^(emax(elem) + 1)) that is at most the dtype's largest
+    finite value. FLOOR never exceeds this bound without the pre-scale; EVEN, CEIL
+    and RCEIL would for amax in the dtype's top binade (docs/NUMERICS.md).
+    """
+    return int(jnp.finfo(dtype).maxexp) - 1 - elem.emax - int(bool(prescale))
+
+
+def _mx_prepare(xb, elem, rule, prescale, dtype=jnp.float32):
     abs_bits = _bits.f32_bits(xb) & _bits.ABS_MASK
     amax_bits = jnp.max(abs_bits, axis=-1, keepdims=True)
     nonfinite = amax_bits >= _bits.EXP_INF
-    s = e8m0_exponent(amax_bits, elem, rule)
+    s = jnp.minimum(e8m0_exponent(amax_bits, elem, rule),
+                    max_scale_exponent(dtype, elem, prescale))
     s = jnp.where(amax_bits == 0, 0, s)
     y = _bits.ldexp(xb, -s)
     if prescale:
@@ -282,14 +300,16 @@ def _mx_prepare(xb, elem, rule, prescale):
     return jnp.where(nonfinite, 0.0, y), s, nonfinite
 
 
-def quantize_mx_blocks(xb, elem, rule, mode, u, prescale):
+def quantize_mx_blocks(xb, elem, rule, mode, u, prescale, dtype=jnp.float32):
     """xb f32 [..., nb, bs] -> (codes uint8 [..., nb, bs], E8M0 scale bytes uint8 [..., nb]).
 
     The E8M0 block quantizer on blocks laid out last (unpacked codes); also the
     body of the fused Pallas kernel. ``u``: uniforms for STOCHASTIC (else None);
-    ``prescale``: the 3/4 SR pre-scale.
+    ``prescale``: the 3/4 SR pre-scale. ``dtype`` is the input's dtype before the
+    f32 upcast: it bounds the scale (`max_scale_exponent`) so that dequantized
+    values are finite in it.
     """
-    y, s, nonfinite = _mx_prepare(xb, elem, rule, prescale)
+    y, s, nonfinite = _mx_prepare(xb, elem, rule, prescale, dtype)
     sign, code = round_to_grid(y, elem, mode, u)
     scale_bytes = jnp.where(nonfinite, 255, s + 127).astype(jnp.uint8)[..., 0]
     return _encode(sign, code, elem), scale_bytes
@@ -302,8 +322,8 @@ def _mx_scale_values(v, s, nonfinite, prescale):
     return jnp.where(nonfinite, jnp.float32(jnp.nan), out)
 
 
-def _fake_mx(xb, elem, rule, mode, u, prescale):
-    y, s, nonfinite = _mx_prepare(xb, elem, rule, prescale)
+def _fake_mx(xb, elem, rule, mode, u, prescale, dtype=jnp.float32):
+    y, s, nonfinite = _mx_prepare(xb, elem, rule, prescale, dtype)
     return _mx_scale_values(round_to_value(y, elem, mode, u), s, nonfinite, prescale)
 
 
@@ -439,12 +459,12 @@ def _core(x, fmt: Format, axis: int, rule: ScaleRule, mode: Rounding, key, presc
     ub = None if u is None else u.reshape(xb.shape)
     if values:
         if fmt.scale == "e8m0":
-            out = _fake_mx(xb, elem, rule, mode, ub, prescale)
+            out = _fake_mx(xb, elem, rule, mode, ub, prescale, x.dtype)
         else:
             out = _fake_nvfp4(xb, mode, ub, prescale)
         return out.reshape(xm.shape), None, None, n
     if fmt.scale == "e8m0":
-        codes, scales = quantize_mx_blocks(xb, elem, rule, mode, ub, prescale)
+        codes, scales = quantize_mx_blocks(xb, elem, rule, mode, ub, prescale, x.dtype)
         t = None
     else:
         codes, scales, t = _quantize_nvfp4(xb, mode, ub, prescale)
@@ -495,7 +515,8 @@ def quantize(
     Returns:
       MXArray (see its docstring for the layout).
     """
-    x, fmt, axis, rule, mode = _check_input(x, fmt, axis, scale_rule, rounding, key)
+    x, fmt, axis, rule, mode = _check_input(x, fmt, axis, scale_rule, rounding, key,
+                                            sr_prescale)
     if fmt.is_passthrough:
         raise ValueError("fmt: BF16 is pass-through; there is nothing to quantize")
     codes, scales, t, _ = _core(x, fmt, axis, rule, mode, key, sr_prescale)
@@ -541,7 +562,8 @@ def fake_quantize(
     Equals `dequantize(quantize(x, ...), x.dtype)` bit for bit without
     materializing packed codes. BF16 (pass-through) returns `x` unchanged.
     """
-    x, fmt, axis, rule, mode = _check_input(x, fmt, axis, scale_rule, rounding, key)
+    x, fmt, axis, rule, mode = _check_input(x, fmt, axis, scale_rule, rounding, key,
+                                            sr_prescale)
     if fmt.is_passthrough:
         return x
     values, _, _, n = _core(x, fmt, axis, rule, mode, key, sr_prescale, values=True)

@@ -195,8 +195,27 @@ def decode(codes, elem: Elem) -> np.ndarray:
 # ----------------------------------------------------------------------------- scales
 
 
-def e8m0_exponent(amax: float, elem: Elem, rule: str) -> int | None:
-    """Scale exponent s for one block (None means the NaN scale byte 0xFF)."""
+def top_scale_exponent(dtype, elem: Elem, sr_prescale: bool) -> int:
+    """The largest s for which every dequantized value is finite in `dtype`.
+
+    NUMERICS.md "Top of the range": a saturated element dequantizes to
+    max_normal * 2^s (then times fp32(4/3) with the SR pre-scale, rounded to f32), and
+    that, rounded to `dtype`, must not be Inf. Found by search, from 127 down.
+    """
+    info = ml_dtypes.finfo(dtype)
+    for s in range(127, -128, -1):
+        with np.errstate(over="ignore"):
+            v = np.float32(np.ldexp(elem.max_normal, s))
+            if sr_prescale:
+                v = np.float32(v * np.float32(4.0 / 3.0))
+            if np.isfinite(v) and np.isfinite(np.asarray(v).astype(dtype)) \
+                    and float(v) <= float(info.max):
+                return s
+    raise AssertionError("unreachable")
+
+
+def e8m0_exponent(amax: float, elem: Elem, rule: str, s_max: int = 127) -> int | None:
+    """Scale exponent s for one block (None means the NaN scale byte 0xFF); at most `s_max`."""
     if not math.isfinite(amax):
         return None
     if amax == 0:
@@ -213,7 +232,7 @@ def e8m0_exponent(amax: float, elem: Elem, rule: str) -> int | None:
         bump = int(m > elem.m_max)
     else:
         raise ValueError(f"scale_rule: unknown {rule!r}")
-    return min(max(e - elem.emax + bump, -127), 127)
+    return min(max(e - elem.emax + bump, -127), 127, s_max)
 
 
 # ----------------------------------------------------------------------------- quantize
@@ -287,13 +306,14 @@ def quantize(x, fmt: str, axis: int = -1, scale_rule: str = "floor",
         xb = _to_f64(xm).reshape(xm.shape[:-1] + (nb, fmt_s.block))
         s_exp = np.zeros(xb.shape[:-1], np.int64)
         nan_blk = np.zeros(xb.shape[:-1], bool)
+        s_max = top_scale_exponent(x.dtype, elem, sr_prescale)
         # Per block, in plain Python: amax and its frexp.
         for idx in np.ndindex(*xb.shape[:-1]):
             blk = xb[idx]
             if not np.all(np.isfinite(blk)):
                 nan_blk[idx] = True
                 continue
-            s_exp[idx] = e8m0_exponent(float(np.max(np.abs(blk))), elem, scale_rule)
+            s_exp[idx] = e8m0_exponent(float(np.max(np.abs(blk))), elem, scale_rule, s_max)
         y = prescale(np.ldexp(xb, -s_exp[..., None]))  # ldexp is exact
         y = np.where(nan_blk[..., None], 0.0, y)
         uu = None if u is None else u.reshape(xb.shape)

@@ -100,13 +100,16 @@ def _hadamard_tile(x, h: int, signs):
     return yb.reshape(r, n).astype(x.dtype)
 
 
-def _quantize_tile(y, spec: QuantSpec, u):
-    """y: f32[r, n] (n % 32 == 0), block axis last -> (codes u8[r, n or n/2], scales u8[r, n/32])."""
+def _quantize_tile(y, spec: QuantSpec, u, dtype=jnp.float32):
+    """y: f32[r, n] (n % 32 == 0), block axis last -> (codes u8[r, n or n/2], scales u8[r, n/32]).
+
+    `dtype`: the input's dtype (it bounds the scale, as in mxjax.quantize).
+    """
     r, n = y.shape
     xb = y.reshape(r, n // _BLOCK, _BLOCK)
     ub = None if u is None else u.reshape(xb.shape)
     codes, scales = quantize_mx_blocks(
-        xb, spec.fmt.element, spec.scale_rule, spec.rounding, ub, spec.sr_prescale
+        xb, spec.fmt.element, spec.scale_rule, spec.rounding, ub, spec.sr_prescale, dtype
     )
     codes = codes.reshape(r, n)
     if spec.fmt.packed:
@@ -148,7 +151,7 @@ def _fused_kernel(*refs, row, col, shape, tiles, flags):
         if row.hadamard:
             # The reference pads after the rotation: keep padding +0.
             y = jnp.where(valid, _hadamard_tile(y, row.hadamard, row_signs), 0)
-        codes, scales = _quantize_tile(y.astype(jnp.float32), row, u_row)
+        codes, scales = _quantize_tile(y.astype(jnp.float32), row, u_row, x.dtype)
         outs[0][...] = codes
         outs[1][...] = scales
         outs = outs[2:]
@@ -156,7 +159,7 @@ def _fused_kernel(*refs, row, col, shape, tiles, flags):
         y = x.T
         if col.hadamard:
             y = jnp.where(valid.T, _hadamard_tile(y, col.hadamard, col_signs), 0)
-        codes, scales = _quantize_tile(y.astype(jnp.float32), col, u_col)
+        codes, scales = _quantize_tile(y.astype(jnp.float32), col, u_col, x.dtype)
         outs[0][...] = codes.T
         outs[1][...] = scales.T
 
