@@ -92,10 +92,11 @@ class Trainer:
             raise ConfigError(f"the eval batch ({plan.eval_batch}) must be divisible by the "
                               f"number of processes ({pc})")
         T = c.data.seq_len
-        self.train_seqs = datamod.Sequences(plan.prepared.tokens("train"), T)
+        V = plan.model_config.vocab_size  # batches with ids outside it are refused on the host
+        self.train_seqs = datamod.Sequences(plan.prepared.tokens("train"), T, vocab_size=V)
         self.loader = datamod.TrainLoader(self.train_seqs, global_batch=c.train.global_batch,
                                           seed=c.seed, process_index=pi, process_count=pc)
-        val = datamod.Sequences(plan.prepared.tokens("val"), T)
+        val = datamod.Sequences(plan.prepared.tokens("val"), T, vocab_size=V)
         ev = datamod.eval_batches(val, c.train.eval_sequences, plan.eval_batch)
         per = plan.eval_batch // pc
         self.eval_data = [b[pi * per:(pi + 1) * per] for b in ev]
