@@ -125,7 +125,8 @@ def main() -> None:
         lo, hi = res["step_spread"][k]
         print(f"{k:<10}  {res['compile'][k]:>10.3f}  {res['step'][k] * 1e3:>9.3f}  "
               f"{lo * 1e3:>8.3f}..{hi * 1e3:<8.3f}")
-    print(f"ratio wrapped/injected: compile {res['compile']['wrapped'] / res['compile']['injected']:.2f}x"
+    ratio = res['compile']['wrapped'] / res['compile']['injected']
+    print(f"ratio wrapped/injected: compile {ratio:.2f}x"
           f" (target <= 1.5x), step {res['step']['wrapped'] / res['step']['injected']:.2f}x "
           "(target: within noise)")
     print(f"loss and gradients identical: {res['identical']}; optimized HLO identical (modulo "

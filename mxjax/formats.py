@@ -135,8 +135,10 @@ class Format:
 
 
 MXFP4 = Format(name="mxfp4", element=E2M1, block_size=32, scale="e8m0", tensor_scale=False)
-MXFP8_E4M3 = Format(name="mxfp8_e4m3", element=E4M3, block_size=32, scale="e8m0", tensor_scale=False)
-MXFP8_E5M2 = Format(name="mxfp8_e5m2", element=E5M2, block_size=32, scale="e8m0", tensor_scale=False)
+MXFP8_E4M3 = Format(name="mxfp8_e4m3", element=E4M3, block_size=32, scale="e8m0",
+                    tensor_scale=False)
+MXFP8_E5M2 = Format(name="mxfp8_e5m2", element=E5M2, block_size=32, scale="e8m0",
+                    tensor_scale=False)
 NVFP4 = Format(name="nvfp4", element=E2M1, block_size=16, scale="e4m3", tensor_scale=True)
 FP8_E4M3 = Format(name="fp8_e4m3", element=E4M3, block_size=None, scale=None, tensor_scale=True)
 FP8_E5M2 = Format(name="fp8_e5m2", element=E5M2, block_size=None, scale=None, tensor_scale=True)

@@ -90,7 +90,8 @@ class PrecisionPolicy:
         for g, r in self.gemms.items():
             ln, rn = operand_names[g]
             had = r.hadamard.describe() if r.hadamard else "-"
-            rows.append((g, f"{ln}: {r.lhs.describe()}", f"{rn}: {r.rhs.describe()}", had, r.backend))
+            rows.append((g, f"{ln}: {r.lhs.describe()}", f"{rn}: {r.rhs.describe()}", had,
+                         r.backend))
         header = ("GEMM", "lhs", "rhs", "hadamard", "backend")
         widths = [max(len(str(row[i])) for row in rows + [header]) for i in range(len(header))]
         fmt_row = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()

@@ -165,13 +165,15 @@ class Hadamard:
         try:
             h = operator.index(self.block_size)
         except TypeError:
-            raise TypeError(f"Hadamard: block_size must be an int, got {self.block_size!r}") from None
+            raise TypeError(
+                f"Hadamard: block_size must be an int, got {self.block_size!r}") from None
         if h not in HADAMARD_SIZES:
             raise ValueError(f"Hadamard: block_size must be one of {HADAMARD_SIZES}, got {h}")
         _check_bool(self.randomized, "Hadamard: randomized")
         if self.seed is not None:
             if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-                raise ValueError(f"Hadamard: seed must be a non-negative int or None, got {self.seed!r}")
+                raise ValueError(
+                    f"Hadamard: seed must be a non-negative int or None, got {self.seed!r}")
             if self.randomized:
                 raise ValueError(
                     "Hadamard: seed fixes the sign vector, randomized=True draws a fresh one "
@@ -217,7 +219,8 @@ class GemmRecipe:
             if isinstance(had, int) and not isinstance(had, bool):
                 had = Hadamard(block_size=had)
             else:
-                raise TypeError(f"GemmRecipe: hadamard must be a Hadamard, an int or None, got {had!r}")
+                raise TypeError(
+                    f"GemmRecipe: hadamard must be a Hadamard, an int or None, got {had!r}")
         object.__setattr__(self, "hadamard", had)
         if not isinstance(self.backend, str) or self.backend not in BACKENDS:
             raise ValueError(f"GemmRecipe: backend must be one of {BACKENDS}, got {self.backend!r}")

@@ -455,7 +455,8 @@ def test_without_an_observer_the_interceptor_traces_the_plain_program():
     w = jnp.ones((32, 32), jnp.float32)
     st = DG._Static(DG.normalize_dimension_numbers(MATMUL_DIMS, x.shape, w.shape), None, None, pol)
     plain = jax.make_jaxpr(jax.grad(lambda w: jnp.sum(DG._policy_dot(x, w, None, st))))(w)
-    public = jax.make_jaxpr(jax.grad(lambda w: jnp.sum(mxjax.dot_general(x, w, MATMUL_DIMS, policy=pol))))(w)
+    public = jax.make_jaxpr(
+        jax.grad(lambda w: jnp.sum(mxjax.dot_general(x, w, MATMUL_DIMS, policy=pol))))(w)
     assert str(public) == str(plain)
 
 

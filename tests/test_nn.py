@@ -143,7 +143,8 @@ def test_nnx_linear_and_einsum_with_policy_modules():
     np.testing.assert_array_equal(np.asarray(nnx.jit(lambda m, x: m(x))(ein, x)), np.asarray(ref))
     # A randomized policy draws a new key on every call: two steps, different noise.
     shared = nnx.Rngs(mxjax=5)
-    sr = nnx.Linear(32, 16, dot_general=mnn.NnxDotGeneral("mxfp4_all_rht16", rngs=shared), rngs=rngs)
+    sr = nnx.Linear(32, 16, dot_general=mnn.NnxDotGeneral("mxfp4_all_rht16", rngs=shared),
+                    rngs=rngs)
     f = nnx.jit(lambda m, x: m(x))
     y1, y2 = f(sr, x), f(sr, x)
     assert not np.array_equal(np.asarray(y1), np.asarray(y2))

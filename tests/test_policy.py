@@ -173,10 +173,13 @@ def test_preset_contents_match_design():
     nv = policies.get("nvfp4")
     assert all(r.lhs.fmt is NVFP4 and r.rhs.fmt is NVFP4 for r in nv.gemms.values())
     assert nv.fprop.lhs.rounding is Rounding.NEAREST_EVEN
-    assert nv.dgrad.lhs.rounding is Rounding.STOCHASTIC and nv.wgrad.lhs.rounding is Rounding.STOCHASTIC
-    assert nv.dgrad.rhs.rounding is Rounding.NEAREST_EVEN and nv.wgrad.rhs.rounding is Rounding.NEAREST_EVEN
+    assert nv.dgrad.lhs.rounding is Rounding.STOCHASTIC
+    assert nv.wgrad.lhs.rounding is Rounding.STOCHASTIC
+    assert nv.dgrad.rhs.rounding is Rounding.NEAREST_EVEN
+    assert nv.wgrad.rhs.rounding is Rounding.NEAREST_EVEN
     assert nv.wgrad.hadamard == Hadamard(block_size=16, seed=0) and nv.fprop.hadamard is None
-    assert "16×16" in policies.PRESETS["nvfp4"].__doc__ and "Not expressible" in policies.PRESETS["nvfp4"].__doc__
+    nvfp4_doc = policies.PRESETS["nvfp4"].__doc__
+    assert "16×16" in nvfp4_doc and "Not expressible" in nvfp4_doc
     ts = policies.get("tseng")
     assert ts.fprop.is_passthrough
     for r in (ts.dgrad, ts.wgrad):

@@ -1,4 +1,7 @@
-"""mxjax.testing helpers, used on wrapped and policy-injected models; wrap costs nothing under bf16."""
+"""mxjax.testing helpers, used on wrapped and policy-injected models.
+
+Also: wrap costs nothing under bf16.
+"""
 
 from __future__ import annotations
 

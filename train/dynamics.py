@@ -1,7 +1,8 @@
 """Training dynamics: per-layer gradient norms, collapse rate, update size, instability.
 
 Jit-friendly pytree reductions used inside the step, and host-side summaries:
-per-layer gradient norms (:func:`layer_norms`), gradient-collapse rate (:func:`collapse_rate`, layers
+per-layer gradient norms (:func:`layer_norms`), gradient-collapse rate
+(:func:`collapse_rate`, layers
 with grad norm < 1e-6), weight-update size relative to the weight
 (:func:`relative_update`), and the instability detector
 (:class:`InstabilityDetector`, a pure state machine driven from the host).

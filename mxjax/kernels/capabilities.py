@@ -79,7 +79,8 @@ def capabilities() -> Capabilities:
         (cc is not None and cc[0] >= 10)
         or (is_amd and any(t in kind.lower() for t in ("mi355", "mi350", "gfx950")))
     )
-    fp8 = bool(native_fp4 or (cc is not None and cc >= (8, 9)) or (is_amd and "mi3" in kind.lower()))
+    fp8 = bool(native_fp4 or (cc is not None and cc >= (8, 9))
+               or (is_amd and "mi3" in kind.lower()))
     has_jt = all(importlib.util.find_spec(m) is not None for m in ("triton", "jax_triton"))
 
     if platform == "gpu":
@@ -91,7 +92,8 @@ def capabilities() -> Capabilities:
 
     reasons: dict[str, str] = {"xla": ""}
     if pallas_mode is None:
-        reasons["pallas"] = f"the Pallas kernels target Triton (GPU) or the interpreter (CPU), not {platform}"
+        reasons["pallas"] = ("the Pallas kernels target Triton (GPU) or the interpreter (CPU), "
+                             f"not {platform}")
     else:
         reasons["pallas"] = ""
     if pallas_mode == "interpret":
@@ -99,7 +101,8 @@ def capabilities() -> Capabilities:
     elif pallas_mode == "triton" and fp8 and not is_amd:
         reasons["pallas_fp8"] = ""
     elif pallas_mode == "triton":
-        reasons["pallas_fp8"] = f"needs FP8 tensor cores (NVIDIA sm_89+); device is {kind!r} cc={cc}"
+        reasons["pallas_fp8"] = (f"needs FP8 tensor cores (NVIDIA sm_89+); device is {kind!r} "
+                                 f"cc={cc}")
     else:
         reasons["pallas_fp8"] = reasons["pallas"]
     reasons["triton"] = triton_gemm.unavailable_reason() or ""

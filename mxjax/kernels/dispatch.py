@@ -165,7 +165,8 @@ def _batched(lhs_q: MXArray, rhs_q: MXArray, backend, interpret, tiles):
     if backend == "xla":
         a = dequantize(lhs_q, jnp.float32)
         b = dequantize(rhs_q, jnp.float32)
-        return lax.dot_general(a, b, canonical_dimension_numbers(len(batch)), precision=lax.Precision.HIGHEST,
+        return lax.dot_general(a, b, canonical_dimension_numbers(len(batch)),
+                               precision=lax.Precision.HIGHEST,
                                preferred_element_type=jnp.float32)
 
     def flat(x):

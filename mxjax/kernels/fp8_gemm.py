@@ -192,7 +192,8 @@ def mxfp4_matmul_fp8(
     else:
         from jax.experimental.pallas import triton as plt
 
-        params, fb_dtype = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages), jnp.bfloat16
+        params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+        fb_dtype = jnp.bfloat16
     kernel = functools.partial(_fp8_kernel, nch=nch, emulate=interpret, fb_dtype=fb_dtype)
     row = lambda w: pl.BlockSpec((bm, w), lambda i, j: (i, 0))
     col = lambda h: pl.BlockSpec((h, bn), lambda i, j: (0, j))

@@ -101,7 +101,8 @@ def mxfp4_matmul_pallas(
     bm = C.tile(a_codes.shape[0], block_m, 16)
     bn = C.tile(b_codes.shape[1], block_n, 16)
     bk = C.tile(kp, block_k, 32)
-    mp, np_, kpp = C.round_up(a_codes.shape[0], bm), C.round_up(b_codes.shape[1], bn), C.round_up(kp, bk)
+    mp, np_ = C.round_up(a_codes.shape[0], bm), C.round_up(b_codes.shape[1], bn)
+    kpp = C.round_up(kp, bk)
     # Zero codes contribute nothing whatever their scale; 127 is the scale 1.
     a_codes = C.pad2(a_codes, mp, kpp // 2)
     a_scales = C.pad2(a_scales, mp, kpp // 32, 127)

@@ -76,7 +76,8 @@ class QuantSpec:
         object.__setattr__(self, "scale_rule", F.scale_rule(self.scale_rule))
         object.__setattr__(self, "rounding", F.rounding(self.rounding))
         if self.hadamard is not None and self.hadamard not in HADAMARD_SIZES:
-            raise ValueError(f"hadamard: expected None or one of {HADAMARD_SIZES}, got {self.hadamard!r}")
+            raise ValueError(f"hadamard: expected None or one of {HADAMARD_SIZES}, "
+                             f"got {self.hadamard!r}")
         if not isinstance(self.sr_prescale, bool):
             raise TypeError(f"sr_prescale: expected a bool, got {self.sr_prescale!r}")
 

@@ -32,7 +32,10 @@ def mx_dot_reference(lhs_q: MXArray, rhs_q: MXArray) -> jnp.ndarray:
 
 
 def e8m0_to_f32(b: jnp.ndarray) -> jnp.ndarray:
-    """f32 value 2^(b-127) of E8M0 bytes, built from bits (byte 0 -> 2^-127 subnormal, 0xFF -> NaN)."""
+    """f32 value 2^(b-127) of E8M0 bytes, built from bits.
+
+    Byte 0 gives 2^-127 (an f32 subnormal), 0xFF gives NaN.
+    """
     b = b.astype(jnp.int32)
     bits = jnp.where(b == 0, jnp.int32(0x00400000), b << 23)
     bits = jnp.where(b == 255, jnp.int32(0x7FC00000), bits)

@@ -198,7 +198,8 @@ def _eqn_deps(eqn, ins: list, tables: set | None) -> tuple[list, list]:
         return _analyze(sub, ins, tables), [(sub, ins)]
     if name == "scan":
         n_consts, n_carry = _scan_counts(p)
-        consts, carry, xs = ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
+        consts, carry = ins[:n_consts], ins[n_consts:n_consts + n_carry]
+        xs = ins[n_consts + n_carry:]
         carry = _loop_fixed_point(p["jaxpr"], consts, list(carry), xs, n_carry, None)
         body_in = [*consts, *carry, *xs]
         outs = _analyze(p["jaxpr"], body_in, tables)
@@ -326,7 +327,8 @@ def _dot(eqn, invals, deps, ctx: _Ctx, stack: str, salts: tuple):
     if policy.needs_key:
         if ctx.key is None:
             raise ValueError(
-                f"key: the policy for module path {path!r} ({policy.name or 'custom'}) is randomized "
+                f"key: the policy for module path {path!r} ({policy.name or 'custom'}) "
+                "is randomized "
                 "and needs a key: pass rngs={'mxjax': key} (Linen), an nnx.Rngs with an 'mxjax' "
                 "stream (NNX) or mxjax_key= (functions)"
             )

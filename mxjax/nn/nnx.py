@@ -53,7 +53,8 @@ class NnxDotGeneral(nnx.Module):
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                  **kwargs):
-        key = _stream_key(self.rngs, self.stream, "NnxDotGeneral") if self.policy.needs_key else None
+        key = (_stream_key(self.rngs, self.stream, "NnxDotGeneral") if self.policy.needs_key
+               else None)
         return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                            policy=self.policy, key=key)
 

@@ -56,7 +56,8 @@ class Rule:
         try:
             re.compile(self.path)
         except re.error as e:
-            raise ValueError(f"Rule: path {self.path!r} is not a valid regular expression: {e}") from None
+            raise ValueError(
+                f"Rule: path {self.path!r} is not a valid regular expression: {e}") from None
         if self.policy is not None:
             object.__setattr__(self, "policy", policies.get(self.policy))
         kinds = (self.operands,) if isinstance(self.operands, str) else self.operands

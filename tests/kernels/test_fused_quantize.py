@@ -118,7 +118,8 @@ def test_inside_jit_and_default_tiles(np_rng):
     assert_same_mx(col, _reference(x, spec, 0))
 
 
-@pytest.mark.parametrize(("h", "dtype"), [(16, jnp.bfloat16), (32, jnp.float32), (128, jnp.float32)])
+@pytest.mark.parametrize(("h", "dtype"),
+                         [(16, jnp.bfloat16), (32, jnp.float32), (128, jnp.float32)])
 def test_hadamard_tile_is_mxjax_hadamard_bit_for_bit(np_rng, h, dtype):
     x = jnp.asarray(hard_matrix(np_rng, (8, 256), specials=False), dtype)
     signs = mxjax.fixed_signs(5, h)
@@ -126,13 +127,15 @@ def test_hadamard_tile_is_mxjax_hadamard_bit_for_bit(np_rng, h, dtype):
         got = jax.jit(lambda v, s=s: _hadamard_tile(v, h, s))(x)
         want = mxjax.hadamard(x, h, axis=-1, signs=s)
         assert got.dtype == want.dtype
-        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8),
+                                      np.asarray(want).view(np.uint8))
 
 
 def test_pack_tile_layout():
     codes = jnp.asarray(np.arange(16, dtype=np.uint8).reshape(2, 8) % 16)
     packed = np.asarray(_pack_tile(codes))
-    np.testing.assert_array_equal(packed[0], [0x10, 0x32, 0x54, 0x76])  # first code in the low nibble
+    # first code in the low nibble
+    np.testing.assert_array_equal(packed[0], [0x10, 0x32, 0x54, 0x76])
 
 
 def test_errors(np_rng):

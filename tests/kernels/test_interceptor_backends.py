@@ -16,7 +16,8 @@ from mxjax import recipes as policy_mod
 def _with_backend(policy, backend):
     return dataclasses.replace(
         policy,
-        **{g: dataclasses.replace(getattr(policy, g), backend=backend) for g in ("fprop", "dgrad", "wgrad")},
+        **{g: dataclasses.replace(getattr(policy, g), backend=backend)
+           for g in ("fprop", "dgrad", "wgrad")},
     )
 
 
@@ -60,4 +61,5 @@ def test_triton_backend_without_gpu_raises_instead_of_falling_back():
         pytest.skip("this check is for machines without a GPU")
     policy = _with_backend(policies.get("mxfp4_all"), "triton")
     with pytest.raises(RuntimeError):
-        mxjax.dot_general(jnp.ones((8, 32)), jnp.ones((32, 8)), (((1,), (0,)), ((), ())), policy=policy)
+        mxjax.dot_general(jnp.ones((8, 32)), jnp.ones((32, 8)), (((1,), (0,)), ((), ())),
+                          policy=policy)

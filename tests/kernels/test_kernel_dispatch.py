@@ -23,7 +23,8 @@ ON_CPU = jax.default_backend() == "cpu"
 
 def _caps(**kw) -> Capabilities:
     base = {"platform": "gpu", "device_kind": "NVIDIA H200", "compute_capability": (9, 0),
-                "native_fp4": False, "fp8_tensor_cores": True, "pallas_mode": "triton", "jax_triton": True,
+                "native_fp4": False, "fp8_tensor_cores": True, "pallas_mode": "triton",
+                "jax_triton": True,
                 "backends": (("xla", ""), ("pallas", ""), ("pallas_fp8", ""), ("triton", ""))}
     base.update(kw)
     return Capabilities(**base)

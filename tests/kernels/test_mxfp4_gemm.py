@@ -116,7 +116,8 @@ def test_xla_backend_takes_other_formats(np_rng):
     got = np.asarray(mx_dot(lq, rq, backend="xla"), np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     # 'auto' may route formats its kernel lacks to 'xla'; an explicit kernel may not.
-    np.testing.assert_array_equal(np.asarray(mx_dot(lq, rq, backend="auto")), got.astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(mx_dot(lq, rq, backend="auto")),
+                                  got.astype(np.float32))
     with pytest.raises(ValueError, match="MXFP4 x MXFP4 only"):
         mx_dot(lq, rq, backend="pallas")
 

@@ -53,7 +53,8 @@ def test_roundtrip_and_digest_reference(tmp_path):
         ck.save(1, state, {})
         meta = ck.read_meta(1)
         back = ck.restore(1, state, meta)
-    for a, b in zip(np.asarray(back["params"]["w"]).ravel()[:5], np.asarray(state["params"]["w"]).ravel()[:5]):
+    back_w = np.asarray(back["params"]["w"]).ravel()[:5]
+    for a, b in zip(back_w, np.asarray(state["params"]["w"]).ravel()[:5]):
         assert a == b
     # independent reference: hashlib over the numpy bytes
     w = np.asarray(state["params"]["w"])
