@@ -40,9 +40,11 @@ import numpy as np
 from jax import lax
 
 from mxjax import diagnostics
+from mxjax import formats as F
+from mxjax._platform import cpu_barrier, cpu_or_accelerator
 from mxjax.hadamard import fixed_signs, hadamard, random_signs
 from mxjax.policy import GemmRecipe, PrecisionPolicy
-from mxjax.quantize import fake_quantize, quantize
+from mxjax.quantize import SR_UNSCALE, fake_quantize, fake_quantize_parts, quantize
 
 __all__ = ["Dims", "backward_dimension_numbers", "bind_policy", "dot_general", "gemm"]
 
@@ -206,6 +208,86 @@ def _prepare_operand(x: jax.Array, recipe, key) -> jax.Array:
                          sr_prescale=recipe.sr_prescale)
 
 
+def _prepare_operand_parts(x: jax.Array, recipe, key):
+    """(values, per-tensor f32 factors): the operand is ``values * factors[0] * ...``.
+
+    The factors (NVFP4's and per-tensor FP8's tensor scale, the 4/3 SR unscale)
+    are left out of ``values`` so that they can be applied to the GEMM's f32 result.
+    """
+    values, tensor_scale = fake_quantize_parts(
+        x, recipe.fmt, axis=-1, scale_rule=recipe.scale_rule, rounding=recipe.rounding,
+        key=key if recipe.needs_key else None, sr_prescale=recipe.sr_prescale)
+    factors = () if tensor_scale is None else (tensor_scale,)
+    if recipe.sr_prescale:
+        factors += (jnp.float32(SR_UNSCALE),)
+    return values, factors
+
+
+# bf16 (and f32) normal exponents start at -126; bf16 subnormals end at 2^-133.
+_BF16_MIN_NORMAL_EXP = -126
+_BF16_MIN_SUBNORMAL_EXP = -133
+_BF16_SIGNIFICANT_BITS = 8
+
+
+class OperandRange(NamedTuple):
+    """What the emulated GEMM's operand values (per-tensor factors left out) can be.
+
+    ``min_exp``: log2 of the smallest nonzero magnitude; ``significant_bits``:
+    the most significant bits of any value. None for a pass-through operand
+    (arbitrary f32 values).
+    """
+
+    min_exp: int | None
+    significant_bits: int | None
+
+    @property
+    def bf16_exact(self) -> bool:
+        """Every value is a bf16 value (subnormals included)."""
+        return (self.min_exp is not None and self.min_exp >= _BF16_MIN_SUBNORMAL_EXP
+                and self.significant_bits <= _BF16_SIGNIFICANT_BITS)
+
+    @property
+    def bf16_normal(self) -> bool:
+        """Every nonzero value is a bf16 normal (nothing a flush-to-zero unit can drop)."""
+        return self.bf16_exact and self.min_exp >= _BF16_MIN_NORMAL_EXP
+
+
+def operand_range(recipe) -> OperandRange:
+    """Trace-time range of an operand's `fake_quantize_parts` values, from its format.
+
+    E8M0 formats: element grid times 2^s, s in [-127, 127]; the top end above the
+    f32 range is already Inf in f32 (and the same Inf in bf16: a finite f32 with
+    at most 8 significant bits is a bf16 value). NVFP4: E2M1 times an E4M3 block
+    scale (the tensor scale is a factor). Per-tensor FP8: the element grid.
+    """
+    fmt = recipe.fmt
+    if fmt.is_passthrough:
+        return OperandRange(None, None)
+    elem = fmt.element
+    elem_min_exp = int(math.log2(elem.min_subnormal))
+    if fmt.scale == "e8m0":
+        return OperandRange(elem_min_exp - 127, elem.mbits + 1)
+    if fmt.scale == "e4m3":
+        scale_elem = F.E4M3
+        return OperandRange(elem_min_exp + int(math.log2(scale_elem.min_subnormal)),
+                            elem.mbits + 1 + scale_elem.mbits + 1)
+    return OperandRange(elem_min_exp, elem.mbits + 1)
+
+
+def accelerator_operand_dtype(recipe: GemmRecipe):
+    """The dtype of a quantized GEMM's operands on GPU/TPU, decided at trace time.
+
+    bf16 (at DEFAULT precision, f32 accumulation) when every value of both
+    operands is exactly a bf16 value (`OperandRange.bf16_exact`): MXFP4, NVFP4,
+    per-tensor FP8. Otherwise f32 at HIGHEST, the explicit fallback documented in
+    docs/NUMERICS.md: MXFP8 (E4M3/E5M2 x E8M0 reaches 2^-136 / 2^-143, below
+    bf16's 2^-133) and a pass-through operand inside a quantized GEMM.
+    """
+    if operand_range(recipe.lhs).bf16_exact and operand_range(recipe.rhs).bf16_exact:
+        return jnp.bfloat16
+    return jnp.float32
+
+
 def _rotate(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, k_had):
     """Applies the recipe's Hadamard to both canonical operands along K (if any)."""
     had = recipe.hadamard
@@ -225,10 +307,11 @@ def _rotate(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, k_had):
         signs = fixed_signs(had.seed, h)
     else:
         signs = None
-    # The barrier keeps XLA from fusing the butterflies into the quantizer's
-    # block reductions, which recomputes them (measured 4x slower on CPU).
-    return lax.optimization_barrier((hadamard(a3, h, axis=-1, signs=signs),
-                                     hadamard(b3, h, axis=-1, signs=signs)))
+    # On CPU the barrier keeps XLA from fusing the butterflies into the
+    # quantizer's block reductions, which recomputes them (measured 4x slower).
+    # One barrier per operand, so neither operand's program depends on the other.
+    return (cpu_barrier(hadamard(a3, h, axis=-1, signs=signs)),
+            cpu_barrier(hadamard(b3, h, axis=-1, signs=signs)))
 
 
 def _operand_keys(key):
@@ -236,8 +319,46 @@ def _operand_keys(key):
     return jax.random.split(key, 3) if key is not None else (None, None, None)
 
 
+def _canonical_dims(nb: int):
+    return (((nb + 1,), (nb + 1,)), (tuple(range(nb)), tuple(range(nb))))
+
+
+def _cpu_gemm(a3, b3, recipe: GemmRecipe, k_lhs, k_rhs):
+    """XLA:CPU form: dequantized f32 operands, each materialized, one f32 GEMM at HIGHEST."""
+    aq = cpu_barrier(_prepare_operand(a3, recipe.lhs, k_lhs))
+    bq = cpu_barrier(_prepare_operand(b3, recipe.rhs, k_rhs))
+    return lax.dot_general(aq, bq, _canonical_dims(a3.ndim - 2),
+                           precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _accelerator_gemm(a3, b3, recipe: GemmRecipe, k_lhs, k_rhs):
+    """GPU/TPU form: no barriers; bf16 operands at DEFAULT with f32 accumulation.
+
+    Per-tensor factors are applied to the f32 result, lhs's then rhs's, one
+    multiply each. Formats whose values bf16 cannot hold fall back to f32 at
+    HIGHEST (`accelerator_operand_dtype`).
+    """
+    dims = _canonical_dims(a3.ndim - 2)
+    if accelerator_operand_dtype(recipe) != jnp.bfloat16:
+        aq = _prepare_operand(a3, recipe.lhs, k_lhs)
+        bq = _prepare_operand(b3, recipe.rhs, k_rhs)
+        return lax.dot_general(aq, bq, dims, precision=lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
+    av, a_factors = _prepare_operand_parts(a3, recipe.lhs, k_lhs)
+    bv, b_factors = _prepare_operand_parts(b3, recipe.rhs, k_rhs)
+    out = lax.dot_general(av.astype(jnp.bfloat16), bv.astype(jnp.bfloat16), dims,
+                          precision=lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
+    for factor in a_factors + b_factors:
+        out = out * factor
+    return out
+
+
 def _xla_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key, gemm_name: str) -> jax.Array:
     """The XLA reference backend on canonical operands.
+
+    The program depends on the platform it is lowered for (not on the tracing
+    machine): XLA:CPU gets `_cpu_gemm`, GPUs and TPUs `_accelerator_gemm`
+    (docs/NUMERICS.md, "Emulated GEMM").
 
     Args:
       a3: f32 [batch..., Fa, K]; b3: f32 [batch..., Fb, K] (same batch shape).
@@ -251,15 +372,11 @@ def _xla_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key, gemm_name: 
     k_lhs, k_rhs, k_had = _operand_keys(key)
     a3, b3 = _rotate(a3, b3, recipe, k_had)
     diagnostics.record_gemm(gemm_name, a3, b3, recipe, k_lhs, k_rhs)  # no-op unless collecting
-    aq = _prepare_operand(a3, recipe.lhs, k_lhs)
-    bq = _prepare_operand(b3, recipe.rhs, k_rhs)
-    # The dequantized operands are computed with integer ops, but keep XLA from
-    # algebraically simplifying anything across the quantization boundary.
-    aq, bq = lax.optimization_barrier((aq, bq))
-    nb = a3.ndim - 2
-    dims = (((nb + 1,), (nb + 1,)), (tuple(range(nb)), tuple(range(nb))))
-    return lax.dot_general(aq, bq, dims, precision=lax.Precision.HIGHEST,
-                           preferred_element_type=jnp.float32)
+    return cpu_or_accelerator(
+        a3, b3,
+        cpu=functools.partial(_cpu_gemm, recipe=recipe, k_lhs=k_lhs, k_rhs=k_rhs),
+        accelerator=functools.partial(_accelerator_gemm, recipe=recipe, k_lhs=k_lhs,
+                                      k_rhs=k_rhs))
 
 
 def _kernel_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key, gemm_name: str) -> jax.Array:
