@@ -29,12 +29,14 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import os
 import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
+if not os.environ.get("PYTHONPATH") and str(ROOT) not in sys.path:
+    # With PYTHONPATH set, that checkout's mxjax is read (e.g. main's, for a before table).
     sys.path.insert(0, str(ROOT))
 
 import jax
@@ -47,8 +49,9 @@ PLATFORMS = ("cpu", "cuda", "tpu")
 _FUNC_RE = re.compile(r"^\s*func\.func (?:public |private )?@([\w.$-]+)\(")
 _CALL_RE = re.compile(r"\b(?:func\.)?call @([\w.$-]+)\(")
 _DOT_RE = re.compile(
-    r"stablehlo\.dot_general [^:]*?(?:precision = \[(\w+), (\w+)\])?[^:]*: "
+    r"stablehlo\.dot_general [^:]*: "
     r"\(tensor<([^>]*)>, tensor<([^>]*)>\) -> tensor<([^>]*)>.*?loc\((#loc\d+)\)")
+_PRECISION_RE = re.compile(r"precision = \[(\w+), (\w+)\]")
 _LOC_DEF_RE = re.compile(r"^(#loc\d+) = loc\((.*)\)\s*$")
 _LOC_NAME_RE = re.compile(r'"([^"]*)"[(:]')
 _LOC_REF_RE = re.compile(r"#loc\d+")
@@ -136,11 +139,12 @@ def analyze(text: str, *, quantized_policy: bool = True) -> ModuleShape:
             d = _DOT_RE.search(line)
             if d is None:
                 raise ValueError(f"unparsed dot_general: {line.strip()[:200]}")
-            p_lhs, _, lhs, rhs, out, loc = d.groups()
+            lhs, rhs, out, loc = d.groups()
+            p = _PRECISION_RE.search(line)
             names = _loc_names(loc, defs, memo)
             quantized = quantized_policy and any(n.endswith(INTERCEPTOR_FILES) for n in names)
             f["dots"].append(Dot(lhs=_dtype(lhs), rhs=_dtype(rhs), out=_dtype(out),
-                                 precision=p_lhs or "DEFAULT",
+                                 precision=p.group(1) if p else "DEFAULT",
                                  quantized=quantized))
 
     totals: dict[str, tuple] = {}

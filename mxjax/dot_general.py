@@ -15,9 +15,14 @@ transpose each operand to ``(batch..., free, contraction)`` and flatten its free
 axes and its contracting axes (``ca[i]`` pairs with ``cb[i]``; the flattened
 contraction is row-major in that order), upcast to f32, zero-pad the
 contraction to a multiple of the Hadamard size (also when it is shorter than
-one Hadamard block) and rotate both operands (if the recipe has a Hadamard), ``fake_quantize`` each along the contraction (the last
-axis), then one ``lax.dot_general`` at HIGHEST precision with f32 accumulation,
-reshaped back to ``lax.dot_general``'s layout and cast to its result dtype.
+one Hadamard block) and rotate both operands (if the recipe has a Hadamard),
+quantize each along the contraction (the last axis), then one
+``lax.dot_general`` with f32 accumulation, reshaped back to
+``lax.dot_general``'s layout and cast to its result dtype. The GEMM's form
+depends on the platform it is lowered for: XLA:CPU gets dequantized f32
+operands at HIGHEST with each stage materialized; GPUs/TPUs get bf16 operands
+at DEFAULT (exact, see docs/NUMERICS.md) with per-tensor scales applied to the
+f32 result and no CPU-only barriers.
 
 Keys: ``key`` is split into three (fprop, dgrad, wgrad, in that order); each
 GEMM's key is split into three again (lhs rounding, rhs rounding, Hadamard
@@ -432,16 +437,21 @@ def _backend_fn(recipe: GemmRecipe) -> Callable[..., jax.Array]:
 
 
 def gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key, *,
-         precision=None, preferred_element_type=None, gemm_name: str = "gemm") -> jax.Array:
+         precision=None, preferred_element_type=None, gemm_name: str = "gemm",
+         out_sharding=None) -> jax.Array:
     """One GEMM ``dot_general(a, b, dims)`` under `recipe` (no custom gradient).
 
     Pass-through recipes call ``lax.dot_general(a, b, dims, precision,
-    preferred_element_type)`` unchanged. Otherwise the result is computed in f32
-    (see the module docstring) and cast to ``lax.dot_general``'s result dtype.
+    preferred_element_type, out_sharding=...)`` unchanged. Otherwise the result
+    is computed in f32 (see the module docstring), cast to ``lax.dot_general``'s
+    result dtype and, given ``out_sharding``, resharded to it with
+    ``jax.sharding.reshard`` (which, like ``lax.dot_general``'s argument, binds
+    explicit mesh axes and leaves auto axes to the partitioner).
     """
     if recipe.is_passthrough:
+        extra = {} if out_sharding is None else {"out_sharding": out_sharding}
         return lax.dot_general(a, b, dims.as_lax(), precision=precision,
-                               preferred_element_type=preferred_element_type)
+                               preferred_element_type=preferred_element_type, **extra)
     out_dtype = jax.eval_shape(
         functools.partial(lax.dot_general, dimension_numbers=dims.as_lax(),
                           preferred_element_type=preferred_element_type),
@@ -453,8 +463,10 @@ def gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key, *,
     out = _backend_fn(recipe)(a3, b3, recipe, key if recipe.needs_key else None, gemm_name)
     fa = [a.shape[i] for i in _remaining(a.ndim, ba, ca)]
     fb = [b.shape[i] for i in _remaining(b.ndim, bb, cb)]
-    out = out.reshape(tuple(a.shape[i] for i in ba) + tuple(fa) + tuple(fb))
-    return out.astype(out_dtype)
+    out = out.reshape(tuple(a.shape[i] for i in ba) + tuple(fa) + tuple(fb)).astype(out_dtype)
+    if out_sharding is not None:
+        out = jax.sharding.reshard(out, out_sharding)
+    return out
 
 
 # --------------------------------------------------------------------------- #
@@ -465,6 +477,7 @@ class _Static(NamedTuple):
     precision: Any
     preferred_element_type: Any
     policy: PrecisionPolicy
+    out_sharding: Any = None  # of the forward result, as for lax.dot_general
 
 
 def _gemm_keys(key):
@@ -477,7 +490,8 @@ def _gemm_keys(key):
 def _fprop(lhs, rhs, key, st: _Static):
     kf, _, _ = _gemm_keys(key)
     return gemm(lhs, rhs, st.dims, st.policy.fprop, kf, precision=st.precision,
-                preferred_element_type=st.preferred_element_type, gemm_name="fprop")
+                preferred_element_type=st.preferred_element_type, gemm_name="fprop",
+                out_sharding=st.out_sharding)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -531,13 +545,16 @@ def dot_general(
       dimension_numbers: ``((lhs_contracting, rhs_contracting), (lhs_batch,
         rhs_batch))`` exactly as for ``lax.dot_general`` (any batch dims, several
         or non-trailing contracting dims).
-      precision: used by pass-through GEMMs; quantized GEMMs always accumulate
-        the dequantized operands in f32 at HIGHEST precision.
+      precision: used by pass-through GEMMs; quantized GEMMs accumulate in f32
+        with operands they choose per lowering platform (CPU: dequantized f32 at
+        HIGHEST; GPU/TPU: bf16 at DEFAULT where exact, docs/NUMERICS.md).
       preferred_element_type: output dtype, as for ``lax.dot_general``.
       policy: a PrecisionPolicy or a preset name (``mxjax.policies.names()``).
       key: PRNG key; required when ``policy.needs_key``. Split per GEMM.
-      **kwargs: accepted and ignored (e.g. Flax's ``out_sharding``), except that
-        a pass-through policy forwards ``out_sharding`` to ``lax.dot_general``.
+      **kwargs: ``out_sharding`` (the only sharding argument ``lax.dot_general``
+        takes in jax 0.11.2 and 0.12) is kept: forwarded to ``lax.dot_general``
+        by pass-through GEMMs, applied to the result with
+        ``jax.sharding.reshard`` by quantized ones. Others are ignored.
     Returns:
       Array with ``lax.dot_general``'s shape and dtype. Its cotangents have the
       primals' dtypes.
@@ -575,7 +592,7 @@ def dot_general(
     if not policy.needs_key:
         key = None
     st = _Static(dims, precision, None if preferred_element_type is None
-                 else jnp.dtype(preferred_element_type), policy)
+                 else jnp.dtype(preferred_element_type), policy, kwargs.get("out_sharding"))
     slot = diagnostics.next_probe()  # None unless mxjax.diagnostics is collecting
     if slot is not None:
         return diagnostics.probed_call(lambda a, b, k: _policy_dot(a, b, k, st), slot,
