@@ -229,8 +229,9 @@ def verdict(platform: str, shapes: dict[str, ModuleShape]) -> str:
                 f"{'yes' if ok else 'NO'}")
     mx_barriers = sum(s.barriers for n, s in quantized.items() if n.startswith("mxfp4"))
     ok = highest == 0 and mx_barriers == 0
-    return (f"verdict ({platform}): {highest} quantized GEMMs at f32 HIGHEST (target 0), "
-            f"{mx_barriers} barriers under the MXFP4 presets (target 0) -> "
+    total = sum(len(s.quantized) for s in quantized.values())
+    return (f"verdict ({platform}): {highest} of {total} quantized GEMMs at f32 HIGHEST "
+            f"(target 0), {mx_barriers} barriers under the MXFP4 presets (target 0) -> "
             f"{'met' if ok else 'NOT met'}")
 
 
