@@ -148,3 +148,14 @@ def test_analyzer_counts_calls_and_reads_precision():
     assert [d.signature for d in s.dots].count("f32 x f32 -> f32 @ HIGHEST") == 2
     assert len(s.quantized) == 2 and s.f32_highest == 2
     assert es.analyze(text, quantized_policy=False).quantized == ()
+
+
+def test_cpu_barriers_hold_one_operand_each():
+    """No barrier ties the weight to the activation (each operand's chain is its own)."""
+    import re
+
+    fn, args = _dot_train(policies.get("mxfp4_all_h16"))
+    text = es.export_text(fn, args, "cpu")
+    operand_lists = re.findall(r"stablehlo\.optimization_barrier ([^:]*) :", text)
+    assert len(operand_lists) == 3 * 2 * 6
+    assert all("," not in ops for ops in operand_lists), operand_lists
