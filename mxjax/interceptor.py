@@ -15,9 +15,14 @@ transpose each operand to ``(batch..., free, contraction)`` and flatten its free
 axes and its contracting axes (``ca[i]`` pairs with ``cb[i]``; the flattened
 contraction is row-major in that order), upcast to f32, zero-pad the
 contraction to a multiple of the Hadamard size (also when it is shorter than
-one Hadamard block) and rotate both operands (if the recipe has a Hadamard), ``fake_quantize`` each along the contraction (the last
-axis), then one ``lax.dot_general`` at HIGHEST precision with f32 accumulation,
-reshaped back to ``lax.dot_general``'s layout and cast to its result dtype.
+one Hadamard block) and rotate both operands (if the recipe has a Hadamard),
+quantize each along the contraction (the last axis), then one
+``lax.dot_general`` with f32 accumulation, reshaped back to
+``lax.dot_general``'s layout and cast to its result dtype. The GEMM's form
+depends on the platform it is lowered for: XLA:CPU gets dequantized f32
+operands at HIGHEST with each stage materialized; GPUs/TPUs get bf16 operands
+at DEFAULT (exact, see docs/NUMERICS.md) with per-tensor scales applied to the
+f32 result and no CPU-only barriers.
 
 Keys: ``key`` is split into three (fprop, dgrad, wgrad, in that order); each
 GEMM's key is split into three again (lhs rounding, rhs rounding, Hadamard
@@ -51,8 +56,16 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jax.interpreters.ad import JVPTracer
 
+from mxjax import formats as F
+from mxjax._platform import cpu_barrier, cpu_or_accelerator
 from mxjax.layout import canonical_dimension_numbers
-from mxjax.quantization import FLOAT_DTYPES, fake_quantize, quantize
+from mxjax.quantization import (
+    FLOAT_DTYPES,
+    SR_UNSCALE,
+    fake_quantize,
+    fake_quantize_parts,
+    quantize,
+)
 from mxjax.recipes import BACKENDS, GemmRecipe, PolicyRecipes, check_policy_recipes
 from mxjax.rotation import fixed_signs, hadamard, random_signs
 
@@ -234,6 +247,86 @@ def _prepare_operand(x: jax.Array, recipe, key) -> jax.Array:
     return fake_quantize(x, recipe.fmt, axis=-1, **recipe.quantizer_kwargs(key))
 
 
+def _prepare_operand_parts(x: jax.Array, recipe, key):
+    """(values, per-tensor f32 factors): the operand is ``values * factors[0] * ...``.
+
+    The factors (NVFP4's and per-tensor FP8's tensor scale, the 4/3 SR unscale)
+    are left out of ``values`` so that they can be applied to the GEMM's f32 result.
+    """
+    values, tensor_scale = fake_quantize_parts(
+        x, recipe.fmt, axis=-1, scale_rule=recipe.scale_rule, rounding=recipe.rounding,
+        key=key if recipe.needs_key else None, sr_prescale=recipe.sr_prescale)
+    factors = () if tensor_scale is None else (tensor_scale,)
+    if recipe.sr_prescale:
+        factors += (jnp.float32(SR_UNSCALE),)
+    return values, factors
+
+
+# bf16 (and f32) normal exponents start at -126; bf16 subnormals end at 2^-133.
+_BF16_MIN_NORMAL_EXP = -126
+_BF16_MIN_SUBNORMAL_EXP = -133
+_BF16_SIGNIFICANT_BITS = 8
+
+
+class OperandRange(NamedTuple):
+    """What the emulated GEMM's operand values (per-tensor factors left out) can be.
+
+    ``min_exp``: log2 of the smallest nonzero magnitude; ``significant_bits``:
+    the most significant bits of any value. None for a pass-through operand
+    (arbitrary f32 values).
+    """
+
+    min_exp: int | None
+    significant_bits: int | None
+
+    @property
+    def bf16_exact(self) -> bool:
+        """Every value is a bf16 value (subnormals included)."""
+        return (self.min_exp is not None and self.min_exp >= _BF16_MIN_SUBNORMAL_EXP
+                and self.significant_bits <= _BF16_SIGNIFICANT_BITS)
+
+    @property
+    def bf16_normal(self) -> bool:
+        """Every nonzero value is a bf16 normal (nothing a flush-to-zero unit can drop)."""
+        return self.bf16_exact and self.min_exp >= _BF16_MIN_NORMAL_EXP
+
+
+def operand_range(recipe) -> OperandRange:
+    """Trace-time range of an operand's `fake_quantize_parts` values, from its format.
+
+    E8M0 formats: element grid times 2^s, s in [-127, 127]; the top end above the
+    f32 range is already Inf in f32 (and the same Inf in bf16: a finite f32 with
+    at most 8 significant bits is a bf16 value). NVFP4: E2M1 times an E4M3 block
+    scale (the tensor scale is a factor). Per-tensor FP8: the element grid.
+    """
+    fmt = recipe.fmt
+    if fmt.is_passthrough:
+        return OperandRange(None, None)
+    elem = fmt.element
+    elem_min_exp = int(math.log2(elem.min_subnormal))
+    if fmt.scale == "e8m0":
+        return OperandRange(elem_min_exp - 127, elem.mbits + 1)
+    if fmt.scale == "e4m3":
+        scale_elem = F.E4M3
+        return OperandRange(elem_min_exp + int(math.log2(scale_elem.min_subnormal)),
+                            elem.mbits + 1 + scale_elem.mbits + 1)
+    return OperandRange(elem_min_exp, elem.mbits + 1)
+
+
+def accelerator_operand_dtype(recipe: GemmRecipe):
+    """The dtype of a quantized GEMM's operands on GPU/TPU, decided at trace time.
+
+    bf16 (at DEFAULT precision, f32 accumulation) when every value of both
+    operands is exactly a bf16 value (`OperandRange.bf16_exact`): MXFP4, NVFP4,
+    per-tensor FP8. Otherwise f32 at HIGHEST, the explicit fallback documented in
+    docs/NUMERICS.md: MXFP8 (E4M3/E5M2 x E8M0 reaches 2^-136 / 2^-143, below
+    bf16's 2^-133) and a pass-through operand inside a quantized GEMM.
+    """
+    if operand_range(recipe.lhs).bf16_exact and operand_range(recipe.rhs).bf16_exact:
+        return jnp.bfloat16
+    return jnp.float32
+
+
 def _rotate(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, k_had):
     """Applies the recipe's Hadamard to both canonical operands along K (if any)."""
     had = recipe.hadamard
@@ -253,10 +346,11 @@ def _rotate(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, k_had):
         signs = fixed_signs(had.seed, h)
     else:
         signs = None
-    # The barrier keeps XLA from fusing the butterflies into the quantizer's
-    # block reductions, which recomputes them (measured 4x slower on CPU).
-    return lax.optimization_barrier((hadamard(a3, h, axis=-1, signs=signs),
-                                     hadamard(b3, h, axis=-1, signs=signs)))
+    # On CPU the barrier keeps XLA from fusing the butterflies into the
+    # quantizer's block reductions, which recomputes them (measured 4x slower).
+    # One barrier per operand, so neither operand's program depends on the other.
+    return (cpu_barrier(hadamard(a3, h, axis=-1, signs=signs)),
+            cpu_barrier(hadamard(b3, h, axis=-1, signs=signs)))
 
 
 def split_key(key):
@@ -288,8 +382,42 @@ def quantizer_operands(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key):
     return a3, b3, k_lhs, k_rhs
 
 
+def _cpu_gemm(a3, b3, recipe: GemmRecipe, k_lhs, k_rhs):
+    """XLA:CPU form: dequantized f32 operands, each materialized, one f32 GEMM at HIGHEST."""
+    aq = cpu_barrier(_prepare_operand(a3, recipe.lhs, k_lhs))
+    bq = cpu_barrier(_prepare_operand(b3, recipe.rhs, k_rhs))
+    return lax.dot_general(aq, bq, canonical_dimension_numbers(a3.ndim - 2),
+                           precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _accelerator_gemm(a3, b3, recipe: GemmRecipe, k_lhs, k_rhs):
+    """GPU/TPU form: no barriers; bf16 operands at DEFAULT with f32 accumulation.
+
+    Per-tensor factors are applied to the f32 result, lhs's then rhs's, one
+    multiply each. Formats whose values bf16 cannot hold fall back to f32 at
+    HIGHEST (`accelerator_operand_dtype`).
+    """
+    dims = canonical_dimension_numbers(a3.ndim - 2)
+    if accelerator_operand_dtype(recipe) != jnp.bfloat16:
+        aq = _prepare_operand(a3, recipe.lhs, k_lhs)
+        bq = _prepare_operand(b3, recipe.rhs, k_rhs)
+        return lax.dot_general(aq, bq, dims, precision=lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
+    av, a_factors = _prepare_operand_parts(a3, recipe.lhs, k_lhs)
+    bv, b_factors = _prepare_operand_parts(b3, recipe.rhs, k_rhs)
+    out = lax.dot_general(av.astype(jnp.bfloat16), bv.astype(jnp.bfloat16), dims,
+                          precision=lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
+    for factor in a_factors + b_factors:
+        out = out * factor
+    return out
+
+
 def _xla_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key, gemm_name: str) -> jax.Array:
     """The XLA reference backend on canonical operands.
+
+    The program depends on the platform it is lowered for (not on the tracing
+    machine): XLA:CPU gets `_cpu_gemm`, GPUs and TPUs `_accelerator_gemm`
+    (docs/NUMERICS.md, "Emulated GEMM").
 
     Args:
       a3: f32 [batch..., Fa, K]; b3: f32 [batch..., Fb, K] (same batch shape).
@@ -301,14 +429,11 @@ def _xla_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key, gemm_name: 
       f32 [batch..., Fa, Fb].
     """
     a3, b3, k_lhs, k_rhs = quantizer_operands(a3, b3, recipe, key)
-    aq = _prepare_operand(a3, recipe.lhs, k_lhs)
-    bq = _prepare_operand(b3, recipe.rhs, k_rhs)
-    # The dequantized operands are computed with integer ops, but keep XLA from
-    # algebraically simplifying anything across the quantization boundary.
-    aq, bq = lax.optimization_barrier((aq, bq))
-    dims = canonical_dimension_numbers(a3.ndim - 2)
-    return lax.dot_general(aq, bq, dims, precision=lax.Precision.HIGHEST,
-                           preferred_element_type=jnp.float32)
+    return cpu_or_accelerator(
+        a3, b3,
+        cpu=functools.partial(_cpu_gemm, recipe=recipe, k_lhs=k_lhs, k_rhs=k_rhs),
+        accelerator=functools.partial(_accelerator_gemm, recipe=recipe, k_lhs=k_lhs,
+                                      k_rhs=k_rhs))
 
 
 def _kernel_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key, gemm_name: str) -> jax.Array:
@@ -353,16 +478,21 @@ def _backend_fn(recipe: GemmRecipe) -> Callable[..., jax.Array]:
 
 
 def gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key, *,
-         precision=None, preferred_element_type=None, gemm_name: str = "gemm") -> jax.Array:
+         precision=None, preferred_element_type=None, gemm_name: str = "gemm",
+         out_sharding=None) -> jax.Array:
     """One GEMM ``dot_general(a, b, dims)`` under `recipe` (no custom gradient).
 
     Pass-through recipes call ``lax.dot_general(a, b, dims, precision,
-    preferred_element_type)`` unchanged. Otherwise the result is computed in f32
-    (see the module docstring) and cast to ``lax.dot_general``'s result dtype.
+    preferred_element_type, out_sharding=...)`` unchanged. Otherwise the result
+    is computed in f32 (see the module docstring), cast to ``lax.dot_general``'s
+    result dtype and, given ``out_sharding``, resharded to it with
+    ``jax.sharding.reshard`` (which, like ``lax.dot_general``'s argument, binds
+    explicit mesh axes and leaves auto axes to the partitioner).
     """
     if recipe.is_passthrough:
+        extra = {} if out_sharding is None else {"out_sharding": out_sharding}
         return lax.dot_general(a, b, dims.as_lax(), precision=precision,
-                               preferred_element_type=preferred_element_type)
+                               preferred_element_type=preferred_element_type, **extra)
     out_dtype = jax.eval_shape(
         functools.partial(lax.dot_general, dimension_numbers=dims.as_lax(),
                           preferred_element_type=preferred_element_type),
@@ -373,8 +503,10 @@ def gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key, *,
     out = _backend_fn(recipe)(a3, b3, recipe, key if recipe.needs_key else None, gemm_name)
     fa = [a.shape[i] for i in _remaining(a.ndim, ba, ca)]
     fb = [b.shape[i] for i in _remaining(b.ndim, bb, cb)]
-    out = out.reshape(tuple(a.shape[i] for i in ba) + tuple(fa) + tuple(fb))
-    return out.astype(out_dtype)
+    out = out.reshape(tuple(a.shape[i] for i in ba) + tuple(fa) + tuple(fb)).astype(out_dtype)
+    if out_sharding is not None:
+        out = jax.sharding.reshard(out, out_sharding)
+    return out
 
 
 # --------------------------------------------------------------------------- #
@@ -416,6 +548,7 @@ class _Static(NamedTuple):
     precision: Any
     preferred_element_type: Any
     policy: PolicyRecipes
+    out_sharding: Any = None  # of the forward result, as for lax.dot_general
     # Quantized GEMMs inside the custom_vjp get the straight-through rule for higher
     # derivatives. Off while mxjax.diagnostics collects (first-order only): a custom_jvp
     # traces its body apart, where the GEMM's recorded stats could not get out.
@@ -478,7 +611,10 @@ def _fprop(lhs, rhs, key, st: _Static):
     kf, _, _ = split_key(key)
     spec = _GemmSpec(st.dims, st.policy.fprop, st.precision, st.preferred_element_type,
                      "fprop")
-    return _differentiable_gemm(lhs, rhs, kf, spec, st.straight_through)
+    out = _differentiable_gemm(lhs, rhs, kf, spec, st.straight_through)
+    if st.out_sharding is not None:
+        out = jax.sharding.reshard(out, st.out_sharding)
+    return out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -534,14 +670,17 @@ def dot_general(
       dimension_numbers: ``((lhs_contracting, rhs_contracting), (lhs_batch,
         rhs_batch))`` exactly as for ``lax.dot_general`` (any batch dims, several
         or non-trailing contracting dims).
-      precision: used by pass-through GEMMs; quantized GEMMs always accumulate
-        the dequantized operands in f32 at HIGHEST precision.
+      precision: used by pass-through GEMMs; quantized GEMMs accumulate in f32
+        with operands they choose per lowering platform (CPU: dequantized f32 at
+        HIGHEST; GPU/TPU: bf16 at DEFAULT where exact, docs/NUMERICS.md).
       preferred_element_type: output dtype, as for ``lax.dot_general``.
       policy: a ``mxjax.PrecisionPolicy`` (``mxjax.dot_general`` also takes a preset
         name and resolves it before calling this).
       key: PRNG key; required when ``policy.needs_key``. Split per GEMM.
-      **kwargs: accepted and ignored (e.g. Flax's ``out_sharding``), except that
-        a pass-through policy forwards ``out_sharding`` to ``lax.dot_general``.
+      **kwargs: ``out_sharding`` (the only sharding argument ``lax.dot_general``
+        takes in jax 0.11.2 and 0.12) is kept: forwarded to ``lax.dot_general``
+        by pass-through GEMMs, applied to the result with
+        ``jax.sharding.reshard`` by quantized ones. Others are ignored.
     Returns:
       Array with ``lax.dot_general``'s shape and dtype. Its cotangents have the
       primals' dtypes.
@@ -579,7 +718,8 @@ def dot_general(
     if not policy.needs_key:
         key = None
     st = _Static(dims, precision, None if preferred_element_type is None
-                 else jnp.dtype(preferred_element_type), policy)
+                 else jnp.dtype(preferred_element_type), policy,
+                 kwargs.get("out_sharding"))
     hook = _HOOK.get()  # None unless an observer (mxjax.diagnostics) is active
     try:
         if hook is not None:

@@ -20,6 +20,7 @@ from jax import lax
 
 from mxjax import _bits
 from mxjax import formats as F
+from mxjax._platform import cpu_barrier
 from mxjax.formats import ElementFormat, Format, Rounding, ScaleRule
 
 __all__ = [
@@ -522,8 +523,8 @@ def quantize(
     codes, scales, t, _ = _core(x, fmt, axis, rule, mode, key, sr_prescale)
     if fmt.packed:
         # Packing fused into the quantizer's loop defeats XLA:CPU vectorization;
-        # materializing the byte codes first is ~4x faster.
-        codes = _pack(lax.optimization_barrier(codes))
+        # materializing the byte codes first is ~4x faster there (CPU only).
+        codes = _pack(cpu_barrier(codes))
     codes = jnp.moveaxis(codes, -1, axis)
     if scales is not None:
         scales = jnp.moveaxis(scales, -1, axis)
@@ -569,3 +570,49 @@ def fake_quantize(
     values, _, _, n = _core(x, fmt, axis, rule, mode, key, sr_prescale, values=True)
     out = values[..., :n]
     return jnp.moveaxis(out, -1, axis).astype(x.dtype)
+
+
+def fake_quantize_parts(
+    x: jnp.ndarray,
+    fmt: Format | str,
+    axis: int = -1,
+    *,
+    scale_rule: ScaleRule | str | None = ScaleRule.FLOOR,
+    rounding: Rounding | str = Rounding.NEAREST_EVEN,
+    key: jax.Array | None = None,
+    sr_prescale: bool = False,
+) -> tuple[jnp.ndarray, jnp.ndarray | None]:
+    """`fake_quantize` with its per-tensor factors left out: ``(values, tensor_scale)``.
+
+    ``values`` (f32, x's shape) are the element grid values times their block
+    scales: ``ldexp(v, s)`` for E8M0 formats (NaN for a non-finite block),
+    ``v * block_scale`` for NVFP4 (exact: at most 6 significant bits, magnitudes
+    in [2^-10, 2688]), ``v`` for per-tensor FP8. ``tensor_scale`` is the f32
+    per-tensor scale (NVFP4, per-tensor FP8; NaN for a non-finite tensor) or
+    None. With ``sr_prescale`` the caller also owes the ``fp32(4/3)`` unscale.
+    ``fake_quantize(x) == (values * tensor_scale) * fp32(4/3)`` (each factor
+    only where present), bit for bit, in f32. Used by the emulated GEMM on
+    accelerators, which applies the factors to the f32 GEMM result.
+    """
+    x, fmt, axis, rule, mode = _check_input(x, fmt, axis, scale_rule, rounding, key)
+    if fmt.is_passthrough:
+        raise ValueError("fmt: BF16 is pass-through; there is nothing to quantize")
+    elem = fmt.element
+    block = fmt.block_size or 1
+    xm, n = _to_blocks(x.astype(jnp.float32), axis, block)
+    u = _uniforms(key, xm.shape) if mode is Rounding.STOCHASTIC else None
+    if fmt.is_per_tensor:
+        y, t = _pertensor_prepare(xm, elem, sr_prescale)
+        values = round_to_value(y, elem, mode, u)
+    else:
+        xb = xm.reshape(xm.shape[:-1] + (xm.shape[-1] // block, block))
+        ub = None if u is None else u.reshape(xb.shape)
+        if fmt.scale == "e8m0":
+            y, s, nonfinite = _mx_prepare(xb, elem, rule, sr_prescale)
+            v = _bits.ldexp_normal(round_to_value(y, elem, mode, ub), s)
+            values, t = jnp.where(nonfinite, jnp.float32(jnp.nan), v), None
+        else:
+            y, _, block_scale, t = _nvfp4_prepare(xb, sr_prescale)
+            values = round_to_value(y, F.E2M1, mode, ub) * block_scale
+        values = values.reshape(xm.shape)
+    return jnp.moveaxis(values[..., :n], -1, axis), t

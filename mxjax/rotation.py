@@ -8,7 +8,8 @@ import operator
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
+
+from mxjax._platform import cpu_barrier
 
 __all__ = ["HADAMARD_SIZES", "fixed_signs", "hadamard", "random_signs"]
 
@@ -43,9 +44,11 @@ def _fwht_last(xb: jnp.ndarray) -> jnp.ndarray:
         partner = pairs[..., ::-1, :].reshape(xb.shape)
         upper = jnp.asarray((idx // stride) % 2 == 1)
         xb = jnp.where(upper, partner - xb, xb + partner)
-        # Materialize each stage: fused, XLA recomputes every earlier stage per
-        # element (2^stages work), ~4x slower on CPU than one pass per stage.
-        xb = lax.optimization_barrier(xb)
+        # On CPU, materialize each stage: fused, XLA:CPU recomputes every earlier
+        # stage per element (2^stages work), ~4x slower than one pass per stage.
+        # GPUs/TPUs fuse the stages (and the quantizer) into one pass instead.
+        # Values do not depend on it: adds/subs of the same operands either way.
+        xb = cpu_barrier(xb)
         stride *= 2
     return xb
 

@@ -30,7 +30,7 @@ PKG = ROOT / "mxjax"
 #  - diagnostics sit above the interceptor and plug into it through its one
 #    hook, mxjax.interceptor.observe.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("formats", "layout", "validation"),
+    ("formats", "layout", "validation", "_platform"),
     ("_bits",),
     ("quantization", "rotation"),
     ("recipes",),

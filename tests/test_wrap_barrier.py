@@ -86,7 +86,6 @@ def test_weight_quantization_is_computed_apart_from_the_barriers(policy):
         assert "rhs" in rhs and "lhs" not in rhs
 
 
-@pytest.mark.xfail(strict=True, reason="needs issue 10's per-operand barriers")
 @pytest.mark.parametrize("policy", ["mxfp4_all", "mxfp4_all_h16"])
 def test_weight_quantization_depends_on_parameters_alone(policy):
     found = _quantized_gemm_operand_deps(_wrapped_jaxpr(policy), positional_barrier=False)

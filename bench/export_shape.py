@@ -1,0 +1,267 @@
+"""Shape of the emulated GEMMs that each platform gets, read from exported StableHLO.
+
+For a ~1B-config (Llama 3.2-1B shapes) decoder layer's train step (loss, and
+gradients w.r.t. the layer's parameters and its input; the optimizer adds no
+GEMM), exported with ``jax.export`` for each platform from this machine
+(abstract shapes only, no weights), prints per platform a table of the
+quantized GEMMs: count, operand dtypes, precision, ``optimization_barrier``
+count and block/tensor amax reductions, then a one-line verdict against the
+targets (issue 10) before the table's last line.
+
+    .venv/bin/python bench/export_shape.py [--platforms cpu,cuda,tpu] [--seq 2048]
+
+Targets: cuda and tpu have zero quantized GEMMs with f32 operands at HIGHEST
+and no optimization_barrier for the MXFP4 presets (NVFP4/FP8 keep the
+value-guarding barriers of their per-tensor division, see docs/NUMERICS.md).
+CPU keeps f32 HIGHEST with per-stage barriers by design (fastest there,
+bit-identical results).
+
+A dot counts as a GEMM of the interceptor when its source location chain
+reaches ``mxjax/dot_general.py`` (or its planned new name ``interceptor.py``):
+backward GEMMs carry the location of the custom_vjp call, not of the code
+inside it, so this is what identifies them in any version of the code. Under
+a policy that quantizes all three GEMMs (every policy here but ``bf16``)
+those are the quantized GEMMs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import os
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if not os.environ.get("PYTHONPATH") and str(ROOT) not in sys.path:
+    # With PYTHONPATH set, that checkout's mxjax is read (e.g. main's, for a before table).
+    sys.path.insert(0, str(ROOT))
+
+import jax
+import jax.numpy as jnp
+
+INTERCEPTOR_FILES = ("mxjax/dot_general.py", "mxjax/interceptor.py")
+POLICIES = ("bf16", "mxfp4_all_h16", "mxfp4_all", "nvfp4", "fp8")
+PLATFORMS = ("cpu", "cuda", "tpu")
+
+_FUNC_RE = re.compile(r"^\s*func\.func (?:public |private )?@([\w.$-]+)\(")
+_CALL_RE = re.compile(r"\b(?:func\.)?call @([\w.$-]+)\(")
+_DOT_RE = re.compile(
+    r"stablehlo\.dot_general [^:]*: "
+    r"\(tensor<([^>]*)>, tensor<([^>]*)>\) -> tensor<([^>]*)>.*?loc\((#loc\d+)\)")
+_PRECISION_RE = re.compile(r"precision = \[(\w+), (\w+)\]")
+_LOC_DEF_RE = re.compile(r"^(#loc\d+) = loc\((.*)\)\s*$")
+_LOC_NAME_RE = re.compile(r'"([^"]*)"[(:]')
+_LOC_REF_RE = re.compile(r"#loc\d+")
+_AMAX_RE = re.compile(r"applies stablehlo\.maximum across dimensions = \[[\d, ]*\] : "
+                      r"\(tensor<[^>]*xui32>")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Dot:
+    """One dot_general of a module (repeated once per call of its function)."""
+
+    lhs: str
+    rhs: str
+    out: str
+    precision: str  # 'DEFAULT' when the op carries no precision attribute
+    quantized: bool
+
+    @property
+    def signature(self) -> str:
+        return f"{self.lhs} x {self.rhs} -> {self.out} @ {self.precision}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModuleShape:
+    """What a lowered module contains, counted over its call graph from @main."""
+
+    dots: tuple[Dot, ...]
+    barriers: int
+    amax_reductions: int  # reduce-max over uint32 |x| bits: one per block/tensor amax
+
+    @property
+    def quantized(self) -> tuple[Dot, ...]:
+        return tuple(d for d in self.dots if d.quantized)
+
+    @property
+    def f32_highest(self) -> int:
+        return sum(1 for d in self.quantized
+                   if (d.lhs, d.rhs) == ("f32", "f32") and d.precision == "HIGHEST")
+
+
+def _loc_names(loc: str, defs: dict[str, str], memo: dict[str, frozenset]) -> frozenset:
+    if loc in memo:
+        return memo[loc]
+    memo[loc] = frozenset()  # cycle guard
+    body = defs.get(loc, "")
+    names = set(_LOC_NAME_RE.findall(body))
+    for ref in _LOC_REF_RE.findall(body):
+        names |= _loc_names(ref, defs, memo)
+    memo[loc] = frozenset(names)
+    return memo[loc]
+
+
+def _dtype(tensor_type: str) -> str:
+    return tensor_type.rsplit("x", 1)[-1]
+
+
+def analyze(text: str, *, quantized_policy: bool = True) -> ModuleShape:
+    """Counts dots (with operand dtypes, precision, quantized or not), barriers and amax
+    reductions of a StableHLO module, each function's ops once per call from @main.
+
+    ``quantized_policy``: whether the interceptor's GEMMs are quantized (False for a
+    pass-through policy such as bf16).
+    """
+    defs = {}
+    for line in text.splitlines():
+        m = _LOC_DEF_RE.match(line)
+        if m:
+            defs[m.group(1)] = m.group(2)
+    memo: dict[str, frozenset] = {}
+    own: dict[str, dict] = {}
+    current = None
+    for line in text.splitlines():
+        m = _FUNC_RE.match(line)
+        if m:
+            current = m.group(1)
+            own[current] = {"dots": [], "barriers": 0, "amax": 0, "calls": []}
+            continue
+        if current is None:
+            continue
+        f = own[current]
+        f["calls"] += _CALL_RE.findall(line)
+        f["barriers"] += line.count("stablehlo.optimization_barrier")
+        f["amax"] += len(_AMAX_RE.findall(line))
+        if "stablehlo.dot_general" in line:
+            d = _DOT_RE.search(line)
+            if d is None:
+                raise ValueError(f"unparsed dot_general: {line.strip()[:200]}")
+            lhs, rhs, out, loc = d.groups()
+            p = _PRECISION_RE.search(line)
+            names = _loc_names(loc, defs, memo)
+            quantized = quantized_policy and any(n.endswith(INTERCEPTOR_FILES) for n in names)
+            f["dots"].append(Dot(lhs=_dtype(lhs), rhs=_dtype(rhs), out=_dtype(out),
+                                 precision=p.group(1) if p else "DEFAULT",
+                                 quantized=quantized))
+
+    totals: dict[str, tuple] = {}
+
+    def total(name: str, depth: int = 0):
+        if name in totals:
+            return totals[name]
+        if depth > 100:
+            raise ValueError("call graph too deep (recursion?)")
+        f = own[name]
+        dots, barriers, amax = list(f["dots"]), f["barriers"], f["amax"]
+        for callee in f["calls"]:
+            cd, cb, ca = total(callee, depth + 1)
+            dots += cd
+            barriers += cb
+            amax += ca
+        totals[name] = (dots, barriers, amax)
+        return totals[name]
+
+    dots, barriers, amax = total("main")
+    return ModuleShape(dots=tuple(dots), barriers=barriers, amax_reductions=amax)
+
+
+def export_text(fn, args, platform: str) -> str:
+    """StableHLO text of ``jax.jit(fn)`` exported for one platform."""
+    return jax.export.export(jax.jit(fn), platforms=[platform])(*args).mlir_module()
+
+
+def layer_train_step(config, policy_name: str | None, batch: int, seq: int):
+    """(fn, abstract args): loss and grads of one DecoderLayer w.r.t. its params and input."""
+    from flax import nnx
+
+    from models.llama import DecoderLayer, rope_cos_sin, rope_inv_freq
+    from mxjax import policies
+
+    layer = nnx.eval_shape(lambda: DecoderLayer(config, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(layer)
+    policy = None if policy_name is None else policies.get(policy_name)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype) if (
+        policy is not None and policy.needs_key) else None
+
+    def step(p, x, k):
+        def loss(p, x):
+            inv = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+            cos, sin = rope_cos_sin(jnp.arange(seq, dtype=jnp.int32), inv)
+            y = nnx.merge(graphdef, p)(x, 0, cos, sin, policy=policy, policy_key=k)
+            return jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+        return jax.value_and_grad(loss, argnums=(0, 1))(p, x)
+
+    x = jax.ShapeDtypeStruct((batch, seq, config.dim), config.dtype)
+    return step, (params, x, key)
+
+
+def table(platform: str, shapes: dict[str, ModuleShape]) -> list[str]:
+    header = ("policy", "quantized GEMMs", "operands -> out @ precision (count)",
+              "f32@HIGHEST", "barriers", "amax reductions")
+    rows = [header]
+    for name, s in shapes.items():
+        dots = s.quantized if name != "bf16" else s.dots
+        sigs = collections.Counter(d.signature for d in dots)
+        sig_text = "; ".join(f"{k} ({v})" for k, v in sorted(sigs.items())) or "-"
+        if name == "bf16":
+            sig_text = f"all {len(dots)} dots, none quantized: {sig_text}"
+        rows.append((name, str(len(s.quantized)), sig_text, str(s.f32_highest),
+                     str(s.barriers), str(s.amax_reductions)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    out = [f"## {platform}"]
+    for j, r in enumerate(rows):
+        out.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)))
+        if j == 0:
+            out.append("  " + "  ".join("-" * w for w in widths))
+    return out
+
+
+def verdict(platform: str, shapes: dict[str, ModuleShape]) -> str:
+    quantized = {n: s for n, s in shapes.items() if n != "bf16"}
+    highest = sum(s.f32_highest for s in quantized.values())
+    if platform == "cpu":
+        ok = all(len(s.quantized) == s.f32_highest for s in quantized.values())
+        return (f"verdict (cpu): CPU form kept (f32 HIGHEST, per-stage barriers): "
+                f"{'yes' if ok else 'NO'}")
+    mx_barriers = sum(s.barriers for n, s in quantized.items() if n.startswith("mxfp4"))
+    ok = highest == 0 and mx_barriers == 0
+    total = sum(len(s.quantized) for s in quantized.values())
+    return (f"verdict ({platform}): {highest} of {total} quantized GEMMs at f32 HIGHEST "
+            f"(target 0), {mx_barriers} barriers under the MXFP4 presets (target 0) -> "
+            f"{'met' if ok else 'NOT met'}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--platforms", default=",".join(PLATFORMS))
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=2048)
+    args = ap.parse_args(argv)
+    import mxjax
+    from models.llama import LlamaConfig
+
+    config = LlamaConfig.llama3_1b(n_layers=1, dtype="bfloat16", param_dtype="float32")
+    print(f"jax {jax.__version__}; mxjax from {Path(mxjax.__file__).parent}; one Llama-3.2-1B "
+          f"decoder layer (dim {config.dim}, ffn {config.ffn_dim}), batch {args.batch} x seq "
+          f"{args.seq}, bf16 compute: loss + grads (params, input)", flush=True)
+    for platform in [p.strip() for p in args.platforms.split(",") if p.strip()]:
+        shapes = {}
+        for name in [p.strip() for p in args.policies.split(",") if p.strip()]:
+            fn, fargs = layer_train_step(config, name, args.batch, args.seq)
+            shapes[name] = analyze(export_text(fn, fargs, platform),
+                                   quantized_policy=name != "bf16")
+        lines = table(platform, shapes)
+        print("\n".join(lines))
+        print("  " + verdict(platform, shapes))
+        print(f"  (exported with jax.export(platforms=[{platform!r}]) on "
+              f"{jax.default_backend()}; abstract shapes, nothing run)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""Program shape per lowering platform: what XLA:CPU needs vs what GPUs/TPUs get.
+
+The choice is made with `jax.lax.platform_dependent`, i.e. per *lowering*
+platform, not from `jax.default_backend()` at trace time: a program exported on
+this CPU machine with ``jax.export(..., platforms=['cuda'])`` gets the
+accelerator form. Lowering for a single platform keeps only that platform's
+branch (a one-branch ``case`` that XLA inlines).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from jax import lax
+
+__all__ = ["cpu_barrier", "cpu_or_accelerator"]
+
+
+def cpu_barrier(x: Any) -> Any:
+    """``lax.optimization_barrier(x)`` when lowered for CPU; the identity on GPU/TPU.
+
+    For materializations that only help XLA:CPU's speed (it recomputes fused
+    producers per element instead of writing them once). Never use it for a
+    barrier that guards a value: those must hold on every platform.
+    """
+    return lax.platform_dependent(x, cpu=lax.optimization_barrier, default=lambda v: v)
+
+
+def cpu_or_accelerator(*args: Any, cpu: Callable[..., Any],
+                       accelerator: Callable[..., Any]) -> Any:
+    """``cpu(*args)`` when lowered for CPU, ``accelerator(*args)`` for every other platform."""
+    return lax.platform_dependent(*args, cpu=cpu, default=accelerator)

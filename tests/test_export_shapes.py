@@ -1,0 +1,161 @@
+"""What GPUs and TPUs get: the emulated GEMMs' shape in programs exported from this CPU machine.
+
+``jax.export(..., platforms=['cuda'|'tpu'])`` lowers for an accelerator without
+one. The forward+backward of ``mxjax.dot_general`` and of one tiny Llama decoder
+layer are exported under four presets and their StableHLO is read with
+``bench/export_shape.py``'s analyzer. Bounds asserted, per quantized operand
+(each GEMM has two):
+
+* the GEMM: bf16 x bf16 -> f32 at DEFAULT precision, never f32 at HIGHEST;
+* amax reductions (reduce-max over the |x| bits): MX formats 1 (block amax),
+  NVFP4 2 (tensor amax, block amax), per-tensor FP8 1 (tensor amax). Each is
+  one read of the operand; the rest (Hadamard butterflies, rounding, scaling,
+  bf16 convert) is elementwise on that read and fuses, so a quantized operand
+  costs at most (reductions + 1) passes before the GEMM reads it;
+* optimization barriers: none for MXFP4 (its quantizer is integer/bit ops);
+  NVFP4 3 and FP8 2, the value guards of the per-tensor division (a traced
+  tensor-scale divisor, and materialized divisors so XLA cannot rewrite
+  ``x / d`` as ``x * (1/d)``; docs/NUMERICS.md). The CPU-only barriers (per
+  Hadamard stage, per operand, code packing) are absent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from bench import export_shape as es
+from models.llama import LlamaConfig
+from mxjax import policies
+
+POLICIES = ("mxfp4_all_h16", "mxfp4_all", "nvfp4", "fp8")
+PLATFORMS = ("cuda", "tpu")
+# Upper bounds per quantized operand (see the module docstring).
+BARRIERS_PER_OPERAND = {"mxfp4_all_h16": 0, "mxfp4_all": 0, "nvfp4": 3, "fp8": 2}
+AMAX_PER_OPERAND = {"mxfp4_all_h16": 1, "mxfp4_all": 1, "nvfp4": 2, "fp8": 1}
+
+
+def _with_backend(policy, backend):
+    return dataclasses.replace(policy, **{
+        g: dataclasses.replace(getattr(policy, g), backend=backend)
+        for g in ("fprop", "dgrad", "wgrad")})
+
+
+def _dot_train(policy):
+    """value_and_grad of mxjax.dot_general (bf16 [64, 96] x [96, 80]) under `policy`."""
+    key = jax.random.key(0) if policy.needs_key else None
+
+    def f(a, b):
+        def loss(a, b):
+            y = es_dot(a, b, policy, key)
+            return jnp.sum(jnp.square(y.astype(jnp.float32)))
+
+        return jax.value_and_grad(loss, argnums=(0, 1))(a, b)
+
+    args = (jax.ShapeDtypeStruct((64, 96), jnp.bfloat16),
+            jax.ShapeDtypeStruct((96, 80), jnp.bfloat16))
+    return f, args
+
+
+def es_dot(a, b, policy, key):
+    import mxjax
+
+    return mxjax.dot_general(a, b, (((1,), (0,)), ((), ())), policy=policy, key=key)
+
+
+@functools.cache
+def _shape(kind: str, policy_name: str, platform: str, backend: str = "xla") -> es.ModuleShape:
+    policy = _with_backend(policies.get(policy_name), backend)
+    if kind == "dot":
+        fn, args = _dot_train(policy)
+    else:
+        cfg = LlamaConfig.tiny(vocab_size=64, n_layers=1, dtype="bfloat16")
+        fn, args = es.layer_train_step(cfg, policy_name, batch=1, seq=32)
+    return es.analyze(es.export_text(fn, args, platform))
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("policy_name", POLICIES)
+@pytest.mark.parametrize("kind,gemms", [("dot", 3), ("layer", 21)])
+def test_accelerator_export_shape(kind, gemms, policy_name, platform):
+    s = _shape(kind, policy_name, platform)
+    q = s.quantized
+    assert len(q) == gemms, [d.signature for d in s.dots]
+    assert s.f32_highest == 0
+    assert {(d.lhs, d.rhs, d.out, d.precision) for d in q} == {("bf16", "bf16", "f32", "DEFAULT")}
+    operands = 2 * gemms
+    assert s.barriers <= BARRIERS_PER_OPERAND[policy_name] * operands, s.barriers
+    assert s.amax_reductions == AMAX_PER_OPERAND[policy_name] * operands, s.amax_reductions
+    if kind == "layer":  # no dot anywhere at HIGHEST (attention stays pass-through bf16)
+        assert all(d.precision != "HIGHEST" for d in s.dots)
+
+
+def test_cpu_export_keeps_the_cpu_form():
+    """The same program lowered for CPU: f32 operands at HIGHEST, stages materialized."""
+    s = _shape("dot", "mxfp4_all_h16", "cpu")
+    assert len(s.quantized) == 3 and s.f32_highest == 3
+    # 2 operands x 3 GEMMs x (4 H16 butterfly stages + rotated operand + quantized operand)
+    assert s.barriers == 3 * 2 * 6
+
+
+def test_auto_backend_exported_for_cuda_from_cpu_is_the_xla_emulation():
+    """'auto' resolves on the tracing machine (mxjax.kernels.capabilities reads
+    jax.default_backend()): traced here, on CPU, it is 'xla', so an export for
+    cuda carries the XLA emulation in its accelerator form (bf16 at DEFAULT), not
+    the Pallas/Triton kernels. Trace on the GPU to get the kernels."""
+    from mxjax.kernels import resolve_backend
+
+    assert jax.default_backend() == "cpu"
+    assert resolve_backend("auto") == "xla"
+    auto = _shape("dot", "mxfp4_all_h16", "cuda", backend="auto")
+    xla = _shape("dot", "mxfp4_all_h16", "cuda", backend="xla")
+    assert auto == xla
+    assert auto.f32_highest == 0 and auto.barriers == 0
+
+
+def test_analyzer_counts_calls_and_reads_precision():
+    """The analyzer is exercised on a hand-written module: a private function called
+    twice counts twice; precision and dtypes are parsed; a non-interceptor dot is not
+    quantized."""
+    lines = [
+        "module @m {",
+        "  func.func public @main(%a: tensor<4x8xf32>) -> tensor<4x4xf32> {",
+        "    %0 = call @g(%a) : (tensor<4x8xf32>) -> tensor<4x4xf32> loc(#loc2)",
+        "    %1 = call @g(%a) : (tensor<4x8xf32>) -> tensor<4x4xf32> loc(#loc2)",
+        ("    %2 = stablehlo.dot_general %a, %a, contracting_dims = [1] x [1] : "
+         "(tensor<4x8xbf16>, tensor<4x8xbf16>) -> tensor<4x4xf32> loc(#loc3)"),
+        "    return %0 : tensor<4x4xf32> loc(#loc2)",
+        "  }",
+        "  func.func private @g(%a: tensor<4x8xf32>) -> tensor<4x4xf32> {",
+        "    %0 = stablehlo.optimization_barrier %a : tensor<4x8xf32> loc(#loc2)",
+        ("    %1 = stablehlo.dot_general %0, %0, contracting_dims = [1] x [1], precision = "
+         "[HIGHEST, HIGHEST] : (tensor<4x8xf32>, tensor<4x8xf32>) -> tensor<4x4xf32> loc(#loc4)"),
+        "    return %1 : tensor<4x4xf32> loc(#loc2)",
+        "  }",
+        "}",
+        '#loc1 = loc("/x/mxjax/dot_general.py":10:2)',
+        '#loc2 = loc("elsewhere.py":1:1)',
+        '#loc3 = loc("models/llama.py":3:4)',
+        '#loc4 = loc(callsite("_xla_gemm"(#loc1) at #loc2))',
+    ]
+    text = "\n".join(lines)
+    s = es.analyze(text)
+    assert s.barriers == 2
+    assert [d.signature for d in s.dots].count("f32 x f32 -> f32 @ HIGHEST") == 2
+    assert len(s.quantized) == 2 and s.f32_highest == 2
+    assert es.analyze(text, quantized_policy=False).quantized == ()
+
+
+def test_cpu_barriers_hold_one_operand_each():
+    """No barrier ties the weight to the activation (each operand's chain is its own)."""
+    import re
+
+    fn, args = _dot_train(policies.get("mxfp4_all_h16"))
+    text = es.export_text(fn, args, "cpu")
+    operand_lists = re.findall(r"stablehlo\.optimization_barrier ([^:]*) :", text)
+    assert len(operand_lists) == 3 * 2 * 6
+    assert all("," not in ops for ops in operand_lists), operand_lists
