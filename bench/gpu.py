@@ -163,8 +163,10 @@ def quantize_section(table: Table, copy_bw: float, sz: Sizes) -> None:
     per_copy = r * c // 2 + r * c // 32
     cases = [
         ("fused row", {"row": QuantSpec(scale_rule="even")}, 1),
-        ("fused row+col", {"row": QuantSpec(scale_rule="even"), "col": QuantSpec(scale_rule="even")}, 2),
-        ("fused row H16", {"row": QuantSpec(scale_rule="even", hadamard=16), "row_signs": signs}, 1),
+        ("fused row+col", {"row": QuantSpec(scale_rule="even"),
+                           "col": QuantSpec(scale_rule="even")}, 2),
+        ("fused row H16", {"row": QuantSpec(scale_rule="even", hadamard=16),
+                           "row_signs": signs}, 1),
         ("fused row+col H16", {"row": QuantSpec(scale_rule="even", hadamard=16),
                                    "col": QuantSpec(scale_rule="even", hadamard=16),
                                    "row_signs": signs, "col_signs": signs}, 2),
@@ -177,7 +179,8 @@ def quantize_section(table: Table, copy_bw: float, sz: Sizes) -> None:
         except Exception as e:  # noqa: BLE001 - a kernel that cannot lower is a row, not a crash
             rows.append((name, f"{r}x{c}", short_error(e), ""))
     xla_cases = [
-        ("XLA mxjax.quantize row", lambda v: mxjax.quantize(v, mxjax.MXFP4, axis=1, scale_rule="even")),
+        ("XLA mxjax.quantize row",
+         lambda v: mxjax.quantize(v, mxjax.MXFP4, axis=1, scale_rule="even")),
         ("XLA hadamard16+quantize row", lambda v: mxjax.quantize(
             mxjax.hadamard(v, 16, axis=1, signs=signs), mxjax.MXFP4, axis=1, scale_rule="even")),
     ]
@@ -215,7 +218,8 @@ def gemm_section(table: Table, sz: Sizes, deadline: float) -> None:
         a = jax.random.normal(k1, (m, k), jnp.bfloat16)
         b = jax.random.normal(k2, (k, n), jnp.bfloat16)
         flops = 2 * m * n * k
-        t_bf16 = timeit(jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.bfloat16)), a, b)
+        t_bf16 = timeit(jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.bfloat16)),
+                        a, b)
         bf = flops / t_bf16 / 1e12
         lq = jax.jit(lambda v: mxjax.quantize(v, mxjax.MXFP4, axis=1, scale_rule="even"))(a)
         rq = jax.jit(lambda v: mxjax.quantize(v, mxjax.MXFP4, axis=0, scale_rule="even"))(b)
@@ -225,7 +229,8 @@ def gemm_section(table: Table, sz: Sizes, deadline: float) -> None:
                 cells.append(f"n/a ({caps.reason(be)[:40]})")
                 continue
             try:
-                t = timeit(jax.jit(functools.partial(mx_dot, backend=be)), lq, rq, iters=5 if be == "xla" else 10)
+                t = timeit(jax.jit(functools.partial(mx_dot, backend=be)), lq, rq,
+                           iters=5 if be == "xla" else 10)
                 tf = flops / t / 1e12
                 cells.append(f"{tf:6.1f} ({tf / bf:4.2f}x)")
             except Exception as e:  # noqa: BLE001 - reported in the table

@@ -436,7 +436,8 @@ def _xla_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key, gemm_name: 
                                       k_rhs=k_rhs))
 
 
-def _kernel_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key, gemm_name: str) -> jax.Array:
+def _kernel_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key,
+                 gemm_name: str) -> jax.Array:
     """Kernel backends ('pallas', 'pallas_fp8', 'triton', 'auto'): packed operands + mx_dot.
 
     Same operands, keys and rotation as `_xla_gemm`; the quantized operands are
@@ -647,7 +648,8 @@ def _check_operand(x: Any, name: str) -> jax.Array:
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
         x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"{name}: mxjax.dot_general needs a floating-point array, got dtype {x.dtype}")
+        raise TypeError(
+            f"{name}: mxjax.dot_general needs a floating-point array, got dtype {x.dtype}")
     return x
 
 
@@ -697,7 +699,8 @@ def dot_general(
     if preferred_element_type is not None and not jnp.issubdtype(preferred_element_type,
                                                                  jnp.floating):
         raise TypeError(
-            f"preferred_element_type: must be a floating dtype or None, got {preferred_element_type}"
+            "preferred_element_type: must be a floating dtype or None, got "
+            f"{preferred_element_type}"
         )
     if policy.is_passthrough:
         out_sharding = kwargs.get("out_sharding")

@@ -219,7 +219,8 @@ class MXArray:
         return dequantize(self, dtype)
 
     def __repr__(self) -> str:
-        return f"MXArray(fmt={self.fmt!r}, shape={self.shape}, axis={self.axis}, nbytes={self.nbytes})"
+        return (f"MXArray(fmt={self.fmt!r}, shape={self.shape}, axis={self.axis}, "
+                f"nbytes={self.nbytes})")
 
 
 # --------------------------------------------------------------------------- #
