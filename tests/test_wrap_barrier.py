@@ -23,12 +23,15 @@ def _read(env: dict, v) -> frozenset:
     return frozenset() if isinstance(v, jcore.Literal) else env[v]
 
 
-def _step(eqn, args: list, positional_barrier: bool) -> list:
-    """Dependences of one equation's outputs."""
+def _step(eqn, args: list, positional_barrier: bool, dots: list | None) -> list:
+    """Dependences of one equation's outputs; dot_generals in sub-jaxprs go to `dots`."""
+    if eqn.primitive.name == "cond":  # e.g. lax.platform_dependent: every branch counts
+        outs = [_deps(br, args[1:], positional_barrier, dots) for br in eqn.params["branches"]]
+        return [frozenset().union(args[0], *col) for col in zip(*outs, strict=True)]
     sub = next((eqn.params[k] for k in _CALL_KEYS if isinstance(
         eqn.params.get(k), (jcore.Jaxpr, jcore.ClosedJaxpr))), None)
-    if sub is not None and eqn.primitive.name not in ("scan", "while", "cond"):
-        return _deps(sub, args, positional_barrier)
+    if sub is not None and eqn.primitive.name not in ("scan", "while"):
+        return _deps(sub, args, positional_barrier, dots)
     if positional_barrier and eqn.primitive.name == "optimization_barrier":
         return args
     return [frozenset().union(*args)] * len(eqn.outvars)
@@ -36,7 +39,7 @@ def _step(eqn, args: list, positional_barrier: bool) -> list:
 
 def _deps(jaxpr, ins: list, positional_barrier: bool, dots: list | None = None) -> list:
     """Which inputs each output depends on (sets of input labels); `dots` collects the
-    (lhs, rhs) dependences of the dot_generals at this level."""
+    (lhs, rhs) dependences of the dot_generals, sub-jaxprs included."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     env = {v: frozenset() for v in jaxpr.constvars}
     env.update(zip(jaxpr.invars, ins, strict=True))
@@ -44,12 +47,15 @@ def _deps(jaxpr, ins: list, positional_barrier: bool, dots: list | None = None) 
         args = [_read(env, v) for v in eqn.invars]
         if dots is not None and eqn.primitive.name == "dot_general":
             dots.append(tuple(args))
-        env.update(zip(eqn.outvars, _step(eqn, args, positional_barrier), strict=True))
+        env.update(zip(eqn.outvars, _step(eqn, args, positional_barrier, dots), strict=True))
     return [_read(env, v) for v in jaxpr.outvars]
 
 
 def _quantized_gemm_operand_deps(jaxpr, positional_barrier: bool) -> list:
-    """For each quantized GEMM (a custom_vjp_call): deps of its inner dot's (lhs, rhs)."""
+    """For each quantized GEMM (a custom_vjp_call): deps of its inner dots' (lhs, rhs).
+
+    The forward GEMM has one dot per lowering platform (the CPU and the GPU/TPU
+    form, `lax.platform_dependent`), so each quantized GEMM contributes two."""
     found: list = []
     for eqn in jaxpr.jaxpr.eqns:
         if eqn.primitive.name != "custom_vjp_call":
@@ -80,7 +86,7 @@ def test_weight_quantization_is_computed_apart_from_the_barriers(policy):
     # weight side (rhs) is quantized from the weight alone. Guards the analysis
     # below (it finds both GEMMs) and everything but the barriers.
     found = _quantized_gemm_operand_deps(_wrapped_jaxpr(policy), positional_barrier=True)
-    assert len(found) == 2
+    assert len(found) == 2 * 2  # two layers x (CPU, accelerator) forms
     for lhs, rhs in found:
         assert "lhs" in lhs and "rhs" not in lhs
         assert "rhs" in rhs and "lhs" not in rhs
@@ -89,6 +95,6 @@ def test_weight_quantization_is_computed_apart_from_the_barriers(policy):
 @pytest.mark.parametrize("policy", ["mxfp4_all", "mxfp4_all_h16"])
 def test_weight_quantization_depends_on_parameters_alone(policy):
     found = _quantized_gemm_operand_deps(_wrapped_jaxpr(policy), positional_barrier=False)
-    assert len(found) == 2
+    assert len(found) == 2 * 2  # two layers x (CPU, accelerator) forms
     for lhs, rhs in found:
         assert "lhs" not in rhs, "the weight's quantization waits for the activation"
