@@ -18,6 +18,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _SCRIPT = textwrap.dedent("""
@@ -70,6 +72,7 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.long
 def test_quantized_policy_keeps_collectives_and_out_sharding():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)

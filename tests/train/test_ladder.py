@@ -190,6 +190,7 @@ def _run_section(cache, jax_cache=None):
             "checkpoint": {"every": 0, "async_save": False}}
 
 
+@pytest.mark.long
 def test_two_policy_ladder_end_to_end(tmp_path, tmp_path_factory):
     from train import config as C
     from train import loop

@@ -41,6 +41,7 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.long
 def test_data2_fsdp4_matches_single_device(tmp_path, data_cache):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests" / "train")]))

@@ -40,7 +40,7 @@ def _final_state(out):
 
 
 @pytest.mark.parametrize("policy", [
-    "bf16",
+    pytest.param("bf16", marks=pytest.mark.long),
     # a randomized policy: its per-step keys must resume too (slower to compile)
     pytest.param("mxfp4_all_sr", marks=pytest.mark.slow),
 ])

@@ -122,7 +122,7 @@ def _final(out: Path) -> tuple[list[dict], dict, dict[str, np.ndarray]]:
     return recs, meta, {k: np.asarray(v) for k, v in arrays.items()}
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_two_processes_killed_and_resumed_match_one_process(tmp_path):
     # the reference: one process, 4 devices, same mesh, uninterrupted
     ref = subprocess.run([sys.executable, "-m", "train", *_args(tmp_path / "one", tmp_path)],
