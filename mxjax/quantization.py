@@ -595,7 +595,8 @@ def fake_quantize_parts(
     only where present), bit for bit, in f32. Used by the emulated GEMM on
     accelerators, which applies the factors to the f32 GEMM result.
     """
-    x, fmt, axis, rule, mode = _check_input(x, fmt, axis, scale_rule, rounding, key)
+    x, fmt, axis, rule, mode = _check_input(x, fmt, axis, scale_rule, rounding, key,
+                                            sr_prescale)
     if fmt.is_passthrough:
         raise ValueError("fmt: BF16 is pass-through; there is nothing to quantize")
     elem = fmt.element
