@@ -205,14 +205,14 @@ def test_accelerator_form_computes_the_same_gemm(name, np_rng):
     a3 = jnp.asarray(np_rng.standard_normal((M, K)), jnp.float32)
     b3 = jnp.asarray(np_rng.standard_normal((N, K)), jnp.float32)
     k_lhs, k_rhs = (jax.random.key(1), jax.random.key(2)) if recipe.needs_key else (None, None)
-    a3, b3 = dg._rotate(a3, b3, recipe, None)
+    a3, b3 = jax.jit(lambda a, b: dg._rotate(a, b, recipe, None))(a3, b3)
     acc = jax.jit(lambda a, b: dg._accelerator_gemm(a, b, recipe, k_lhs, k_rhs))(a3, b3)
     cpu = jax.jit(lambda a, b: dg._cpu_gemm(a, b, recipe, k_lhs, k_rhs))(a3, b3)
     if recipe.lhs.fmt.scale == "e8m0":
         chex.assert_trees_all_equal(acc, cpu)
         return
-    qa = dg._prepare_operand(a3, recipe.lhs, k_lhs)
-    qb = dg._prepare_operand(b3, recipe.rhs, k_rhs)
+    qa, qb = jax.jit(lambda a, b: (dg._prepare_operand(a, recipe.lhs, k_lhs),
+                                   dg._prepare_operand(b, recipe.rhs, k_rhs)))(a3, b3)
     bound = 4 * 2.0**-23 * np.abs(np.asarray(qa, np.float64)) @ np.abs(np.asarray(qb, np.float64)).T
     assert (np.abs(np.asarray(acc, np.float64) - np.asarray(cpu, np.float64)) <= bound).all()
     assert not np.array_equal(np.asarray(acc), np.zeros_like(acc))

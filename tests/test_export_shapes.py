@@ -68,30 +68,43 @@ def es_dot(a, b, policy, key):
 
 
 @functools.cache
-def _shape(kind: str, policy_name: str, platform: str, backend: str = "xla") -> es.ModuleShape:
+def _train_fn(kind: str, policy_name: str, backend: str = "xla"):
+    """(fn, abstract args), one per program: exporting the same fn for another platform
+    reuses JAX's trace (the per-platform forms are chosen at lowering)."""
     policy = _with_backend(policies.get(policy_name), backend)
     if kind == "dot":
-        fn, args = _dot_train(policy)
-    else:
-        cfg = LlamaConfig.tiny(vocab_size=64, n_layers=1, dtype="bfloat16")
-        fn, args = es.layer_train_step(cfg, policy_name, batch=1, seq=32)
-    return es.analyze(es.export_text(fn, args, platform))
+        return _dot_train(policy)
+    cfg = LlamaConfig.tiny(vocab_size=64, n_layers=1, dtype="bfloat16")
+    return es.layer_train_step(cfg, policy_name, batch=1, seq=32)
 
 
-@pytest.mark.parametrize("platform", PLATFORMS)
+@functools.cache
+def _text(kind: str, policy_name: str, platform: str, backend: str = "xla") -> str:
+    return es.export_text(*_train_fn(kind, policy_name, backend), platform)
+
+
+@functools.cache
+def _shape(kind: str, policy_name: str, platform: str, backend: str = "xla") -> es.ModuleShape:
+    return es.analyze(_text(kind, policy_name, platform, backend))
+
+
 @pytest.mark.parametrize("policy_name", POLICIES)
 @pytest.mark.parametrize("kind,gemms", [("dot", 3), ("layer", 21)])
-def test_accelerator_export_shape(kind, gemms, policy_name, platform):
-    s = _shape(kind, policy_name, platform)
-    q = s.quantized
-    assert len(q) == gemms, [d.signature for d in s.dots]
-    assert s.f32_highest == 0
-    assert {(d.lhs, d.rhs, d.out, d.precision) for d in q} == {("bf16", "bf16", "f32", "DEFAULT")}
-    operands = 2 * gemms
-    assert s.barriers <= BARRIERS_PER_OPERAND[policy_name] * operands, s.barriers
-    assert s.amax_reductions == AMAX_PER_OPERAND[policy_name] * operands, s.amax_reductions
-    if kind == "layer":  # no dot anywhere at HIGHEST (attention stays pass-through bf16)
-        assert all(d.precision != "HIGHEST" for d in s.dots)
+def test_accelerator_export_shape(kind, gemms, policy_name):
+    # Both platforms in one test (one worker): the second export reuses the first's trace.
+    for platform in PLATFORMS:
+        s = _shape(kind, policy_name, platform)
+        q = s.quantized
+        assert len(q) == gemms, (platform, [d.signature for d in s.dots])
+        assert s.f32_highest == 0, platform
+        assert {(d.lhs, d.rhs, d.out, d.precision) for d in q} == {
+            ("bf16", "bf16", "f32", "DEFAULT")}, platform
+        operands = 2 * gemms
+        assert s.barriers <= BARRIERS_PER_OPERAND[policy_name] * operands, (platform, s.barriers)
+        assert s.amax_reductions == AMAX_PER_OPERAND[policy_name] * operands, (
+            platform, s.amax_reductions)
+        if kind == "layer":  # no dot anywhere at HIGHEST (attention stays pass-through bf16)
+            assert all(d.precision != "HIGHEST" for d in s.dots), platform
 
 
 def test_cpu_export_keeps_the_cpu_form():
@@ -154,8 +167,7 @@ def test_cpu_barriers_hold_one_operand_each():
     """No barrier ties the weight to the activation (each operand's chain is its own)."""
     import re
 
-    fn, args = _dot_train(policies.get("mxfp4_all_h16"))
-    text = es.export_text(fn, args, "cpu")
+    text = _text("dot", "mxfp4_all_h16", "cpu")
     operand_lists = re.findall(r"stablehlo\.optimization_barrier ([^:]*) :", text)
     assert len(operand_lists) == 3 * 2 * 6
     assert all("," not in ops for ops in operand_lists), operand_lists

@@ -66,19 +66,18 @@ def test_hvp_of_cubic_matches_straight_through_formula(policy):
     # with the straight-through rule is (2 y_q * (v w)) w^T in x and x^T (2 y_q * (x v)) in
     # w, with y_q the policy's (quantized) forward value.
     x, w, vx, vw = _inputs()
-    yq = _dot(policy, x, w)
     hi = jax.lax.Precision.HIGHEST
     mm = functools.partial(jnp.matmul, precision=hi)
-    want_x = mm(2 * yq * mm(vx, w), w.T)
-    want_w = mm(x.T, 2 * yq * mm(x, vw))
 
     @jax.jit
-    def all_hvps():
+    def all_hvps():  # y_q in the same program (eager, op by op, it costs seconds)
         loss_x = lambda z: jnp.sum(_dot(policy, z, w) ** 3) / 3
         loss_w = lambda z: jnp.sum(_dot(policy, x, z) ** 3) / 3
-        return _hvps(loss_x, x, vx), _hvps(loss_w, w, vw)
+        return _dot(policy, x, w), _hvps(loss_x, x, vx), _hvps(loss_w, w, vw)
 
-    (rr_x, fr_x), (rr_w, fr_w) = all_hvps()
+    yq, (rr_x, fr_x), (rr_w, fr_w) = all_hvps()
+    want_x = mm(2 * yq * mm(vx, w), w.T)
+    want_w = mm(x.T, 2 * yq * mm(x, vw))
     chex.assert_trees_all_close((rr_x, fr_x), (want_x, want_x), rtol=1e-5, atol=1e-4)
     chex.assert_trees_all_close((rr_w, fr_w), (want_w, want_w), rtol=1e-5, atol=1e-4)
 
@@ -124,7 +123,7 @@ def test_forward_mode_through_constants_and_bf16_still_works():
     x, w, vx, _ = _inputs()
     # The quantized GEMM only sees constants: nothing to forward-differentiate there.
     _, t = jax.jit(lambda: jax.jvp(lambda s: s * _dot("mxfp4_all", x, w), (2.0,), (1.0,)))()
-    chex.assert_trees_all_equal(t, _dot("mxfp4_all", x, w))
+    chex.assert_trees_all_equal(t, jax.jit(_dot, static_argnums=0)("mxfp4_all", x, w))
     # bf16 is lax.dot_general itself, forward mode included.
     _, t = jax.jit(lambda: jax.jvp(lambda z: _dot("bf16", z, w), (x,), (vx,)))()
     chex.assert_trees_all_equal(t, jax.lax.dot_general(vx, w, DIMS))
