@@ -17,7 +17,8 @@ CPU keeps f32 HIGHEST with per-stage barriers by design (fastest there,
 bit-identical results).
 
 A dot counts as a GEMM of the interceptor when its source location chain
-reaches ``mxjax/dot_general.py`` (or its planned new name ``interceptor.py``):
+reaches ``mxjax/gemm.py`` or ``mxjax/interceptor.py`` (``mxjax/dot_general.py``
+before the module split):
 backward GEMMs carry the location of the custom_vjp call, not of the code
 inside it, so this is what identifies them in any version of the code. Under
 a policy that quantizes all three GEMMs (every policy here but ``bf16``)
@@ -42,7 +43,8 @@ if not os.environ.get("PYTHONPATH") and str(ROOT) not in sys.path:
 import jax
 import jax.numpy as jnp
 
-INTERCEPTOR_FILES = ("mxjax/dot_general.py", "mxjax/interceptor.py")
+INTERCEPTOR_FILES = ("mxjax/dot_general.py", "mxjax/interceptor.py",
+                     "mxjax/gemm.py")
 POLICIES = ("bf16", "mxfp4_all_h16", "mxfp4_all", "nvfp4", "fp8")
 PLATFORMS = ("cpu", "cuda", "tpu")
 

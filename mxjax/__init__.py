@@ -2,11 +2,12 @@
 
 Layers (data flows one way; tests/test_layering.py checks every import):
 
-  formats, layout, validation -> _bits -> quantization, rotation -> recipes
-  -> kernels -> interceptor -> policies -> diagnostics -> nn
+  formats, layout, dimensions, validation, _platform -> _bits
+  -> quantization, rotation -> recipes -> kernels -> gemm -> interceptor
+  -> policies -> diagnostics -> nn -> testing
 
 `mxjax.nn` (Flax integration) and `mxjax.kernels` (Pallas/Triton) are imported
-on demand (`import mxjax.nn`, `import mxjax.kernels`); the interceptor imports
+on demand (`import mxjax.nn`, `import mxjax.kernels`); `mxjax.gemm` imports
 the kernels only when a GEMM asks for a kernel backend.
 
 Module layout: the public functions are re-exported here under the names of the
@@ -15,7 +16,9 @@ API (`mxjax.quantize`, `mxjax.hadamard`, `mxjax.dot_general`,
 shadows its module: `mxjax.quantization` (quantize, dequantize, fake_quantize,
 MXArray), `mxjax.rotation` (hadamard, signs), `mxjax.recipes` (OperandRecipe,
 Hadamard, GemmRecipe), `mxjax.policies` (PrecisionPolicy, presets,
-dot_general), `mxjax.interceptor` (the custom-VJP engine), `mxjax.diagnostics`
+dot_general), `mxjax.dimensions` (dimension numbers), `mxjax.gemm` (one GEMM
+under a recipe, per platform), `mxjax.interceptor` (the custom-VJP engine),
+`mxjax.diagnostics`
 (GEMM statistics and probes). The old module paths `mxjax.quantize`,
 `mxjax.hadamard`, `mxjax.dot_general`, `mxjax.policy` no longer exist as
 modules (they are the functions), and training dynamics moved from

@@ -26,6 +26,7 @@ from jax import lax
 import mxjax
 from mxjax import interceptor as DG
 from mxjax import policies
+from mxjax.dimensions import backward_dimension_numbers, normalize_dimension_numbers
 from mxjax.formats import BF16, MXFP4
 from mxjax.policies import PrecisionPolicy
 from mxjax.quantization import dequantize, quantize
@@ -453,7 +454,7 @@ def test_without_an_observer_the_interceptor_traces_the_plain_program():
     pol = policies.get("mxfp4_all_h16")
     x = jnp.ones((32, 32), jnp.float32)
     w = jnp.ones((32, 32), jnp.float32)
-    st = DG._Static(DG.normalize_dimension_numbers(MATMUL_DIMS, x.shape, w.shape), None, None, pol)
+    st = DG._Static(normalize_dimension_numbers(MATMUL_DIMS, x.shape, w.shape), None, None, pol)
     plain = jax.make_jaxpr(jax.grad(lambda w: jnp.sum(DG._policy_dot(x, w, None, st))))(w)
     public = jax.make_jaxpr(
         jax.grad(lambda w: jnp.sum(mxjax.dot_general(x, w, MATMUL_DIMS, policy=pol))))(w)
@@ -481,7 +482,7 @@ def test_observe_sees_each_quantized_call_once_and_keeps_values():
         got = step()(w, "mxfp4_all")
         jax.make_jaxpr(jax.value_and_grad(loss), static_argnums=1)(w, "bf16")  # never observed
     chex.assert_trees_all_equal(got, want)
-    assert seen == [(DG.normalize_dimension_numbers(MATMUL_DIMS, x.shape, w.shape), "mxfp4_all")]
+    assert seen == [(normalize_dimension_numbers(MATMUL_DIMS, x.shape, w.shape), "mxfp4_all")]
     with pytest.raises(TypeError, match="hook: expected a callable"), DG.observe(None):
         pass
 
@@ -567,8 +568,8 @@ def test_backward_dimension_numbers_match_jax_transpose_rule():
     dims = (((4, 3), (0, 1)), ((2,), (3,)))
     g = jax.random.normal(jax.random.key(2), jax.eval_shape(
         lambda a, b: lax.dot_general(a, b, dims), x, w).shape)
-    (dd, dp), (wd, wp) = DG.backward_dimension_numbers(
-        DG.normalize_dimension_numbers(dims, x.shape, w.shape), x.ndim, w.ndim)
+    (dd, dp), (wd, wp) = backward_dimension_numbers(
+        normalize_dimension_numbers(dims, x.shape, w.shape), x.ndim, w.ndim)
 
     @jax.jit
     def run(x, w, g):

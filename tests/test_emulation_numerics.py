@@ -26,7 +26,8 @@ from mxjax import formats as F
 from mxjax import policies
 from mxjax.quantization import SR_UNSCALE, fake_quantize_parts
 
-dg = importlib.import_module("mxjax.interceptor")
+dg = importlib.import_module("mxjax.gemm")
+dims_mod = importlib.import_module("mxjax.dimensions")
 
 M, K, N = 24, 96, 40  # K = 3 MX blocks, 6 H16 blocks, 6 NVFP4 blocks
 
@@ -87,8 +88,8 @@ def _main_gemm(a, b, dims, recipe, key, out_dtype):
 def _reference_vjp(policy, key, x, w, dims, g):
     """(y, dx, dw) the pre-issue-10 way (same dimension numbers, keys and casts)."""
     kf, kd, kw = jax.random.split(key, 3) if key is not None else (None,) * 3
-    dims = dg.Dims(*dims)
-    (d_dims, d_perm), (w_dims, w_perm) = dg.backward_dimension_numbers(dims, x.ndim, w.ndim)
+    dims = dims_mod.Dims(*dims)
+    (d_dims, d_perm), (w_dims, w_perm) = dims_mod.backward_dimension_numbers(dims, x.ndim, w.ndim)
     y = _main_gemm(x, w, dims, policy.fprop, kf, x.dtype)
     dx = jnp.transpose(_main_gemm(g, w, d_dims, policy.dgrad, kd, x.dtype), d_perm)
     dw = jnp.transpose(_main_gemm(g, x, w_dims, policy.wgrad, kw, x.dtype), w_perm)

@@ -22,19 +22,21 @@ PKG = ROOT / "mxjax"
 # mxjax.kernels) and of units in earlier layers, never later ones; units that
 # share a layer do not import each other.
 #  - kernels sit above recipes (they take the backend names from mxjax.recipes)
-#    and below the interceptor, their only caller, which imports them lazily so
-#    that `import mxjax` stays free of Pallas.
+#    and below mxjax.gemm (one GEMM under a recipe), their only caller, which
+#    imports them lazily so that `import mxjax` stays free of Pallas.
+#  - the interceptor (the custom_vjp over the three GEMMs) sits above mxjax.gemm.
 #  - policies sit above the interceptor: PrecisionPolicy.dot_general and
 #    mxjax.dot_general run it; the interceptor reads a policy through the
 #    mxjax.recipes.PolicyRecipes protocol and never imports the policy type.
 #  - diagnostics sit above the interceptor and plug into it through its one
 #    hook, mxjax.interceptor.observe.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("formats", "layout", "validation", "_platform"),
+    ("formats", "layout", "validation", "_platform", "dimensions"),
     ("_bits",),
     ("quantization", "rotation"),
     ("recipes",),
     ("kernels",),
+    ("gemm",),
     ("interceptor",),
     ("policies",),
     ("diagnostics",),

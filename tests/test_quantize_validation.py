@@ -88,15 +88,15 @@ def test_max_scale_exponent_closed_form_matches_reference_search():
                     ref.top_scale_exponent(dt, relem, pre), (fmt, dt, pre)
 
 
-@pytest.mark.parametrize("fn", ["quantize", "fake_quantize"])
+@pytest.mark.parametrize("fn", ["quantize", "fake_quantize", "fake_quantize_parts"])
 @pytest.mark.parametrize("rounding", ["nearest_even", "toward_zero", "nearest_away"])
 def test_sr_prescale_needs_stochastic_rounding(fn, rounding):
     x = jnp.ones((2, 32), jnp.float32)
     with pytest.raises(ValueError, match="sr_prescale: True needs rounding=STOCHASTIC, got "
                                          + rounding.upper()):
-        getattr(mxjax, fn)(x, "mxfp4", rounding=rounding, sr_prescale=True)
+        getattr(mxjax.quantization, fn)(x, "mxfp4", rounding=rounding, sr_prescale=True)
     with pytest.raises(TypeError, match="sr_prescale: expected a bool"):
-        getattr(mxjax, fn)(x, "mxfp4", sr_prescale="yes")
+        getattr(mxjax.quantization, fn)(x, "mxfp4", sr_prescale="yes")
     # the valid combination still works (jitted: one compile instead of ~100 eager ones;
     # the checks above run at trace time either way)
     _valid_sr_prescale_fn(fn)(x, jax.random.key(0))
@@ -104,5 +104,6 @@ def test_sr_prescale_needs_stochastic_rounding(fn, rounding):
 
 @functools.cache
 def _valid_sr_prescale_fn(fn):
-    return jax.jit(lambda x, k: getattr(mxjax, fn)(x, "mxfp4", rounding="stochastic", key=k,
-                                                   sr_prescale=True))
+    quantizer = getattr(mxjax.quantization, fn)
+    return jax.jit(lambda x, k: quantizer(x, "mxfp4", rounding="stochastic", key=k,
+                                          sr_prescale=True))

@@ -22,7 +22,7 @@ calls it once per quantized ``dot_general`` call with the GEMM (its custom
 VJP), the operands, the key, the dimension numbers and the policy; the hook
 takes the next probe slot and wraps the GEMM in :func:`probed_call` with a
 custom VJP that records the three GEMMs' operands via
-``mxjax.interceptor.canonical_operands`` / ``quantizer_operands`` (the
+``mxjax.gemm.canonical_operands`` / ``quantizer_operands`` (the
 interceptor's own functions, so the recorded operands are the quantizer's).
 The interceptor never imports this module, and with diagnostics off it
 traces exactly the plain program.
@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mxjax import interceptor
+from mxjax import dimensions, gemm, interceptor
 from mxjax.diagnostics.gemm_stats import GEMM_FIELDS, N_GEMM_FIELDS, gemm_stats
 from mxjax.recipes import GEMMS
 
@@ -344,13 +344,13 @@ def summarize_probes(stats: Any, labels: Sequence[str] | None = None, *,
 # --------------------------------------------------------------------------- #
 # The interceptor's hook
 # --------------------------------------------------------------------------- #
-def _record_policy_gemm(gemm_name: str, a: jax.Array, b: jax.Array, dims: interceptor.Dims,
+def _record_policy_gemm(gemm_name: str, a: jax.Array, b: jax.Array, dims: dimensions.Dims,
                         recipe: Any, key: jax.Array | None) -> None:
     """Records one GEMM ``dot_general(a, b, dims)`` under `recipe` as the interceptor runs it."""
     if recipe.is_passthrough:  # the interceptor calls lax.dot_general: nothing quantized
         return
-    a3, b3 = interceptor.canonical_operands(a, b, dims)
-    a3, b3, k_lhs, k_rhs = interceptor.quantizer_operands(a3, b3, recipe, key)
+    a3, b3 = gemm.canonical_operands(a, b, dims)
+    a3, b3, k_lhs, k_rhs = gemm.quantizer_operands(a3, b3, recipe, key)
     record_gemm(gemm_name, a3, b3, recipe, k_lhs, k_rhs)
 
 
@@ -360,7 +360,7 @@ def _recorded(call, dims, policy, lhs, rhs, key):
 
 
 def _recorded_fwd(call, dims, policy, lhs, rhs, key):
-    kf, _, _ = interceptor.split_key(key)
+    kf, _, _ = gemm.split_key(key)
     _record_policy_gemm("fprop", lhs, rhs, dims, policy.fprop, kf)
     y, vjp = jax.vjp(call, lhs, rhs, key)
     return y, (vjp, lhs, rhs, key)
@@ -368,8 +368,8 @@ def _recorded_fwd(call, dims, policy, lhs, rhs, key):
 
 def _recorded_bwd(call, dims, policy, res, g):
     vjp, lhs, rhs, key = res
-    _, kd, kw = interceptor.split_key(key)
-    (d_dims, _), (w_dims, _) = interceptor.backward_dimension_numbers(dims, lhs.ndim, rhs.ndim)
+    _, kd, kw = gemm.split_key(key)
+    (d_dims, _), (w_dims, _) = dimensions.backward_dimension_numbers(dims, lhs.ndim, rhs.ndim)
     _record_policy_gemm("dgrad", g, rhs, d_dims, policy.dgrad, kd)
     _record_policy_gemm("wgrad", g, lhs, w_dims, policy.wgrad, kw)
     return vjp(g)

@@ -1,0 +1,346 @@
+"""One GEMM under a recipe: canonical operands, rotation, quantization, per-platform form.
+
+A quantized GEMM ``dot_general(a, b, ((ca, cb), (ba, bb)))`` is emulated as:
+transpose each operand to ``(batch..., free, contraction)`` and flatten its free
+axes and its contracting axes (``ca[i]`` pairs with ``cb[i]``; the flattened
+contraction is row-major in that order), upcast to f32, zero-pad the
+contraction to a multiple of the Hadamard size (also when it is shorter than
+one Hadamard block) and rotate both operands (if the recipe has a Hadamard),
+quantize each along the contraction (the last axis), then one
+``lax.dot_general`` with f32 accumulation, reshaped back to
+``lax.dot_general``'s layout and cast to its result dtype. The GEMM's form
+depends on the platform it is lowered for: XLA:CPU gets dequantized f32
+operands at HIGHEST with each stage materialized; GPUs/TPUs get bf16 operands
+at DEFAULT (exact, see docs/NUMERICS.md) with per-tensor scales applied to the
+f32 result and no CPU-only barriers. Kernel backends ('pallas', 'pallas_fp8',
+'triton', 'auto') take the packed operands instead.
+
+Keys: each GEMM's key is split into three (lhs rounding, rhs rounding,
+Hadamard signs) by :func:`split_key`. No custom gradient here: the
+interceptor (``mxjax.interceptor``) puts three of these GEMMs under one
+``custom_vjp``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mxjax import formats as F
+from mxjax._platform import cpu_barrier, cpu_or_accelerator
+from mxjax.dimensions import Dims, free_axes
+from mxjax.layout import canonical_dimension_numbers
+from mxjax.quantization import SR_UNSCALE, fake_quantize, fake_quantize_parts, quantize
+from mxjax.recipes import BACKENDS, GemmRecipe
+from mxjax.rotation import fixed_signs, hadamard, random_signs
+
+__all__ = [
+    "OperandRange",
+    "accelerator_operand_dtype",
+    "canonical_operands",
+    "gemm",
+    "operand_range",
+    "quantizer_operands",
+    "split_key",
+]
+
+
+# --------------------------------------------------------------------------- #
+# One GEMM
+# --------------------------------------------------------------------------- #
+def _to_canonical(x: jax.Array, batch: Sequence[int], contract: Sequence[int]) -> jax.Array:
+    """x -> (batch..., prod(free), prod(contract)), f32."""
+    free = free_axes(x.ndim, batch, contract)
+    perm = tuple(batch) + tuple(free) + tuple(contract)
+    if perm != tuple(range(x.ndim)):
+        x = jnp.transpose(x, perm)
+    bshape = tuple(x.shape[: len(batch)])
+    f = math.prod(x.shape[len(batch): len(batch) + len(free)])
+    k = math.prod(x.shape[len(batch) + len(free):])
+    return x.reshape(bshape + (f, k)).astype(jnp.float32)
+
+
+def canonical_operands(a: jax.Array, b: jax.Array, dims: Dims) -> tuple[jax.Array, jax.Array]:
+    """Both operands of ``dot_general(a, b, dims)`` in the canonical layout, f32.
+
+    Returns ``(a3, b3)``: f32 ``[batch..., Fa, K]`` and ``[batch..., Fb, K]``
+    (``mxjax.layout``), free and contracting axes flattened in order.
+    """
+    (ca, cb), (ba, bb) = dims
+    return _to_canonical(a, ba, ca), _to_canonical(b, bb, cb)
+
+
+def _prepare_operand(x: jax.Array, recipe, key) -> jax.Array:
+    if recipe.is_passthrough:
+        return x
+    return fake_quantize(x, recipe.fmt, axis=-1, **recipe.quantizer_kwargs(key))
+
+
+def _prepare_operand_parts(x: jax.Array, recipe, key):
+    """(values, per-tensor f32 factors): the operand is ``values * factors[0] * ...``.
+
+    The factors (NVFP4's and per-tensor FP8's tensor scale, the 4/3 SR unscale)
+    are left out of ``values`` so that they can be applied to the GEMM's f32 result.
+    """
+    values, tensor_scale = fake_quantize_parts(
+        x, recipe.fmt, axis=-1, scale_rule=recipe.scale_rule, rounding=recipe.rounding,
+        key=key if recipe.needs_key else None, sr_prescale=recipe.sr_prescale)
+    factors = () if tensor_scale is None else (tensor_scale,)
+    if recipe.sr_prescale:
+        factors += (jnp.float32(SR_UNSCALE),)
+    return values, factors
+
+
+# bf16 (and f32) normal exponents start at -126; bf16 subnormals end at 2^-133.
+_BF16_MIN_NORMAL_EXP = -126
+_BF16_MIN_SUBNORMAL_EXP = -133
+_BF16_SIGNIFICANT_BITS = 8
+
+
+class OperandRange(NamedTuple):
+    """What the emulated GEMM's operand values (per-tensor factors left out) can be.
+
+    ``min_exp``: log2 of the smallest nonzero magnitude; ``significant_bits``:
+    the most significant bits of any value. None for a pass-through operand
+    (arbitrary f32 values).
+    """
+
+    min_exp: int | None
+    significant_bits: int | None
+
+    @property
+    def bf16_exact(self) -> bool:
+        """Every value is a bf16 value (subnormals included)."""
+        return (self.min_exp is not None and self.min_exp >= _BF16_MIN_SUBNORMAL_EXP
+                and self.significant_bits <= _BF16_SIGNIFICANT_BITS)
+
+    @property
+    def bf16_normal(self) -> bool:
+        """Every nonzero value is a bf16 normal (nothing a flush-to-zero unit can drop)."""
+        return self.bf16_exact and self.min_exp >= _BF16_MIN_NORMAL_EXP
+
+
+def operand_range(recipe) -> OperandRange:
+    """Trace-time range of an operand's `fake_quantize_parts` values, from its format.
+
+    E8M0 formats: element grid times 2^s, s in [-127, 127]; the top end above the
+    f32 range is already Inf in f32 (and the same Inf in bf16: a finite f32 with
+    at most 8 significant bits is a bf16 value). NVFP4: E2M1 times an E4M3 block
+    scale (the tensor scale is a factor). Per-tensor FP8: the element grid.
+    """
+    fmt = recipe.fmt
+    if fmt.is_passthrough:
+        return OperandRange(None, None)
+    elem = fmt.element
+    elem_min_exp = int(math.log2(elem.min_subnormal))
+    if fmt.scale == "e8m0":
+        return OperandRange(elem_min_exp - 127, elem.mbits + 1)
+    if fmt.scale == "e4m3":
+        scale_elem = F.E4M3
+        return OperandRange(elem_min_exp + int(math.log2(scale_elem.min_subnormal)),
+                            elem.mbits + 1 + scale_elem.mbits + 1)
+    return OperandRange(elem_min_exp, elem.mbits + 1)
+
+
+def accelerator_operand_dtype(recipe: GemmRecipe):
+    """The dtype of a quantized GEMM's operands on GPU/TPU, decided at trace time.
+
+    bf16 (at DEFAULT precision, f32 accumulation) when every value of both
+    operands is exactly a bf16 value (`OperandRange.bf16_exact`): MXFP4, NVFP4,
+    per-tensor FP8. Otherwise f32 at HIGHEST, the explicit fallback documented in
+    docs/NUMERICS.md: MXFP8 (E4M3/E5M2 x E8M0 reaches 2^-136 / 2^-143, below
+    bf16's 2^-133) and a pass-through operand inside a quantized GEMM.
+    """
+    if operand_range(recipe.lhs).bf16_exact and operand_range(recipe.rhs).bf16_exact:
+        return jnp.bfloat16
+    return jnp.float32
+
+
+def _rotate(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, k_had):
+    """Applies the recipe's Hadamard to both canonical operands along K (if any)."""
+    had = recipe.hadamard
+    if had is None:
+        return a3, b3
+    h = had.block_size
+    kdim = a3.shape[-1]
+    # A contraction shorter than h (or not a multiple of it) is zero-padded:
+    # both operands get the same zeros, so the rotation still cancels exactly.
+    pad = (-kdim) % h
+    if pad:
+        widths = [(0, 0)] * (a3.ndim - 1) + [(0, pad)]
+        a3, b3 = jnp.pad(a3, widths), jnp.pad(b3, widths)
+    if had.randomized:
+        signs = random_signs(k_had, h)
+    elif had.seed is not None:
+        signs = fixed_signs(had.seed, h)
+    else:
+        signs = None
+    # On CPU the barrier keeps XLA from fusing the butterflies into the
+    # quantizer's block reductions, which recomputes them (measured 4x slower).
+    # One barrier per operand, so neither operand's program depends on the other.
+    return (cpu_barrier(hadamard(a3, h, axis=-1, signs=signs)),
+            cpu_barrier(hadamard(b3, h, axis=-1, signs=signs)))
+
+
+def split_key(key):
+    """Three keys from one, or three Nones for None.
+
+    The call's key gives (fprop, dgrad, wgrad); each GEMM's key gives (lhs
+    rounding, rhs rounding, Hadamard signs).
+    """
+    if key is None:
+        return None, None, None
+    k0, k1, k2 = jax.random.split(key, 3)
+    return k0, k1, k2
+
+
+def quantizer_operands(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key):
+    """One GEMM's operands as its backend hands them to the quantizer.
+
+    Args:
+      a3, b3: the canonical operands (:func:`canonical_operands`).
+      recipe: the GEMM's recipe.
+      key: the GEMM's key (ignored unless the recipe needs one).
+    Returns:
+      ``(a3, b3, lhs_key, rhs_key)``: the operands rotated by the recipe's
+      Hadamard along K (zero-padded to its size) when it has one, and the keys
+      of the two roundings (None unless needed).
+    """
+    k_lhs, k_rhs, k_had = split_key(key if recipe.needs_key else None)
+    a3, b3 = _rotate(a3, b3, recipe, k_had)
+    return a3, b3, k_lhs, k_rhs
+
+
+def _cpu_gemm(a3, b3, recipe: GemmRecipe, k_lhs, k_rhs):
+    """XLA:CPU form: dequantized f32 operands, each materialized, one f32 GEMM at HIGHEST."""
+    aq = cpu_barrier(_prepare_operand(a3, recipe.lhs, k_lhs))
+    bq = cpu_barrier(_prepare_operand(b3, recipe.rhs, k_rhs))
+    return lax.dot_general(aq, bq, canonical_dimension_numbers(a3.ndim - 2),
+                           precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _accelerator_gemm(a3, b3, recipe: GemmRecipe, k_lhs, k_rhs):
+    """GPU/TPU form: no barriers; bf16 operands at DEFAULT with f32 accumulation.
+
+    Per-tensor factors are applied to the f32 result, lhs's then rhs's, one
+    multiply each. Formats whose values bf16 cannot hold fall back to f32 at
+    HIGHEST (`accelerator_operand_dtype`).
+    """
+    dims = canonical_dimension_numbers(a3.ndim - 2)
+    if accelerator_operand_dtype(recipe) != jnp.bfloat16:
+        aq = _prepare_operand(a3, recipe.lhs, k_lhs)
+        bq = _prepare_operand(b3, recipe.rhs, k_rhs)
+        return lax.dot_general(aq, bq, dims, precision=lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
+    av, a_factors = _prepare_operand_parts(a3, recipe.lhs, k_lhs)
+    bv, b_factors = _prepare_operand_parts(b3, recipe.rhs, k_rhs)
+    out = lax.dot_general(av.astype(jnp.bfloat16), bv.astype(jnp.bfloat16), dims,
+                          precision=lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
+    for factor in a_factors + b_factors:
+        out = out * factor
+    return out
+
+
+def _xla_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key, gemm_name: str) -> jax.Array:
+    """The XLA reference backend on canonical operands.
+
+    The program depends on the platform it is lowered for (not on the tracing
+    machine): XLA:CPU gets `_cpu_gemm`, GPUs and TPUs `_accelerator_gemm`
+    (docs/NUMERICS.md, "Emulated GEMM").
+
+    Args:
+      a3: f32 [batch..., Fa, K]; b3: f32 [batch..., Fb, K] (same batch shape).
+      recipe: the GEMM's recipe.
+      key: the GEMM's key (None when the recipe needs none); split into (lhs
+        rounding, rhs rounding, Hadamard signs).
+      gemm_name: 'fprop', 'dgrad' or 'wgrad' (for backends' error messages).
+    Returns:
+      f32 [batch..., Fa, Fb].
+    """
+    a3, b3, k_lhs, k_rhs = quantizer_operands(a3, b3, recipe, key)
+    return cpu_or_accelerator(
+        a3, b3,
+        cpu=functools.partial(_cpu_gemm, recipe=recipe, k_lhs=k_lhs, k_rhs=k_rhs),
+        accelerator=functools.partial(_accelerator_gemm, recipe=recipe, k_lhs=k_lhs,
+                                      k_rhs=k_rhs))
+
+
+def _kernel_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key,
+                 gemm_name: str) -> jax.Array:
+    """Kernel backends ('pallas', 'pallas_fp8', 'triton', 'auto'): packed operands + mx_dot.
+
+    Same operands, keys and rotation as `_xla_gemm`; the quantized operands are
+    packed (`quantize`) and contracted by `mxjax.kernels.mx_dot`. An explicit
+    kernel backend that cannot run here, or does not implement the recipe's
+    formats, raises; 'auto' picks the fastest correct backend for the device.
+    """
+    from mxjax import kernels  # imported here: keeps `import mxjax` free of Pallas
+
+    backend = kernels.backend_for_formats(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt,
+                                          where=gemm_name)
+    if backend == "xla":
+        return _xla_gemm(a3, b3, recipe, key, gemm_name)
+    a3, b3, k_lhs, k_rhs = quantizer_operands(a3, b3, recipe, key)
+
+    def q(x, op, k):
+        return quantize(x, op.fmt, axis=-1, **op.quantizer_kwargs(k))
+
+    return kernels.mx_dot(q(a3, recipe.lhs, k_lhs), q(b3, recipe.rhs, k_rhs), backend=backend)
+
+
+# Backend name (mxjax.recipes.BACKENDS) -> function(a3, b3, recipe, key, gemm_name)
+# -> f32 [batch..., Fa, Fb]. Every name but 'xla' runs through mxjax.kernels.
+_BACKEND_FNS: dict[str, Callable[..., jax.Array]] = {
+    "xla": _xla_gemm,
+    **{name: _kernel_gemm for name in BACKENDS if name != "xla"},
+}
+
+
+def _backend_fn(recipe: GemmRecipe) -> Callable[..., jax.Array]:
+    """The one place where a GEMM's backend is chosen."""
+    try:
+        return _BACKEND_FNS[recipe.backend]
+    except KeyError:
+        raise ValueError(
+            f"backend: {recipe.backend!r} has no implementation registered; "
+            f"available: {sorted(_BACKEND_FNS)}"
+        ) from None
+
+
+def gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key, *,
+         precision=None, preferred_element_type=None, gemm_name: str = "gemm",
+         out_sharding=None) -> jax.Array:
+    """One GEMM ``dot_general(a, b, dims)`` under `recipe` (no custom gradient).
+
+    Pass-through recipes call ``lax.dot_general(a, b, dims, precision,
+    preferred_element_type, out_sharding=...)`` unchanged. Otherwise the result
+    is computed in f32 (see the module docstring), cast to ``lax.dot_general``'s
+    result dtype and, given ``out_sharding``, resharded to it with
+    ``jax.sharding.reshard`` (which, like ``lax.dot_general``'s argument, binds
+    explicit mesh axes and leaves auto axes to the partitioner).
+    """
+    if recipe.is_passthrough:
+        extra = {} if out_sharding is None else {"out_sharding": out_sharding}
+        return lax.dot_general(a, b, dims.as_lax(), precision=precision,
+                               preferred_element_type=preferred_element_type, **extra)
+    out_dtype = jax.eval_shape(
+        functools.partial(lax.dot_general, dimension_numbers=dims.as_lax(),
+                          preferred_element_type=preferred_element_type),
+        jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(b.shape, b.dtype),
+    ).dtype
+    (ca, cb), (ba, bb) = dims
+    a3, b3 = canonical_operands(a, b, dims)
+    out = _backend_fn(recipe)(a3, b3, recipe, key if recipe.needs_key else None, gemm_name)
+    fa = [a.shape[i] for i in free_axes(a.ndim, ba, ca)]
+    fb = [b.shape[i] for i in free_axes(b.ndim, bb, cb)]
+    out = out.reshape(tuple(a.shape[i] for i in ba) + tuple(fa) + tuple(fb)).astype(out_dtype)
+    if out_sharding is not None:
+        out = jax.sharding.reshard(out, out_sharding)
+    return out
+
