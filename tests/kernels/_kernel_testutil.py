@@ -88,3 +88,16 @@ BLOCKED_BY_LAX_ROUND = pytest.mark.xfail(
     condition=round_to_grid_uses_lax_round(), strict=True, raises=NotImplementedError,
     reason="mxjax.quantization.round_to_grid rounds with lax.round, which has no Pallas-Triton "
            "lowering (jax 0.12); with floor-based rounding the fused kernel lowers")
+
+
+def exact_partial_sum_operands(rng: np.random.Generator, m: int = 32, n: int = 48, k: int = 256):
+    """MXFP4 operands (lhs blocked along K = axis 1, rhs along axis 0) whose GEMM has
+    exact fp32 partial sums in any order: scale exponents in [-2, 2] make every
+    product a multiple of 2^-6 and |sum| <= 256 * 36 * 2^4 < 2^18."""
+    a = rng.standard_normal((m, k)) * np.exp2(rng.integers(0, 3, (m, k)))
+    b = rng.standard_normal((k, n)) * np.exp2(rng.integers(0, 3, (k, n)))
+    lq = mxjax.quantize(jnp.asarray(a, jnp.float32), F.MXFP4, axis=1)
+    rq = mxjax.quantize(jnp.asarray(b, jnp.float32), F.MXFP4, axis=0)
+    s = np.concatenate([np.asarray(lq.scales).ravel(), np.asarray(rq.scales).ravel()])
+    assert s.min() >= 125 and s.max() <= 129
+    return lq, rq

@@ -20,6 +20,7 @@ from mxjax.kernels import gemm_error_bound, mx_dot
 from tests.kernels._kernel_testutil import (
     assert_gemm_close,
     dequantize_jit,
+    exact_partial_sum_operands,
     hard_matrix,
     quantize,
 )
@@ -67,16 +68,8 @@ def test_nan_block_gives_nan_row_not_zero(np_rng, backend):
 
 @pytest.mark.parametrize("backend", KERNELS)
 def test_bit_exact_when_every_partial_sum_is_exact(np_rng, backend):
-    # Scale exponents in [-2, 2]: every product is a multiple of 2^-6 and
-    # |sum| <= 256 * 36 * 2^4 < 2^18, so every fp32 partial sum is exact and
-    # any summation order gives the same bits.
-    m, n, k = 32, 48, 256
-    a = np_rng.standard_normal((m, k)) * np.exp2(np_rng.integers(0, 3, (m, k)))
-    b = np_rng.standard_normal((k, n)) * np.exp2(np_rng.integers(0, 3, (k, n)))
-    lq = quantize(jnp.asarray(a, jnp.float32), F.MXFP4, axis=1)
-    rq = quantize(jnp.asarray(b, jnp.float32), F.MXFP4, axis=0)
-    s = np.concatenate([np.asarray(lq.scales).ravel(), np.asarray(rq.scales).ravel()])
-    assert s.min() >= 125 and s.max() <= 129
+    # every fp32 partial sum is exact, so any summation order gives the same bits
+    lq, rq = exact_partial_sum_operands(np_rng)
     out = np.asarray(_dot(lq, rq, backend))
     ref = np.asarray(_dot(lq, rq, "xla"))
     np.testing.assert_array_equal(out.view(np.uint32), ref.view(np.uint32))

@@ -33,7 +33,12 @@ from mxjax import formats as F
 from mxjax.kernels import _common as C
 from mxjax.kernels import gemm_error_bound, mx_dot
 from mxjax.quantization import MXArray
-from tests.kernels._kernel_testutil import assert_gemm_close, hard_matrix, quantize
+from tests.kernels._kernel_testutil import (
+    assert_gemm_close,
+    exact_partial_sum_operands,
+    hard_matrix,
+    quantize,
+)
 
 pytestmark = [
     pytest.mark.triton_interpret,
@@ -163,15 +168,8 @@ def test_random_operands_match_reference(kernel, np_rng, m, n, k, tiles, lhs_axi
 
 
 def test_bit_exact_when_every_partial_sum_is_exact(kernel, np_rng):
-    # Scale exponents in [-2, 2]: every product is a multiple of 2^-6 and every
-    # fp32 partial sum is exact (see test_mxfp4_gemm), so any order gives the same bits.
-    m, n, k = 32, 48, 256
-    a = np_rng.standard_normal((m, k)) * np.exp2(np_rng.integers(0, 3, (m, k)))
-    b = np_rng.standard_normal((k, n)) * np.exp2(np_rng.integers(0, 3, (k, n)))
-    lq = quantize(jnp.asarray(a, jnp.float32), F.MXFP4, axis=1)
-    rq = quantize(jnp.asarray(b, jnp.float32), F.MXFP4, axis=0)
-    s = np.concatenate([np.asarray(lq.scales).ravel(), np.asarray(rq.scales).ravel()])
-    assert s.min() >= 125 and s.max() <= 129
+    # every fp32 partial sum is exact, so any summation order gives the same bits
+    lq, rq = exact_partial_sum_operands(np_rng)
     out = _run(kernel, lq, rq, block_m=16, block_n=16, block_k=64)
     ref = np.asarray(_reference(lq, rq))
     np.testing.assert_array_equal(out.view(np.uint32), ref.view(np.uint32))

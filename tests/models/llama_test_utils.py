@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -65,3 +69,18 @@ def small(**kw) -> LlamaConfig:
             "ffn_dim": 160}
     base.update(kw)
     return LlamaConfig.tiny(**base)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_on_8_fake_devices(script: str) -> dict:
+    """Runs `script` in a fresh CPU process with 8 fake devices (XLA_FLAGS must be set
+    before jax starts); returns the JSON after its last ``RESULT`` line."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, check=False,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1]
+    return json.loads(line[len("RESULT"):])

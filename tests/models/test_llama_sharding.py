@@ -7,21 +7,16 @@ has already initialised JAX with one CPU device.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from typing import ClassVar
 
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from llama_test_utils import run_on_8_fake_devices
 
 from models import sharding as shd
 from models.llama import Llama, LlamaConfig
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class _FakeMesh:
@@ -122,13 +117,7 @@ def _pad(spec, n):
 
 
 def test_sharded_forward_on_8_fake_devices_matches_single_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=ROOT, check=False,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1]
-    res = json.loads(line[len("RESULT"):])
+    res = run_on_8_fake_devices(_SCRIPT)
     print(f"max |sharded - single-device logits| = {res['max_diff']:.3g}")
     assert res["max_diff"] <= 1e-5, res["max_diff"]
     assert len(res["sharded_init_same"]) == 12 and all(res["sharded_init_same"])

@@ -12,15 +12,10 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from llama_test_utils import run_on_8_fake_devices
 
 _SCRIPT = textwrap.dedent("""
     import collections, json, re
@@ -74,13 +69,7 @@ _SCRIPT = textwrap.dedent("""
 
 @pytest.mark.long
 def test_quantized_policy_keeps_collectives_and_out_sharding():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=ROOT, check=False,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1]
-    res = json.loads(line[len("RESULT"):])
+    res = run_on_8_fake_devices(_SCRIPT)
     print(res)
     assert res["bf16"], "the sharded step has no collectives: the mesh is not in use"
     assert res["mxfp4_all_h16"] == res["bf16"]
