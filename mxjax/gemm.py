@@ -88,9 +88,8 @@ def _prepare_operand_parts(x: jax.Array, recipe, key):
     The factors (NVFP4's and per-tensor FP8's tensor scale, the 4/3 SR unscale)
     are left out of ``values`` so that they can be applied to the GEMM's f32 result.
     """
-    values, tensor_scale = fake_quantize_parts(
-        x, recipe.fmt, axis=-1, scale_rule=recipe.scale_rule, rounding=recipe.rounding,
-        key=key if recipe.needs_key else None, sr_prescale=recipe.sr_prescale)
+    values, tensor_scale = fake_quantize_parts(x, recipe.fmt, axis=-1,
+                                               **recipe.quantizer_kwargs(key))
     factors = () if tensor_scale is None else (tensor_scale,)
     if recipe.sr_prescale:
         factors += (jnp.float32(SR_UNSCALE),)

@@ -610,7 +610,7 @@ def fake_quantize_parts(
         xb = xm.reshape(xm.shape[:-1] + (xm.shape[-1] // block, block))
         ub = None if u is None else u.reshape(xb.shape)
         if fmt.scale == "e8m0":
-            y, s, nonfinite = _mx_prepare(xb, elem, rule, sr_prescale)
+            y, s, nonfinite = _mx_prepare(xb, elem, rule, sr_prescale, x.dtype)
             v = _bits.ldexp_normal(round_to_value(y, elem, mode, ub), s)
             values, t = jnp.where(nonfinite, jnp.float32(jnp.nan), v), None
         else:

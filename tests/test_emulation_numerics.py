@@ -147,6 +147,18 @@ def test_fake_quantize_parts_recombine_to_fake_quantize(fmt, prescale, np_rng):
         assert (t is None) == (not fmt.tensor_scale)
 
 
+@pytest.mark.parametrize("rule", ["even", "ceil", "rceil"])
+def test_fake_quantize_parts_caps_the_scale_by_the_input_dtype(rule):
+    # fp16 60000 under EVEN/CEIL/RCEIL: the scale exponent is capped so that the
+    # value stays finite in fp16 (49152), in the parts as in fake_quantize.
+    x = jnp.asarray(np.array([[60000.0] + [1.0] * 31]), jnp.float16)
+    values, t = fake_quantize_parts(x, F.MXFP4, scale_rule=rule)
+    want = mxjax.fake_quantize(x, F.MXFP4, scale_rule=rule)
+    assert t is None
+    np.testing.assert_array_equal(np.asarray(values.astype(jnp.float16)), np.asarray(want))
+    assert float(values[0, 0]) == 49152.0
+
+
 def _scaled_grid(fmt):
     """Every |value| fake_quantize_parts can produce for `fmt` (f64, exact), finite in f32."""
     np_elem = {"e2m1": ml_dtypes.float4_e2m1fn, "e4m3": ml_dtypes.float8_e4m3fn,
