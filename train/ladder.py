@@ -1,5 +1,5 @@
 """The paper's MXFP4 ladder in one command:
-``python -m train.ladder --config configs/ladder_tiny.yaml``.
+``python -m train.ladder --config configs/ladder_target_tiny.yaml``.
 
 Trains the same model on the same data and seeds under every policy of the
 ladder and reports the extra tokens each needs to reach the baseline's eval
@@ -196,7 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         epilog="outputs in --out: ladder.md, ladder.json, ladder_curves.png, target.json, "
                "runs/<policy>/seed<k>/ (each an ordinary train run). Re-running resumes; "
                "finished runs are skipped.")
-    p.add_argument("--config", required=True, help="ladder YAML (e.g. configs/ladder_tiny.yaml)")
+    p.add_argument("--config", required=True,
+                   help="ladder YAML (e.g. configs/ladder_target_tiny.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a ladder key, e.g. seeds=[0] or run.train.eval_every=10")
     p.add_argument("--out", help="output directory (default: out_dir, else runs/<name>)")

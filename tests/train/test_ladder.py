@@ -157,9 +157,9 @@ def test_shipped_configs_parse():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    tiny = L.load(root / "configs" / "ladder_tiny.yaml")
+    tiny = L.load(root / "configs" / "ladder_target_tiny.yaml")
     assert set(tiny.policies) == set(L.LADDER_POLICIES) and len(tiny.seeds) >= 2
-    gpu = L.load(root / "configs" / "ladder_gpu_1b.yaml")
+    gpu = L.load(root / "configs" / "ladder_target_gpu_1b.yaml")
     assert gpu.run["model"]["preset"] == "llama3_1b"
 
 
