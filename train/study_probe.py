@@ -636,13 +636,19 @@ def _max_of(per_gemm, kind, field):
 def format_table(probe: Mapping[str, Any]) -> str:
     """The aggregate rows of :func:`mechanism_probe` as a text table (one line per
     policy and GEMM kind)."""
-    cols = ("rel_err", "gain", "err_cos", "err_corr_batches", "lhs_common_share",
-            "rhs_common_share", "lhs_noncommon_err", "rhs_noncommon_err", "lhs_rel_err",
-            "rhs_rel_err", "lhs_flush", "rhs_flush")
-    head = ["policy", "gemm"] + [c.replace("_batches", "") for c in cols]
-    lines = ["  ".join(f"{h:>13}" for h in head)]
+    cols = ("rel_err", "gain", "err_cos", "err_corr_batches", "lhs_rel_err", "rhs_rel_err",
+            "lhs_common_share", "rhs_common_share", "lhs_common_err", "rhs_common_err",
+            "lhs_noncommon_err", "rhs_noncommon_err", "lhs_flush", "rhs_flush")
+    short = {"err_corr_batches": "err_corr", "lhs_common_share": "l_cshare",
+             "rhs_common_share": "r_cshare", "lhs_common_err": "l_cerr", "rhs_common_err": "r_cerr",
+             "lhs_noncommon_err": "l_ncerr", "rhs_noncommon_err": "r_ncerr",
+             "lhs_rel_err": "l_rel", "rhs_rel_err": "r_rel", "lhs_flush": "l_flush",
+             "rhs_flush": "r_flush"}
+    width = max([16] + [len(n) for n in probe["policies"]])
+    head = [f"{'policy':<{width}}", "gemm "] + [f"{short.get(c, c):>8}" for c in cols]
+    lines = [" ".join(head)]
     for name, p in probe["policies"].items():
         for kind, row in p["aggregate"].items():
-            vals = [name[:13], kind] + ["-" if row[c] is None else f"{row[c]:.4g}" for c in cols]
-            lines.append("  ".join(f"{v:>13}" for v in vals))
+            vals = ["-" if row[c] is None else f"{row[c]:.4f}" for c in cols]
+            lines.append(" ".join([f"{name:<{width}}", f"{kind:5}"] + [f"{v:>8}" for v in vals]))
     return "\n".join(lines)
