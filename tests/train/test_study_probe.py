@@ -280,3 +280,15 @@ def test_bad_input_is_named(params):
         S.mechanism_probe(CFG, params, [_batch(0)], {"a": "mxfp4_all"})
     with pytest.raises(TypeError, match="model_config"):
         S.mechanism_probe({}, params, [_batch(0)], {"a": policies.get("mxfp4_all")})
+
+
+def test_format_table_lists_every_policy_and_gemm():
+    row = dict.fromkeys(("rel_err", "gain", "err_cos", "err_corr_batches"), 0.5)
+    for side in ("lhs", "rhs"):
+        row.update({f"{side}_{f}": 0.25 for f in ("rel_err", "common_share", "common_err",
+                                                   "noncommon_err", "flush")})
+    row["err_corr_batches"] = None
+    probe = {"policies": {"a_long_policy_name": {"aggregate": {"fprop": row, "wgrad": row}}}}
+    lines = S.format_table(probe).splitlines()
+    assert len(lines) == 3 and lines[1].startswith("a_long_policy_name fprop")
+    assert " - " in lines[2] and "0.2500" in lines[2]
