@@ -317,3 +317,43 @@ def test_summarize_probes_without_quantized_call_sites():
     for empty in (np.zeros((0,)), np.zeros((0, 3, D.N_GEMM_FIELDS))):
         s = D.summarize_probes(empty, [])
         assert s == {"per_slot": {}, "per_gemm": {}, "flat": {}}
+
+
+# --------------------------------------------------------------------------- block_mean_share
+def _np_block_mean_share(x, axis, block):
+    """numpy float64: zero-pad along axis to a multiple of block, energy of block means."""
+    xm = np.moveaxis(np.asarray(x, np.float64), axis, -1)
+    pad = (-xm.shape[-1]) % block
+    xm = np.concatenate([xm, np.zeros(xm.shape[:-1] + (pad,))], axis=-1)
+    xb = xm.reshape(xm.shape[:-1] + (-1, block))
+    common = np.sum(block * np.mean(xb, axis=-1) ** 2)
+    total = np.sum(xb ** 2)
+    return 0.0 if total == 0 else common / total
+
+
+@pytest.mark.parametrize("shape,axis,block", [((3, 48), -1, 16), ((5, 40), -1, 16),
+                                              ((37, 4), 0, 16), ((2, 3, 7), 1, 16),
+                                              ((4, 96), -1, 32), ((6, 10), 1, 3)])
+def test_block_mean_share_matches_numpy(shape, axis, block):
+    rng = np.random.default_rng(sum(shape) + block)
+    f = jax.jit(D.block_mean_share, static_argnames=("axis", "block"))
+    for offset in (0.0, 1.5):  # zero-mean and strongly common inputs
+        x = (rng.standard_normal(shape) + offset).astype(np.float32)
+        got = float(f(jnp.asarray(x), axis=axis, block=block))
+        assert got == pytest.approx(_np_block_mean_share(x, axis, block), rel=2e-6, abs=1e-7)
+
+
+def test_block_mean_share_extremes():
+    f = D.block_mean_share
+    assert float(f(jnp.zeros((4, 32)))) == 0.0  # all zero: 0, not NaN
+    assert float(f(jnp.full((4, 32), -3.0))) == pytest.approx(1.0, rel=1e-6)  # constant blocks
+    # a Hadamard row other than the first has zero block mean
+    alt = np.tile(np.array([1.0, -1.0], np.float32), 16)[None]
+    assert float(f(jnp.asarray(alt))) == 0.0
+    # 20 ones: one full block (share 16) + a padded one holding 4 ones (4^2 / 16 = 1)
+    assert float(f(jnp.ones((20,)))) == pytest.approx(17 / 20, rel=1e-6)
+    assert np.isnan(float(f(jnp.asarray([1.0, np.nan]))))
+    with pytest.raises(ValueError, match="block"):
+        f(jnp.ones((4,)), block=0)
+    with pytest.raises(ValueError, match="axis"):
+        f(jnp.ones((4,)), axis=1)

@@ -44,6 +44,7 @@ __all__ = [
     "GEMM_FIELDS",
     "N_GEMM_FIELDS",
     "OPERAND_STATS",
+    "block_mean_share",
     "cosine_similarity",
     "gemm_stats",
     "operand_stats",
@@ -197,6 +198,37 @@ def quantized_operand_stats(x: jax.Array, recipe: Any, axis: int, key: jax.Array
     if q is None:
         return jnp.zeros((len(OPERAND_STATS),), jnp.float32)
     return operand_stats_vector(x, q, xq)
+
+
+def block_mean_share(x: jax.Array, axis: int = -1, block: int = 16) -> jax.Array:
+    """Fraction of ``x``'s energy in its per-block means along ``axis`` (f32 scalar).
+
+    ``x`` is split into consecutive blocks of ``block`` elements along ``axis``
+    (the last one zero-padded, as a GEMM pads its contraction for a Hadamard);
+    each block's mean ``m = sum(block) / block`` carries energy ``block * m**2``,
+    which is the energy a normalized Sylvester Hadamard of size ``block`` puts
+    into the block's first coefficient. Returns ``sum(block * m**2) /
+    sum(x**2)``, in [0, 1]; 0 for an all-zero ``x``; NaN/Inf propagate. Along a
+    GEMM's contraction this is the share of an operand that is common to the
+    elements one rotated block mixes (for wgrad, a feature's mean over the
+    tokens the block sums).
+
+    Args:
+      x: float array, any shape with at least one axis.
+      axis: the axis the blocks run along.
+      block: block length (a positive int).
+    """
+    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+        raise ValueError(f"block: expected a positive int, got {block!r}")
+    x = jnp.asarray(x)
+    if x.ndim == 0:
+        raise ValueError("x: expected an array with at least one axis, got a scalar")
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis: {axis} is out of range for an array of rank {x.ndim}")
+    xb = _blocks_last(x.astype(jnp.float32), axis, block)
+    sums = jnp.sum(xb, axis=-1)
+    common = jnp.sum(jnp.square(sums)) / jnp.float32(block)
+    return safe_ratio(common, jnp.sum(jnp.square(xb)))
 
 
 def cosine_similarity(a: jax.Array, b: jax.Array) -> jax.Array:
