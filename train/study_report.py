@@ -327,10 +327,58 @@ def render(rep: Mapping[str, Any], cfg: StudyConfig) -> str:
         cells = [pct_iv((rep["scale"][w]["table"].get(p) or {}).get("vs_exact"))
                  for w in rep["scale"]]
         lines.append(f"| `{p}` | " + " | ".join(cells) + " |")
+    lines += render_probe(rep.get("probe"))
     lines += ["", "![overhead per policy, early vs late](ladder_overhead.png)", "",
               "![scale trend](ladder_scale.png)", "", "![fixed-budget curves](ladder_curves.png)",
               ""]
     return "\n".join(lines)
+
+
+PROBE_COLUMNS = (("rel_err", "out err"), ("gain", "gain"), ("err_corr_batches", "err corr"),
+                 ("lhs_rel_err", "dY err"), ("rhs_rel_err", "X err"),
+                 ("rhs_common_share", "X common"), ("rhs_common_err", "X common err"),
+                 ("rhs_noncommon_err", "X rest err"), ("rhs_flush", "X flushed"))
+
+
+def render_probe(probe: Mapping[str, Any] | None) -> list[str]:
+    """The mechanism probe's Wgrad rows (train.study_probe) as markdown."""
+    if not probe:
+        return []
+    lines = ["", "## Mechanism probe (Wgrad GEMM at fixed reference states)", "",
+             (f"Reference states of seed {probe['seed']}; two batches each. out err = "
+             "|Q - exact|/|exact| of the Wgrad output; gain = <Q, exact>/|exact|^2; err corr = "
+             "cosine of the output error between the two batches (an error that repeats "
+             "step after step); X common = energy share of X's 16-token block means (the "
+             "operand Wgrad sums over tokens); X common err / X rest err = X's quantization "
+             "error inside / outside that subspace (rotation undone); X flushed = share of "
+             "nonzero X entries quantized to 0. Energy-weighted over projections and layers."), ""]
+    for point, pr in probe["points"].items():
+        lines += [f"Step {point}:", "",
+                  "| policy | fprop err | dgrad err | " + " | ".join(c[1] for c in PROBE_COLUMNS)
+                  + " |", "|---|---|---|" + "---|" * len(PROBE_COLUMNS)]
+        for name, p in pr["policies"].items():
+            agg = p["aggregate"]
+
+            def f(x: Any) -> str:
+                return "—" if x is None else f"{x:.3f}"
+
+            lines.append(f"| `{name}` | {f(agg.get('fprop', {}).get('rel_err'))} | "
+                         f"{f(agg.get('dgrad', {}).get('rel_err'))} | "
+                         + " | ".join(f(agg.get("wgrad", {}).get(c[0])) for c in PROBE_COLUMNS)
+                         + " |")
+        checks = [p.get("impl_check") for p in pr["policies"].values() if p.get("impl_check")]
+        if checks:
+            rot = max((c.get("max_rot_only_dev") or 0.0) for c in checks)
+            ref32 = max((c.get("max_ref32_dev") or 0.0) for c in checks)
+            flips = max((c.get("max_ref_flips") or 0.0) for c in checks)
+            lines += ["", (f"Implementation check, every GEMM of every projection: rotation "
+                      f"without quantization vs exact, max relative deviation {rot:.1e}; "
+                      f"policy GEMM vs a reference assembled from the fp32 rotation, "
+                      f"fake_quantize and a float64 product: {ref32:.1e} (with a float64 "
+                      f"rotation instead, at most {100 * flips:.4f}% of elements fall on the "
+                      "other side of a rounding boundary).")]
+        lines.append("")
+    return lines
 
 
 # --------------------------------------------------------------------------- plots

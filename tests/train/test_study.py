@@ -103,7 +103,7 @@ def bench(tmp_path_factory, data_cache):
 
 
 def test_branches_are_paired_and_the_exact_branch_continues_the_reference(bench, tmp_path):
-    cfg, b = bench
+    _, b = bench
     saved = {}
 
     def save(k, state):
@@ -134,7 +134,7 @@ def test_branches_are_paired_and_the_exact_branch_continues_the_reference(bench,
 
 
 def test_load_state_refuses_another_layout(bench, tmp_path):
-    cfg, b = bench
+    _, b = bench
     E.save_state(tmp_path / "bad.npz", {"params": {"w": np.zeros((3,), np.float32)}})
     with pytest.raises(ValueError, match="does not match this model's layout"):
         E.load_state(tmp_path / "bad.npz", b)

@@ -92,10 +92,10 @@ def test_efficiency_is_equivalent_exact_steps_over_branch_steps():
 
 
 def test_log_overhead_is_a_geometric_mean_with_a_log_interval():
-    iv, (oh, lo, hi) = S.log_overhead([1.0] * 4, [0.8] * 4)
+    _, (oh, lo, hi) = S.log_overhead([1.0] * 4, [0.8] * 4)
     assert oh == pytest.approx(0.25) and lo == pytest.approx(0.25) and hi == pytest.approx(0.25)
     effs = [0.5, 1.0, 0.8, 0.9]
-    iv, (oh, lo, hi) = S.log_overhead([1.0] * 4, effs)
+    _, (oh, lo, hi) = S.log_overhead([1.0] * 4, effs)
     logs = -np.log(effs)
     ref = S.mean_interval(logs)
     assert oh == pytest.approx(math.expm1(ref.mean))
