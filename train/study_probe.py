@@ -49,6 +49,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -685,5 +686,5 @@ def run_for_study(cfg: Any, out: Any) -> dict[str, Any]:
         result["points"][str(point)] = mechanism_probe(
             model_config, fetch(state["params"]), batches, pols, key_seed=seed,
             impl_check=point == points[-1])
-    study_engine.write_json(out, result)
+    study_engine.write_json(Path(out), result)
     return result
