@@ -276,8 +276,9 @@ def render(rep: Mapping[str, Any], cfg: StudyConfig) -> str:
               (f"Every policy trains {cfg.steps} steps from the same init per seed "
               f"({list(cfg.seeds)}), same batches. Loss differences paired by seed (95% t "
               "interval over seeds); token overhead = the steps the reference (or baseline) "
-              "needs on its own curve to reach the policy's final loss (censored when it is "
-              "below the curve's end)."), "",
+              "needs on its own curve to reach the policy's final loss; a seed whose policy "
+              "ends below that curve's end is censored ('at <= 0': its overhead is negative "
+              "by an unknown amount and counts as 0)."), "",
               (f"| policy | final loss | vs {cfg.reference} (paired) | separated | tokens vs "
               f"{cfg.reference} | vs {cfg.baseline} (paired) | separated | tokens vs "
               f"{cfg.baseline} | own-forward loss |"), "|---|---|---|---|---|---|---|---|---|"]
@@ -298,7 +299,7 @@ def render(rep: Mapping[str, Any], cfg: StudyConfig) -> str:
             d = r.get(f"tokens_{k}")
             if not d:
                 return "—"
-            c = f" ({d['censored']} censored)" if d["censored"] else ""
+            c = f" ({d['censored']} at <= 0)" if d["censored"] else ""
             return pct_iv(d) + c
 
         a, sa = dl("vs_reference")
