@@ -126,7 +126,10 @@ def execute(cfg_json: str, unit: Unit) -> tuple[Unit, float]:
         rec = E.fixed_budget_run(bench, unit.policy, unit.seed, cfg.steps, every,
                                  save if saving else None)
     else:
-        start = E.load_state(E.state_path(root, unit.width, unit.seed, unit.point), bench)
+        spath = E.state_path(root, unit.width, unit.seed, unit.point)
+        if not spath.exists():  # a branch point added after the reference run: replay it
+            E.replay_state(bench, cfg.reference, unit.seed, unit.point, spath)
+        start = E.load_state(spath, bench)
         exact = unit.policy == cfg.reference
         b = cfg.branch
         rec = E.branch(bench, unit.policy, start, unit.seed, unit.point, unit.batch_set,

@@ -213,6 +213,17 @@ def fixed_budget_run(bench: Bench, policy: str, seed: int, steps: int, eval_ever
             "batch_digest": _digest(batches, seed, 0), "wall_s": round(time.time() - t0, 2)}
 
 
+def replay_state(bench: Bench, policy: str, seed: int, point: int, path: Path) -> None:
+    """Re-creates a reference state missing from `path` by replaying the reference run's
+    first `point` steps (the same init, batches and keys, so the same state) and saves it."""
+    with shd.use_mesh(bench.mesh):
+        state = bench.init(jax.random.key(seed))
+    loader = bench.loader(seed)
+    state, _, _ = _train(bench, policy, state, [loader.batch(k) for k in range(point)], seed,
+                         lambda k: False)
+    save_state(path, state)
+
+
 def branch(bench: Bench, policy: str, start: Any, seed: int, point: int, batch_set: int,
            steps: int, pair_steps: int, eval_every: int | None = None) -> dict[str, Any]:
     """One branch: `steps` steps of `policy` from the reference state `start` at `point`.

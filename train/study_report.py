@@ -90,6 +90,8 @@ def branch_table(branches: Mapping[tuple[int, int, int], Mapping[str, Any]], ref
         reps.append(row)
     phases = {"all": lambda r: True, "early": lambda r: r["point"] < late_from,
               "late": lambda r: r["point"] >= late_from}
+    for pt in sorted({r["point"] for r in reps}):
+        phases[f"step{pt}"] = lambda r, pt=pt: r["point"] == pt
     policies = sorted({p for r in reps for p in r["policies"]})
     table: dict[str, Any] = {}
     for p in policies:
@@ -254,6 +256,13 @@ def render(rep: Mapping[str, Any], cfg: StudyConfig) -> str:
             f"{pct_iv(e['all'].get('vs_exact_by_seed'))} | {pct_iv(e['all'].get('vs_baseline'))} "
             f"| {lme['mean']:+.4f} ± {(lme['high'] - lme['low']) / 2:.4f} | "
             f"{_separated(e['all']['vs_exact'])} |")
+    points = sorted(cfg.branch.points)
+    lines += ["", "By branch point (overhead vs exact, replicates = seeds):", "",
+              "| policy | " + " | ".join(f"from step {pt}" for pt in points) + " |",
+              "|---|" + "---|" * len(points)]
+    for p in order:
+        lines.append(f"| `{p}` | " + " | ".join(
+            pct_iv(t[p].get(f"step{pt}", {}).get("vs_exact")) for pt in points) + " |")
     lines += ["", "What each ablation changes:", ""]
     for p in cfg.ablations:
         lines.append(f"- `{p}`: {study_policies.describe(p)}")

@@ -113,6 +113,12 @@ def test_branches_are_paired_and_the_exact_branch_continues_the_reference(bench,
 
     ref = E.fixed_budget_run(b, "none", 0, 8, 4, save)
     assert saved and ref["skipped"] == 0 and [k for k, _ in ref["curve"]] == [0, 4, 8]
+    # A missing state (a branch point added later) is replayed to the same bits.
+    E.replay_state(b, "none", 0, 4, tmp_path / "r4.npz")
+    with np.load(tmp_path / "s4.npz") as saved_z, np.load(tmp_path / "r4.npz") as replayed:
+        assert saved_z.files == replayed.files
+        for name in saved_z.files:
+            np.testing.assert_array_equal(saved_z[name], replayed[name])
 
     def go(policy, steps, batch_set=0, every=None):
         start = E.load_state(tmp_path / "s4.npz", b)
