@@ -453,7 +453,8 @@ def plot(rep: Mapping[str, Any], cfg: StudyConfig, out: Path) -> None:
     ax.set_xticks(widths, [str(w) for w in widths])
     ax.set_xlabel("model width (dim)")
     ax.set_ylabel("token overhead vs exact (%)")
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
     ax.set_title("scale trend (branch-and-compare)")
     fig.tight_layout()
     fig.savefig(out / "ladder_scale.png", dpi=120)
@@ -472,7 +473,8 @@ def plot(rep: Mapping[str, Any], cfg: StudyConfig, out: Path) -> None:
         ax.plot(ks[1:], mean[1:], marker=".", label=f"{p} ({len(curves)} seeds)")
     ax.set_xlabel("step")
     ax.set_ylabel("held-out loss (exact forward), mean over seeds")
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
     ax.set_title(f"{cfg.name}: fixed-budget ladder")
     fig.tight_layout()
     fig.savefig(out / "ladder_curves.png", dpi=120)
