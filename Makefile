@@ -60,7 +60,7 @@ train: $(STAMP)
 
 # The paper's MXFP4 ladder at CPU scale (every policy x 2 seeds; resumable).
 # The ladder study (train/study.py): fixed-budget ladder, branch-and-compare efficiency
-# with 95% intervals, ablations, scale trend; about an hour on 2 CPU cores, resumable.
+# with 95% intervals, ablations, scale trend; about 1.5 hours on 2 CPU cores, resumable.
 LADDER_ARGS ?=
 ladder: $(STAMP)
 	$(PY) -m train.data prepare --config configs/tiny.yaml
