@@ -374,13 +374,23 @@ def load(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
     return from_dict(apply_overrides(raw, overrides))
 
 
+def require(cond: bool, msg: str) -> None:
+    """Raises ConfigError(msg) unless `cond` (the value rules of every config in train/)."""
+    if not cond:
+        raise ConfigError(msg)
+
+
+def require_unique(values: Sequence[Any], key: str, *, allow_empty: bool = False) -> None:
+    """Raises ConfigError naming `key` when `values` repeats an entry (or is empty)."""
+    require(allow_empty or len(values) > 0,
+            f"{key}: expected a non-empty list, got {list(values)!r}")
+    require(len(set(values)) == len(values), f"{key}: repeated entries in {list(values)!r}")
+
+
 def check(cfg: Config) -> None:
     """Value checks that need no model, data or devices (all raise ConfigError)."""
     t, o, d, c, m = cfg.train, cfg.optim, cfg.data, cfg.checkpoint, cfg.mesh
-
-    def need(cond: bool, msg: str) -> None:
-        if not cond:
-            raise ConfigError(msg)
+    need = require
 
     need(bool(cfg.name) and "/" not in cfg.name,
          f"name: must be a non-empty name without '/', got {cfg.name!r}")

@@ -16,7 +16,7 @@ from typing import Any
 
 from mxjax import policies
 from train import config as C
-from train.config import Config, ConfigError
+from train.config import Config, ConfigError, require, require_unique
 from train.jsonsafe import jsonable
 
 LADDER_POLICIES = ("fp8", "mxfp4_fprop", "mxfp4_fprop_dgrad", "mxfp4_all", "mxfp4_all_sr",
@@ -67,11 +67,6 @@ class LadderConfig:
         return math.ceil(self.budget_multiple * self.baseline_steps - 1e-9)
 
 
-def _need(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
-
-
 def _listed(raw: Mapping[str, Any], key: str) -> dict[str, Any]:
     """`raw` with a scalar int at `key` (``seeds: 0``) read as a one-element list."""
     v = raw.get(key)
@@ -82,7 +77,7 @@ def _listed(raw: Mapping[str, Any], key: str) -> dict[str, Any]:
 
 def from_dict(raw: Mapping[str, Any]) -> LadderConfig:
     """Builds and validates a LadderConfig (unknown keys and bad values raise ConfigError)."""
-    _need(isinstance(raw, Mapping), f"ladder config must be a mapping, got {type(raw).__name__}")
+    require(isinstance(raw, Mapping), f"ladder config must be a mapping, got {type(raw).__name__}")
     raw = _listed(copy.deepcopy(dict(raw)), "seeds")
     if isinstance(raw.get("diagnostics"), Mapping):
         raw["diagnostics"] = _listed(raw["diagnostics"], "seeds")
@@ -91,40 +86,35 @@ def from_dict(raw: Mapping[str, Any]) -> LadderConfig:
     return cfg
 
 
-def _unique(v: Sequence[Any], key: str) -> None:
-    _need(len(v) > 0, f"{key}: expected a non-empty list, got {list(v)!r}")
-    _need(len(set(v)) == len(v), f"{key}: repeated entries in {list(v)!r}")
-
-
 def check(cfg: LadderConfig) -> None:
     """The ladder's value rules (types are checked by the builder)."""
     for k in ("name", "baseline"):
-        _need(bool(getattr(cfg, k)), f"{k}: expected a non-empty string")
-    _need("/" not in cfg.name, f"name: must not contain '/', got {cfg.name!r}")
-    _need(cfg.out_dir is None or bool(cfg.out_dir),
+        require(bool(getattr(cfg, k)), f"{k}: expected a non-empty string")
+    require("/" not in cfg.name, f"name: must not contain '/', got {cfg.name!r}")
+    require(cfg.out_dir is None or bool(cfg.out_dir),
           f"out_dir: expected a path or null, got {cfg.out_dir!r}")
-    _unique(cfg.policies, "policies")
-    _unique(cfg.seeds, "seeds")
-    _unique(cfg.diagnostics.seeds, "diagnostics.seeds")
-    _need(cfg.baseline_steps >= 1,
+    require_unique(cfg.policies, "policies")
+    require_unique(cfg.seeds, "seeds")
+    require_unique(cfg.diagnostics.seeds, "diagnostics.seeds")
+    require(cfg.baseline_steps >= 1,
           f"baseline_steps: expected an integer >= 1, got {cfg.baseline_steps!r}")
-    _need(math.isfinite(cfg.budget_multiple) and cfg.budget_multiple >= 1.0,
+    require(math.isfinite(cfg.budget_multiple) and cfg.budget_multiple >= 1.0,
           f"budget_multiple: must be >= 1, got {cfg.budget_multiple}")
     for k in ("target_eval_loss", "diverge_loss"):
         v = getattr(cfg, k)
-        _need(v is None or math.isfinite(v), f"{k}: expected a number, got {v!r}")
+        require(v is None or math.isfinite(v), f"{k}: expected a number, got {v!r}")
     known = set(policies.names())
     bad = [p for p in cfg.policies if p not in known]
-    _need(not bad, f"policies: unknown {bad}; known: {', '.join(policies.names())}")
+    require(not bad, f"policies: unknown {bad}; known: {', '.join(policies.names())}")
     dp = cfg.diagnostics.policies
-    _need(dp is None or all(p in cfg.policies for p in dp),
+    require(dp is None or all(p in cfg.policies for p in dp),
           f"diagnostics.policies: {dp} must be among the ladder's policies")
-    _need(cfg.baseline in cfg.policies, f"baseline: {cfg.baseline!r} must be one of the "
+    require(cfg.baseline in cfg.policies, f"baseline: {cfg.baseline!r} must be one of the "
           f"ladder's policies {list(cfg.policies)}")
     for k in ("name", "seed", "out_dir", "policy"):
-        _need(k not in cfg.run, f"run.{k}: set by the ladder for each run; remove it")
+        require(k not in cfg.run, f"run.{k}: set by the ladder for each run; remove it")
     for k in ("steps", "target_eval_loss"):
-        _need(k not in (cfg.run.get("train") or {}),
+        require(k not in (cfg.run.get("train") or {}),
               f"run.train.{k}: set by the ladder (use baseline_steps / budget_multiple / "
               "target_eval_loss at the top level)")
     # The shared train config must itself be valid.

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import dataclasses
-import functools
 import json
 import multiprocessing
 import os
@@ -46,7 +45,10 @@ import yaml
 
 from train import study_config as SC
 from train import study_engine as E
+from train import study_policies, study_probe
 from train.config import ConfigError
+from train.plan import validate
+from train.process import fetch
 
 __all__ = ["Unit", "chunks", "main", "plan_units", "run_study"]
 
@@ -101,16 +103,9 @@ def plan_units(cfg: SC.StudyConfig) -> list[Unit]:
     return sorted(units, key=lambda u: (u.phase, u.kind != "run", u.width != cfg.width))
 
 
-@functools.cache
-def _bench(cfg_json: str, width: int) -> E.Bench:
-    cfg = SC.from_dict(json.loads(cfg_json))
-    return E.make_bench(SC.run_config(cfg, width))
-
-
-def execute(cfg_json: str, unit: Unit) -> tuple[Unit, float]:
-    """Runs one unit (in this process) and writes its record; returns (unit, wall seconds)."""
-    cfg = SC.from_dict(json.loads(cfg_json))
-    bench = _bench(cfg_json, unit.width)
+def execute(cfg: SC.StudyConfig, bench: E.Bench, unit: Unit) -> float:
+    """Runs one unit on `bench` (its width's compiled pieces) and writes its record; returns
+    its wall seconds."""
     root = cfg.out_path
     t0 = time.time()
     if unit.kind == "run":
@@ -118,7 +113,7 @@ def execute(cfg_json: str, unit: Unit) -> tuple[Unit, float]:
         saving = unit.policy == cfg.reference and unit.phase == 0
 
         def save(k: int, state: Any) -> None:
-            if saving and k in points:
+            if k in points:
                 E.save_state(E.state_path(root, unit.width, unit.seed, k), state)
 
         every = (cfg.eval_every if unit.policy in (cfg.reference, cfg.baseline)
@@ -137,7 +132,7 @@ def execute(cfg_json: str, unit: Unit) -> tuple[Unit, float]:
                        b.exact_eval_every if exact else None)
     rec.update(width=unit.width, n_params=bench.n_params)
     E.write_json(unit.path(root), rec)
-    return unit, time.time() - t0
+    return time.time() - t0
 
 
 def _log(verbose: bool, msg: str) -> None:
@@ -145,11 +140,21 @@ def _log(verbose: bool, msg: str) -> None:
         print(f"[study] {msg}", file=sys.stderr, flush=True)
 
 
-def execute_chunk(cfg_json: str, units: Sequence[Unit], verbose: bool) -> list[float]:
-    """Runs `units` (one width and policy: one compilation) in order; their wall seconds."""
+def execute_chunk(cfg_json: str, units: Sequence[Unit], verbose: bool,
+                  benches: dict[int, E.Bench] | None = None) -> list[float]:
+    """Runs `units` (one width and policy: one compilation) in order; their wall seconds.
+
+    `benches` (width -> Bench) lets a sequential study share compiled pieces across chunks;
+    a worker process builds its chunk's own (the persistent compilation cache serves what
+    another chunk compiled).
+    """
+    cfg = SC.from_dict(json.loads(cfg_json))
+    benches = {} if benches is None else benches
     walls = []
     for u in units:
-        _, wall = execute(cfg_json, u)
+        if u.width not in benches:
+            benches[u.width] = E.make_bench(SC.run_config(cfg, u.width))
+        wall = execute(cfg, benches[u.width], u)
         walls.append(wall)
         _log(verbose, f"  {u.label()}: {wall:.1f} s (pid {os.getpid()})")
     return walls
@@ -189,6 +194,7 @@ def run_study(cfg: SC.StudyConfig, *, verbose: bool = True) -> dict[str, Any]:
         raise ConfigError(f"workers: {cfg.workers} worker processes are for CPU hosts; on "
                           f"{jax.default_backend()} use workers: 1 (one process per device set)")
     cfg_json = json.dumps(SC.to_dict(cfg), sort_keys=True)
+    benches: dict[int, E.Bench] = {}  # this process's compiled pieces, per width
     t_start = time.time()
     n_done = 0
 
@@ -203,7 +209,7 @@ def run_study(cfg: SC.StudyConfig, *, verbose: bool = True) -> dict[str, Any]:
         groups = chunks([u for u in todo if u.phase == phase])
         if cfg.workers == 1 or len(groups) <= 1:
             for g in groups:
-                progress(len(execute_chunk(cfg_json, g, verbose)))
+                progress(len(execute_chunk(cfg_json, g, verbose, benches)))
             continue
         saved = {k: os.environ.get(k) for k in _worker_env()}
         os.environ.update(_worker_env())
@@ -233,11 +239,37 @@ def _probe(cfg: SC.StudyConfig, verbose: bool) -> None:
     out = cfg.out_path / "probe.json"
     if out.exists():
         return
-    from train import study_probe
-
     t0 = time.time()
-    study_probe.run_for_study(cfg, out)
+    run_probe(cfg, out)
     _log(verbose, f"probe done in {time.time() - t0:.0f} s")
+
+
+PROBE_POLICIES = ("mxfp4_all", "mxfp4_all_h16", "mxfp4_all_rht16", "mxfp4_all_h32",
+                  "mxfp4_wgrad_h16", "wgrad_mx_h16")
+
+
+def run_probe(cfg: SC.StudyConfig, out: Path) -> dict[str, Any]:
+    """`train.study_probe.mechanism_probe` at the first and last branch points (reference
+    states of the first branch seed; the two batches that follow each point); writes `out`.
+
+    The implementation checks run at the last point only (they triple the host work).
+    """
+    run = SC.run_config(cfg, cfg.width)
+    model_config = validate(run, verbose=False).model_config
+    bench = E.make_bench(run)
+    seed = cfg.branch_seeds[0]
+    pols = {p: study_policies.get(p) for p in PROBE_POLICIES}
+    result: dict[str, Any] = {"seed": seed, "policies": list(pols), "points": {}}
+    points = sorted(cfg.branch.points)
+    for point in (points[0], points[-1]):
+        state = E.load_state(E.state_path(cfg.out_path, cfg.width, seed, point), bench)
+        loader = bench.loader(seed)
+        batches = [loader.batch(point), loader.batch(point + 1)]
+        result["points"][str(point)] = study_probe.mechanism_probe(
+            model_config, fetch(state["params"]), batches, pols, key_seed=seed,
+            impl_check=point == points[-1])
+    E.write_json(Path(out), result)
+    return result
 
 
 # --------------------------------------------------------------------------- CLI

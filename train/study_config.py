@@ -14,7 +14,7 @@ from typing import Any
 
 from train import config as C
 from train import study_policies
-from train.config import Config, ConfigError
+from train.config import Config, ConfigError, require, require_unique
 from train.jsonsafe import jsonable
 
 
@@ -109,19 +109,9 @@ class StudyConfig:
         return self.scale.points if self.scale.points is not None else self.branch.points
 
 
-def _need(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
-
-
-def _unique(v: Sequence[Any], key: str, allow_empty: bool = False) -> None:
-    _need(allow_empty or len(v) > 0, f"{key}: expected a non-empty list, got {list(v)!r}")
-    _need(len(set(v)) == len(v), f"{key}: repeated entries in {list(v)!r}")
-
-
 def from_dict(raw: Mapping[str, Any]) -> StudyConfig:
     """Builds and validates a StudyConfig (unknown keys and bad values raise ConfigError)."""
-    _need(isinstance(raw, Mapping), f"study config must be a mapping, got {type(raw).__name__}")
+    require(isinstance(raw, Mapping), f"study config must be a mapping, got {type(raw).__name__}")
     cfg = C.build(StudyConfig, copy.deepcopy(dict(raw)), what="study")
     check(cfg)
     return cfg
@@ -129,7 +119,7 @@ def from_dict(raw: Mapping[str, Any]) -> StudyConfig:
 
 def check(cfg: StudyConfig) -> None:
     """The study's value rules (types are checked by the builder)."""
-    _need(bool(cfg.name) and "/" not in cfg.name, f"name: a non-empty name without '/', got "
+    require(bool(cfg.name) and "/" not in cfg.name, f"name: a non-empty name without '/', got "
           f"{cfg.name!r}")
     known = set(study_policies.names())
     for key in ("rungs", "ablations", "branch.policies", "scale.policies"):
@@ -138,38 +128,38 @@ def check(cfg: StudyConfig) -> None:
             obj = getattr(obj, part)
         if obj is None:
             continue
-        _unique(obj, key, allow_empty=key != "rungs")
+        require_unique(obj, key, allow_empty=key != "rungs")
         bad = [p for p in obj if p not in known]
-        _need(not bad, f"{key}: unknown {bad}; known: {', '.join(sorted(known))}")
-    _need(cfg.reference in known, f"reference: unknown policy {cfg.reference!r}")
-    _need(cfg.baseline in cfg.rungs, f"baseline: {cfg.baseline!r} must be one of rungs")
-    _unique(cfg.seeds, "seeds")
-    _need(len(cfg.seeds) >= 2, "seeds: at least 2 (intervals need them); the issue asks for 4")
+        require(not bad, f"{key}: unknown {bad}; known: {', '.join(sorted(known))}")
+    require(cfg.reference in known, f"reference: unknown policy {cfg.reference!r}")
+    require(cfg.baseline in cfg.rungs, f"baseline: {cfg.baseline!r} must be one of rungs")
+    require_unique(cfg.seeds, "seeds")
+    require(len(cfg.seeds) >= 2, "seeds: at least 2 (intervals need them); the issue asks for 4")
     for k in ("steps", "eval_every", "rung_eval_every", "eval_sequences", "width", "ffn_multiple",
               "workers"):
-        _need(getattr(cfg, k) >= 1, f"{k}: expected an integer >= 1, got {getattr(cfg, k)!r}")
+        require(getattr(cfg, k) >= 1, f"{k}: expected an integer >= 1, got {getattr(cfg, k)!r}")
     b = cfg.branch
-    _unique(b.points, "branch.points")
-    _need(all(0 < p and p + b.steps <= cfg.steps for p in b.points),
+    require_unique(b.points, "branch.points")
+    require(all(0 < p and p + b.steps <= cfg.steps for p in b.points),
           f"branch.points: each point p needs 0 < p and p + branch.steps <= steps ({cfg.steps}), "
           f"got {list(b.points)}")
-    _need(b.steps >= 1 and b.exact_steps >= b.steps,
+    require(b.steps >= 1 and b.exact_steps >= b.steps,
           f"branch.steps / exact_steps: need 1 <= steps <= exact_steps, got {b.steps}, "
           f"{b.exact_steps}")
-    _need(b.exact_eval_every >= 1 and b.steps % b.exact_eval_every == 0
+    require(b.exact_eval_every >= 1 and b.steps % b.exact_eval_every == 0
           and b.exact_steps % b.exact_eval_every == 0,
           "branch.exact_eval_every must divide branch.steps and branch.exact_steps")
-    _need(b.batch_sets >= 1, f"branch.batch_sets: expected >= 1, got {b.batch_sets}")
-    _need(set(cfg.branch_seeds) <= set(cfg.seeds), "branch.seeds: must be among seeds")
-    _unique(cfg.scale.widths, "scale.widths", allow_empty=True)
-    _need(cfg.width not in cfg.scale.widths, "scale.widths: must not repeat the main width")
-    _need(all(w >= 16 and w % 16 == 0 for w in cfg.scale.widths),
+    require(b.batch_sets >= 1, f"branch.batch_sets: expected >= 1, got {b.batch_sets}")
+    require(set(cfg.branch_seeds) <= set(cfg.seeds), "branch.seeds: must be among seeds")
+    require_unique(cfg.scale.widths, "scale.widths", allow_empty=True)
+    require(cfg.width not in cfg.scale.widths, "scale.widths: must not repeat the main width")
+    require(all(w >= 16 and w % 16 == 0 for w in cfg.scale.widths),
           f"scale.widths: multiples of 16 expected, got {list(cfg.scale.widths)}")
-    _need(all(0 < p and p + b.steps <= cfg.steps for p in cfg.scale_points),
+    require(all(0 < p and p + b.steps <= cfg.steps for p in cfg.scale_points),
           "scale.points: each point p needs 0 < p and p + branch.steps <= steps")
     for k in ("name", "seed", "out_dir", "policy"):
-        _need(k not in cfg.run, f"run.{k}: set by the study for each run; remove it")
-    _need("steps" not in (cfg.run.get("train") or {}),
+        require(k not in cfg.run, f"run.{k}: set by the study for each run; remove it")
+    require("steps" not in (cfg.run.get("train") or {}),
           "run.train.steps: set by the study (use the top-level steps)")
     run_config(cfg, cfg.width)  # the shared run must be valid
 

@@ -27,7 +27,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -165,34 +165,40 @@ def state_path(root: Path, width: int, seed: int, step: int) -> Path:
 
 
 # --------------------------------------------------------------------------- units
-def _digest(batches: Sequence[np.ndarray], seed: int, first_step: int) -> str:
-    """SHA-256 of what a branch consumes: its batches, the key seed and its step indices."""
+def _digest_start(seed: int, first_step: int, count: int):
+    """SHA-256 of what a branch consumes, fed batch by batch: the seed, its step indices and
+    key, then its first `count` batches."""
     h = hashlib.sha256()
-    h.update(np.asarray([seed, first_step, len(batches)], np.int64).tobytes())
+    h.update(np.asarray([seed, first_step, count], np.int64).tobytes())
     h.update(np.asarray(jax.random.key_data(policy_base_key(seed))).tobytes())
-    for b in batches:
-        h.update(np.ascontiguousarray(b).tobytes())
-    return h.hexdigest()
+    return h
 
 
-def _train(bench: Bench, policy: str, state: Any, batches: Sequence[np.ndarray], seed: int,
-           eval_at: Callable[[int], bool], on_step: Callable[[int, Any], None] | None = None):
-    """Trains `state` on `batches`; returns (state, per-step losses, [(k, exact eval)])."""
+def _train(bench: Bench, policy: str, state: Any, batch_at: Callable[[int], np.ndarray],
+           steps: int, seed: int, eval_at: Callable[[int], bool], *, first_step: int = 0,
+           digest_steps: int = 0, on_step: Callable[[int, Any], None] | None = None):
+    """Trains `state` for `steps` steps on ``batch_at(k)`` (read one at a time, so a long run
+    holds one batch on the host); returns (state, per-step losses, [(k, exact eval)], digest of
+    the first `digest_steps` batches)."""
     step_fn = bench.step(policy)
     base = policy_base_key(seed)
+    digest = _digest_start(seed, first_step, digest_steps)
     losses, curve = [], []
     with shd.use_mesh(bench.mesh):
-        for k, b in enumerate(batches):
+        for k in range(steps):
             if eval_at(k):
                 curve.append((k, bench.evaluate(state["params"])))
             if on_step is not None:
                 on_step(k, state)
+            b = batch_at(k)
+            if k < digest_steps:
+                digest.update(np.ascontiguousarray(b).tobytes())
             state, m = step_fn(state, bench.put(b), base)
             losses.append(m["loss"])
-    if eval_at(len(batches)):
-        curve.append((len(batches), bench.evaluate(state["params"])))
+    if eval_at(steps):
+        curve.append((steps, bench.evaluate(state["params"])))
     losses = [float(x) for x in fetch(losses)]
-    return state, losses, curve
+    return state, losses, curve, digest.hexdigest()
 
 
 def fixed_budget_run(bench: Bench, policy: str, seed: int, steps: int, eval_every: int,
@@ -202,15 +208,15 @@ def fixed_budget_run(bench: Bench, policy: str, seed: int, steps: int, eval_ever
     with shd.use_mesh(bench.mesh):
         state = bench.init(jax.random.key(seed))
     loader = bench.loader(seed)
-    batches = [loader.batch(k) for k in range(steps)]
-    state, losses, curve = _train(bench, policy, state, batches, seed,
-                                  lambda k: k % eval_every == 0 or k == steps, save)
+    state, losses, curve, digest = _train(
+        bench, policy, state, loader.batch, steps, seed,
+        lambda k: k % eval_every == 0 or k == steps, digest_steps=steps, on_step=save)
     own = bench.evaluate(state["params"], policy, policy_base_key(seed))
     return {"kind": "run", "policy": policy, "seed": seed, "steps": steps,
-            "tokens_per_step": int(batches[0].size - batches[0].shape[0]),
+            "tokens_per_step": bench.global_batch * bench.config.data.seq_len,
             "curve": curve, "final_eval": curve[-1][1], "final_eval_own_forward": own,
             "train_loss": losses, "skipped": int(fetch(state["skipped"])),
-            "batch_digest": _digest(batches, seed, 0), "wall_s": round(time.time() - t0, 2)}
+            "batch_digest": digest, "wall_s": round(time.time() - t0, 2)}
 
 
 def replay_state(bench: Bench, policy: str, seed: int, point: int, path: Path) -> None:
@@ -218,9 +224,8 @@ def replay_state(bench: Bench, policy: str, seed: int, point: int, path: Path) -
     first `point` steps (the same init, batches and keys, so the same state) and saves it."""
     with shd.use_mesh(bench.mesh):
         state = bench.init(jax.random.key(seed))
-    loader = bench.loader(seed)
-    state, _, _ = _train(bench, policy, state, [loader.batch(k) for k in range(point)], seed,
-                         lambda k: False)
+    state, _, _, _ = _train(bench, policy, state, bench.loader(seed).batch, point, seed,
+                            lambda k: False)
     save_state(path, state)
 
 
@@ -235,12 +240,13 @@ def branch(bench: Bench, policy: str, start: Any, seed: int, point: int, batch_s
     """
     t0 = time.time()
     loader = bench.loader(batch_stream_seed(seed, batch_set))
-    batches = [loader.batch(point + k) for k in range(steps)]
     every = eval_every or steps
-    state, losses, curve = _train(bench, policy, start, batches, seed,
-                                  lambda k: k % every == 0 if eval_every else k == steps)
+    state, losses, curve, digest = _train(
+        bench, policy, start, lambda k: loader.batch(point + k), steps, seed,
+        lambda k: k % every == 0 if eval_every else k == steps, first_step=point,
+        digest_steps=pair_steps)
     return {"kind": "branch", "policy": policy, "seed": seed, "point": point,
             "batch_set": batch_set, "steps": steps, "curve": curve, "train_loss": losses,
             "skipped": int(fetch(state["skipped"])),
-            "batch_digest": _digest(batches[:pair_steps], seed, point),
+            "batch_digest": digest,
             "wall_s": round(time.time() - t0, 2)}

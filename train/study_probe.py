@@ -49,7 +49,6 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -654,37 +653,3 @@ def format_table(probe: Mapping[str, Any]) -> str:
             lines.append(" ".join([f"{name:<{width}}", f"{kind:5}"] + [f"{v:>8}" for v in vals]))
     return "\n".join(lines)
 
-
-# --------------------------------------------------------------------------- the study's probe
-STUDY_PROBE_POLICIES = ("mxfp4_all", "mxfp4_all_h16", "mxfp4_all_rht16", "mxfp4_all_h32",
-                        "mxfp4_wgrad_h16", "wgrad_mx_h16")
-
-
-def run_for_study(cfg: Any, out: Any) -> dict[str, Any]:
-    """The probe at the study's first and last branch points (reference states of the first
-    branch seed, the two batches that follow each point); writes `out` (JSON) and returns it.
-
-    `cfg` is a ``train.study_config.StudyConfig`` whose reference runs are done.
-    """
-    from train import study_engine, study_policies  # the study's layer sits above this one
-    from train.plan import validate
-    from train.process import fetch
-    from train.study_config import run_config
-
-    run = run_config(cfg, cfg.width)
-    model_config = validate(run, verbose=False).model_config
-    bench = study_engine.make_bench(run)
-    seed = cfg.branch_seeds[0]
-    pols = {p: study_policies.get(p) for p in STUDY_PROBE_POLICIES}
-    result: dict[str, Any] = {"seed": seed, "policies": list(pols), "points": {}}
-    points = sorted(cfg.branch.points)
-    for point in (points[0], points[-1]):
-        state = study_engine.load_state(
-            study_engine.state_path(cfg.out_path, cfg.width, seed, point), bench)
-        loader = bench.loader(seed)
-        batches = [loader.batch(point), loader.batch(point + 1)]
-        result["points"][str(point)] = mechanism_probe(
-            model_config, fetch(state["params"]), batches, pols, key_seed=seed,
-            impl_check=point == points[-1])
-    study_engine.write_json(Path(out), result)
-    return result
