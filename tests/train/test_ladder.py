@@ -190,7 +190,9 @@ def _run_section(cache, jax_cache=None):
             "checkpoint": {"every": 0, "async_save": False}}
 
 
-@pytest.mark.long
+# The older tokens-to-target ladder (make ladder-target); its unit tests above stay in the
+# default run, this end-to-end one (~90 s of CPU) runs with make test-slow.
+@pytest.mark.slow
 def test_two_policy_ladder_end_to_end(tmp_path, tmp_path_factory):
     from train import config as C
     from train import loop
