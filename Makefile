@@ -46,7 +46,7 @@ $(TRITON_STAMP): pyproject.toml | $(STAMP)
 
 test-triton: $(TRITON_STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -n 2 -q -m triton_interpret \
-	  tests/kernels/test_triton_interpret.py $(PYTEST_ARGS)
+	  tests/mxjax/kernels/test_triton_interpret.py $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	@for b in bench/quantize.py bench/dot_general.py bench/model.py bench/train_step.py; do \

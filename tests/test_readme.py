@@ -10,7 +10,7 @@ import re
 import pytest
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-# The wrap example is run, with assertions on its report, by tests/test_nn.py.
+# The wrap example is run, with assertions on its report, by tests/mxjax/nn/test_nn.py.
 BLOCKS = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
           if "mxjax.nn.wrap" not in b]
 

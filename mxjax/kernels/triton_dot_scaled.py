@@ -3,7 +3,7 @@
 Kept apart from triton_gemm (which imports triton only when it launches) so the
 kernel is a module-level function: Triton's interpreter finds `tl` in the
 kernel's module globals, so tests run this very function on CPU
-(tests/kernels/test_triton_interpret.py) and jax-triton launches it on a GPU.
+(tests/mxjax/kernels/test_triton_interpret.py) and jax-triton launches it on a GPU.
 """
 
 from __future__ import annotations

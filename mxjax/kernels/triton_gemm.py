@@ -5,7 +5,7 @@ emulates it (upcast to bf16, then a bf16 dot). jax-triton and triton are
 imported lazily: this module imports on CPU, and `available()` says whether the
 kernel can be launched. There is no CPU fallback here; dispatch raises instead.
 The @triton.jit body lives in triton_dot_scaled; `launch_plan` (tiles, padding,
-grid) is shared with tests/kernels/test_triton_interpret.py, which runs both in
+grid) is shared with tests/mxjax/kernels/test_triton_interpret.py, which runs both in
 Triton's CPU interpreter.
 
 Layouts (tl.dot_scaled's): lhs uint8[M, K/2] packed along K with its scales

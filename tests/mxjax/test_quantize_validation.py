@@ -17,7 +17,7 @@ import pytest
 import mxjax
 from mxjax.quantization import max_scale_exponent
 from tests import reference as ref
-from tests.test_quantize import _check, _unit
+from tests.mxjax.test_quantize import _check, _unit
 
 DTYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16}
 MX = ("mxfp4", "mxfp8_e4m3", "mxfp8_e5m2")

@@ -9,7 +9,7 @@ import pytest
 
 from mxjax import formats as F
 from mxjax.kernels import QuantSpec, fused_quantize
-from tests.kernels._kernel_testutil import assert_same_mx, quantize
+from tests.mxjax.kernels._kernel_testutil import assert_same_mx, quantize
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32])

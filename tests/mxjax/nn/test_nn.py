@@ -18,7 +18,7 @@ import mxjax
 import mxjax.nn as mnn
 from mxjax import policies
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 MX = policies.get("mxfp4_all")
 DIMS = (((1,), (0,)), ((), ()))
 

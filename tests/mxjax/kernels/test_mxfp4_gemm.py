@@ -17,7 +17,7 @@ import pytest
 
 from mxjax import formats as F
 from mxjax.kernels import gemm_error_bound, mx_dot
-from tests.kernels._kernel_testutil import (
+from tests.mxjax.kernels._kernel_testutil import (
     assert_gemm_close,
     dequantize_jit,
     exact_partial_sum_operands,

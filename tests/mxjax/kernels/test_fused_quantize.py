@@ -19,7 +19,7 @@ import mxjax
 from mxjax import formats as F
 from mxjax.kernels import QuantSpec, fused_quantize
 from mxjax.kernels.pallas_quantize import _hadamard_tile, _pack_tile
-from tests.kernels._kernel_testutil import assert_same_mx, hadamard, hard_matrix, quantize
+from tests.mxjax.kernels._kernel_testutil import assert_same_mx, hadamard, hard_matrix, quantize
 
 DETERMINISTIC = (F.Rounding.NEAREST_EVEN, F.Rounding.TOWARD_ZERO, F.Rounding.NEAREST_AWAY)
 R, S = F.ScaleRule, F.Rounding

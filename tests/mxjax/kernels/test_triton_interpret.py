@@ -15,7 +15,7 @@ and an independent float64 decode of the raw bytes.
 What the interpreter cannot show: its tl.dot_scaled upcasts to fp32 and calls
 np.matmul, so this checks the kernel's indexing, tiling, padding, scale layout
 and NaN/Inf handling, not the GPU's MMA (native FP4 on sm_100, bf16 emulation
-on sm_90): that is left to tests/kernels/test_kernels_gpu.py on a GPU.
+on sm_90): that is left to tests/mxjax/kernels/test_kernels_gpu.py on a GPU.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from mxjax import formats as F
 from mxjax.kernels import _common as C
 from mxjax.kernels import gemm_error_bound, mx_dot
 from mxjax.quantization import MXArray
-from tests.kernels._kernel_testutil import (
+from tests.mxjax.kernels._kernel_testutil import (
     assert_gemm_close,
     exact_partial_sum_operands,
     hard_matrix,

@@ -17,7 +17,7 @@ from mxjax import formats as F
 from mxjax.kernels import mx_dot
 from mxjax.kernels.fp8_gemm import CHUNK, MAX_SPAN, reencode_e4m3
 from mxjax.quantization import MXArray
-from tests.kernels._kernel_testutil import assert_gemm_close, dequantize_jit, quantize
+from tests.mxjax.kernels._kernel_testutil import assert_gemm_close, dequantize_jit, quantize
 
 reencode = jax.jit(reencode_e4m3, static_argnames="axis")
 

@@ -20,7 +20,7 @@ import pytest
 from mxjax.kernels import QuantSpec, fused_quantize
 from mxjax.kernels.fp8_gemm import mxfp4_matmul_fp8
 from mxjax.kernels.pallas_gemm import mxfp4_matmul_pallas
-from tests.kernels._kernel_testutil import BLOCKED_BY_LAX_ROUND
+from tests.mxjax.kernels._kernel_testutil import BLOCKED_BY_LAX_ROUND
 
 _TRITON_CALL = "__gpu$xla.gpu.triton"
 

@@ -17,7 +17,7 @@ import pytest
 import mxjax
 from mxjax import formats as F
 from mxjax.kernels import QuantSpec, capabilities, fused_quantize, mx_dot
-from tests.kernels._kernel_testutil import (
+from tests.mxjax.kernels._kernel_testutil import (
     BLOCKED_BY_LAX_ROUND,
     assert_gemm_close,
     assert_same_mx,
