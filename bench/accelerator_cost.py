@@ -145,21 +145,22 @@ def measure(compiled, target: aot.Target, variant: str, program: str, policy: st
 # Programs
 # --------------------------------------------------------------------------- #
 def matmul_program(policy_name: str, n: int = 4096):
-    """(fn, abstract args): value_and_grad of mean((x @ w)^2) for bf16 x, w [n, n]."""
+    """(fn, abstract args): value_and_grad of mean((x @ w)^2) for bf16 x, w [n, n] (and a key)."""
     import mxjax
     from mxjax import policies
 
     policy = policies.get(policy_name)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype) if policy.needs_key else None
 
-    def step(x, w):
+    def step(x, w, k):
         def loss(x, w):
-            y = mxjax.dot_general(x, w, (((1,), (0,)), ((), ())), policy=policy)
+            y = mxjax.dot_general(x, w, (((1,), (0,)), ((), ())), policy=policy, key=k)
             return jnp.mean(jnp.square(y.astype(jnp.float32)))
 
         return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
 
     a = jax.ShapeDtypeStruct((n, n), jnp.bfloat16)
-    return step, (a, a)
+    return step, (a, a, key)
 
 
 def layer_program(policy_name: str, batch: int = 1, seq: int = 2048):
