@@ -31,6 +31,7 @@ import dataclasses
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -73,6 +74,7 @@ TARGETS_22 = {
     ("v5e", "layer", "temp"): 1.25,
 }
 VERDICT_POLICY = "mxfp4_all_h16"
+TOP_KERNELS = 40  # kept per program (printed with --top)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -91,6 +93,7 @@ class Cost:
     roofline_alu_s: float
     gemm_flops: int
     compile_s: float
+    top: tuple[tuple[str, str, float, int, str], ...] = ()  # (name, category, s, bytes, shape)
 
     @property
     def row_target(self) -> str:
@@ -101,44 +104,107 @@ class Cost:
         return sum(self.kernels.values())
 
 
-def roofline(ks: list[hk.Kernel], target: aot.Target) -> tuple[float, float]:
-    """(seconds, seconds with the ALU bound) of a kernel list under ASSUMPTIONS."""
+def roofline(ks: list[hk.Kernel], target: aot.Target,
+             kernel_s: dict[str, float] | None = None) -> tuple[float, float]:
+    """(seconds, seconds with the ALU bound) of a kernel list under ASSUMPTIONS.
+
+    ``kernel_s``: a time estimate per custom call (TPU kernels' static cycles),
+    bounding them from below like GEMM flops do.
+    """
     if target.kind == "cpu":
         return 0.0, 0.0
     bw = HBM_EFFICIENCY * target.hbm_bytes_per_s
     peak = GEMM_EFFICIENCY * target.bf16_flops_per_s
+    kernel_s = kernel_s or {}
     plain = with_alu = 0.0
     for k in ks:
-        t = max(k.bytes / bw, k.gemm_flops / peak)
+        t = max(k.bytes / bw, k.gemm_flops / peak, kernel_s.get(k.name, 0.0))
         plain += t + LAUNCH_S
         alu = k.alu_ops / target.alu_ops_per_s if target.alu_ops_per_s else 0.0
         with_alu += max(t, alu) + LAUNCH_S
     return plain, with_alu
 
 
+PALLAS_TPU_TARGET = "tpu_custom_call"
+
+
+def _tpu_kernel_seconds(ks: list[hk.Kernel], text: str, specs, cycles_of, clock_hz) -> dict:
+    """Seconds per Pallas TPU kernel of a program: its traced spec's static cycles / clock.
+
+    A compiled kernel is matched to the traced specs by its input (shape, dtype) and
+    number of inputs (signs, uniforms); specs that XLA merged (CSE) match the same
+    kernel. The largest estimate among matching specs is taken.
+    """
+    if not specs:
+        return {}
+    module = hk.parse_module(text)
+    shapes = {}
+    for comp in module.computations.values():
+        shapes.update({i.name: i.shape for i in comp})
+    by_key: dict[tuple, float] = {}
+    for spec in specs:
+        dims = (spec.a, spec.k) if spec.b == 1 else (spec.a, spec.k, spec.b)
+        key = (dims, spec.dtype, 1 + spec.has_signs + spec.has_uniforms)
+        by_key[key] = max(by_key.get(key, 0.0), cycles_of(spec) / clock_hz)
+    out = {}
+    entry = {i.name: i for i in module.computations[module.entry]}
+    for k in ks:
+        if k.target != PALLAS_TPU_TARGET:
+            continue
+        inst = entry.get(k.name)
+        if inst is None or not inst.operands:
+            continue
+        (dt, _), = hk.shape_elements(shapes[inst.operands[0]])[:1]
+        dims = hk._dims(shapes[inst.operands[0]])
+        key = (dims, {"bf16": "bfloat16", "f32": "float32", "f16": "float16"}.get(dt, dt),
+               len(inst.operands))
+        if key not in by_key:
+            raise RuntimeError(f"TPU kernel {k.name} ({key}) matches no traced kernel spec")
+        out[k.name] = by_key[key]
+    return out
+
+
 def measure(compiled, target: aot.Target, variant: str, program: str, policy: str,
-            compile_s: float, dump: Path | None = None) -> Cost:
+            compile_s: float, dump: Path | None = None, kernel_specs=(),
+            kernel_cycles=None) -> Cost:
     text = compiled.as_text()
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
         tag = f"{target.name}{'_' + variant if variant else ''}_{program}_{policy}"
         (dump / f"{tag}.hlo.txt").write_text(text)
     ks = hk.kernels(text)
-    plain, with_alu = roofline(ks, target)
+    kernel_s = {}
+    if target.kind == "tpu" and any(k.target == PALLAS_TPU_TARGET for k in ks):
+        cycles_of, clock = kernel_cycles(target, kernel_specs)
+        kernel_s = _tpu_kernel_seconds(ks, text, kernel_specs, cycles_of, clock)
+    plain, with_alu = roofline(ks, target, kernel_s)
+    top = ()
+    if target.kind != "cpu":
+        bw = HBM_EFFICIENCY * target.hbm_bytes_per_s
+        peak = GEMM_EFFICIENCY * target.bf16_flops_per_s
+        timed = sorted(((k.name, k.category, max(k.bytes / bw, k.gemm_flops / peak,
+                                                 kernel_s.get(k.name, 0.0)), k.bytes,
+                         k.shape[:70]) for k in ks), key=lambda r: -r[2])
+        top = tuple(timed[:TOP_KERNELS])
     total_bytes = sum(k.bytes for k in ks)
     optimal = None
     if target.kind == "tpu":
         ca = compiled.cost_analysis()
         ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-        total_bytes = int(ca.get("bytes accessed", total_bytes))
-        custom_calls = sum(1 for k in ks if k.opcode == "custom-call")
-        optimal = float(ca.get("optimal_seconds", float("nan"))) + custom_calls
+        # XLA's totals leave Pallas kernels out: their operands and results are added,
+        # and their static-profile time. Other custom calls cost -1 s each in
+        # optimal_seconds: added back.
+        pallas = [k for k in ks if k.target == PALLAS_TPU_TARGET]
+        total_bytes = int(ca.get("bytes accessed", 0)) + sum(k.bytes for k in pallas)
+        others = sum(1 for k in ks if k.opcode == "custom-call" and k not in pallas)
+        optimal = (float(ca.get("optimal_seconds", float("nan"))) + others
+                   + sum(kernel_s.values()))
     mem = compiled.memory_analysis()
     return Cost(target=target.name, variant=variant, program=program, policy=policy,
                 kernels=hk.count_by_category(ks), bytes=total_bytes,
                 temp=int(mem.temp_size_in_bytes), optimal_s=optimal, roofline_s=plain,
                 roofline_alu_s=with_alu, gemm_flops=sum(k.gemm_flops for k in ks),
-                compile_s=compile_s)
+                compile_s=compile_s, top=top)
 
 
 # --------------------------------------------------------------------------- #
@@ -180,13 +246,47 @@ def program(name: str, policy: str, args) -> tuple:
     raise ValueError(f"program: unknown {name!r}; expected one of {PROGRAMS}")
 
 
-def compile_one(target: aot.Target, variant: str, prog: str, policy: str, args) -> Cost:
+class KernelCycles:
+    """Static cycles of TPU kernel specs, measured in a subprocess (bench/tpu_kernel_cycles.py)."""
+
+    def __init__(self):
+        self.cycles: dict[tuple[str, str], int] = {}
+        self.clock: dict[str, float] = {}
+
+    def __call__(self, target: aot.Target, specs):
+        from bench import tpu_kernel_cycles as tkc
+
+        todo = {json.dumps(tkc.spec_to_json(s), sort_keys=True) for s in specs}
+        todo = sorted(j for j in todo if (target.name, j) not in self.cycles)
+        if todo or target.name not in self.clock:
+            proc = subprocess.run(
+                [sys.executable, str(Path(tkc.__file__)), target.name],
+                input="[" + ",".join(todo) + "]", capture_output=True, text=True, check=False)
+            if proc.returncode:
+                raise RuntimeError(f"bench/tpu_kernel_cycles.py failed: {proc.stderr[-2000:]}")
+            result = json.loads(proc.stdout)
+            self.clock[target.name] = result["clock_hz"]
+            for j, c in zip(todo, result["cycles"]):
+                self.cycles[(target.name, j)] = c
+
+        def cycles_of(spec) -> int:
+            return self.cycles[(target.name, json.dumps(tkc.spec_to_json(spec), sort_keys=True))]
+
+        return cycles_of, self.clock[target.name]
+
+
+def compile_one(target: aot.Target, variant: str, prog: str, policy: str, args,
+                kernel_cycles: KernelCycles | None = None) -> Cost:
+    from mxjax import accelerator_tpu
+
     fn, fargs = program(prog, policy, args)
     options = {"xla_gpu_enable_triton_gemm": False} if variant == "cublas" else None
     t0 = time.perf_counter()
-    compiled = aot.compile_for(fn, fargs, target, options)
-    return measure(compiled, target, variant, prog, policy, time.perf_counter() - t0,
-                   args.dump)
+    with accelerator_tpu.record_kernels() as specs:
+        compiled = aot.compile_for(fn, fargs, target, options)
+    compile_s = time.perf_counter() - t0
+    return measure(compiled, target, variant, prog, policy, compile_s, args.dump,
+                   kernel_specs=specs, kernel_cycles=kernel_cycles or KernelCycles())
 
 
 # --------------------------------------------------------------------------- #
@@ -281,6 +381,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--dump", type=Path, default=None, help="write each optimized HLO here")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+    ap.add_argument("--top", type=int, default=0,
+                    help=f"print each program's N slowest kernels (roofline; N <= {TOP_KERNELS})")
     args = ap.parse_args(argv)
 
     import mxjax
@@ -302,6 +404,7 @@ def main(argv=None) -> int:
     print(f"jax {jax.__version__}; mxjax from {Path(mxjax.__file__).parent}; deviceless compiles "
           f"on {jax.default_backend()}", flush=True)
     costs: list[Cost] = []
+    kernel_cycles = KernelCycles()
     t_start = time.perf_counter()
     for target in targets:
         why = aot.unavailable_reason(target)
@@ -313,22 +416,28 @@ def main(argv=None) -> int:
         for variant in variants:
             for prog in progs:
                 for name in names:
-                    c = compile_one(target, variant, prog, name, args)
+                    c = compile_one(target, variant, prog, name, args, kernel_cycles)
                     costs.append(c)
+                    if args.json:  # after every compile: a long run that stops keeps its rows
+                        args.json.write_text(json.dumps([dataclasses.asdict(x) for x in costs],
+                                                        indent=1))
                     print(f"  compiled {c.row_target:12s} {prog:6s} {name:18s} "
                           f"{c.compile_s:6.1f}s: {c.n_kernels} kernels, {_gb(c.bytes)} GB",
                           flush=True)
     print()
     for line in table(costs):
         print(line)
+    if args.top:
+        for c in costs:
+            print(f"## slowest kernels: {c.row_target}, {c.program}, {c.policy}")
+            for name, cat, s, b, shape in c.top[: args.top]:
+                print(f"  {s * 1e6:9.1f} us  {b / 1e6:9.1f} MB  {cat:11s} {name}  {shape}")
     print()
     print(ASSUMPTIONS)
     compile_times = [c.compile_s for c in costs]
     if compile_times:
         print(f"{len(costs)} compiles, median {statistics.median(compile_times):.1f}s, total "
               f"{time.perf_counter() - t_start:.0f}s")
-    if args.json:
-        args.json.write_text(json.dumps([dataclasses.asdict(c) for c in costs], indent=1))
     print(verdict(costs))
     return 0
 

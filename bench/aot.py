@@ -114,6 +114,8 @@ def use_cpu_host() -> None:
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    # Deviceless compiles touch no chip: several processes may load libtpu at once.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 def unavailable_reason(target: Target) -> str | None:

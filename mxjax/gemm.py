@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from mxjax import accelerator
 from mxjax import formats as F
-from mxjax._platform import cpu_barrier, cpu_or_accelerator
+from mxjax._platform import cpu_barrier, per_platform
 from mxjax.dimensions import Dims, free_axes
 from mxjax.layout import canonical_dimension_numbers
 from mxjax.quantization import SR_UNSCALE, fake_quantize, fake_quantize_parts, quantize
@@ -161,6 +162,18 @@ def accelerator_operand_dtype(recipe: GemmRecipe):
     return jnp.float32
 
 
+def _rotation_signs(recipe: GemmRecipe, k_had):
+    """The ±1 sign vector of the recipe's Hadamard (fresh, fixed from a seed) or None."""
+    had = recipe.hadamard
+    if had is None:
+        return None
+    if had.randomized:
+        return random_signs(k_had, had.block_size)
+    if had.seed is not None:
+        return fixed_signs(had.seed, had.block_size)
+    return None
+
+
 def _rotate(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, k_had):
     """Applies the recipe's Hadamard to both canonical operands along K (if any)."""
     had = recipe.hadamard
@@ -174,12 +187,7 @@ def _rotate(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, k_had):
     if pad:
         widths = [(0, 0)] * (a3.ndim - 1) + [(0, pad)]
         a3, b3 = jnp.pad(a3, widths), jnp.pad(b3, widths)
-    if had.randomized:
-        signs = random_signs(k_had, h)
-    elif had.seed is not None:
-        signs = fixed_signs(had.seed, h)
-    else:
-        signs = None
+    signs = _rotation_signs(recipe, k_had)
     # On CPU the barrier keeps XLA from fusing the butterflies into the
     # quantizer's block reductions, which recomputes them (measured 4x slower).
     # One barrier per operand, so neither operand's program depends on the other.
@@ -246,31 +254,61 @@ def _accelerator_gemm(a3, b3, recipe: GemmRecipe, k_lhs, k_rhs):
     return out
 
 
-def _xla_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key, gemm_name: str) -> jax.Array:
-    """The XLA reference backend on canonical operands.
+def _canonical_cpu_form(a, b, dims: Dims, recipe: GemmRecipe, k_lhs, k_rhs, k_had):
+    a3, b3 = _rotate(*canonical_operands(a, b, dims), recipe, k_had)
+    return _cpu_gemm(a3, b3, recipe, k_lhs, k_rhs)
+
+
+def _in_place_mx(recipe: GemmRecipe) -> bool:
+    """Whether the accelerator form quantizes the operands in place (MX formats, bf16-exact)."""
+    return (recipe.lhs.fmt.scale == "e8m0" and recipe.rhs.fmt.scale == "e8m0"
+            and accelerator_operand_dtype(recipe) == jnp.bfloat16)
+
+
+def _accelerator_form(a, b, dims: Dims, recipe: GemmRecipe, k_lhs, k_rhs, k_had, *,
+                      form: str):
+    """GPU/TPU forms: MX operands in place (`mxjax.accelerator`), others canonical."""
+    if _in_place_mx(recipe):
+        out = accelerator.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs,
+                                  _rotation_signs(recipe, k_had), form=form)
+        (ca, cb), (ba, bb) = dims
+        nb = len(ba)
+        return out.reshape(out.shape[:nb] + (
+            math.prod(a.shape[i] for i in free_axes(a.ndim, ba, ca)),
+            math.prod(b.shape[i] for i in free_axes(b.ndim, bb, cb))))
+    a3, b3 = _rotate(*canonical_operands(a, b, dims), recipe, k_had)
+    return _accelerator_gemm(a3, b3, recipe, k_lhs, k_rhs)
+
+
+def _xla_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key,
+              gemm_name: str) -> jax.Array:
+    """The XLA reference backend.
 
     The program depends on the platform it is lowered for (not on the tracing
-    machine): XLA:CPU gets `_cpu_gemm`, GPUs and TPUs `_accelerator_gemm`
-    (docs/NUMERICS.md, "Emulated GEMM").
+    machine): XLA:CPU gets canonical operands and `_cpu_gemm`, GPUs and TPUs
+    `_accelerator_form` (docs/NUMERICS.md, "Emulated GEMM").
 
     Args:
-      a3: f32 [batch..., Fa, K]; b3: f32 [batch..., Fb, K] (same batch shape).
+      a, b: the GEMM's operands (any float dtype) and its dimension numbers.
       recipe: the GEMM's recipe.
       key: the GEMM's key (None when the recipe needs none); split into (lhs
         rounding, rhs rounding, Hadamard signs).
       gemm_name: 'fprop', 'dgrad' or 'wgrad' (for backends' error messages).
     Returns:
-      f32 [batch..., Fa, Fb].
+      f32 [batch..., Fa, Fb] (free axes flattened, as `canonical_operands`).
     """
-    a3, b3, k_lhs, k_rhs = quantizer_operands(a3, b3, recipe, key)
-    return cpu_or_accelerator(
-        a3, b3,
-        cpu=functools.partial(_cpu_gemm, recipe=recipe, k_lhs=k_lhs, k_rhs=k_rhs),
-        accelerator=functools.partial(_accelerator_gemm, recipe=recipe, k_lhs=k_lhs,
-                                      k_rhs=k_rhs))
+    k_lhs, k_rhs, k_had = split_key(key if recipe.needs_key else None)
+    form = functools.partial(_accelerator_form, dims=dims, recipe=recipe, k_lhs=k_lhs,
+                             k_rhs=k_rhs, k_had=k_had)
+    return per_platform(
+        a, b,
+        cpu=functools.partial(_canonical_cpu_form, dims=dims, recipe=recipe, k_lhs=k_lhs,
+                              k_rhs=k_rhs, k_had=k_had),
+        gpu=functools.partial(form, form="gpu"),
+        tpu=functools.partial(form, form="tpu"))
 
 
-def _kernel_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key,
+def _kernel_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key,
                  gemm_name: str) -> jax.Array:
     """Kernel backends ('pallas', 'pallas_fp8', 'triton', 'auto'): packed operands + mx_dot.
 
@@ -284,8 +322,8 @@ def _kernel_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key,
     backend = kernels.backend_for_formats(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt,
                                           where=gemm_name)
     if backend == "xla":
-        return _xla_gemm(a3, b3, recipe, key, gemm_name)
-    a3, b3, k_lhs, k_rhs = quantizer_operands(a3, b3, recipe, key)
+        return _xla_gemm(a, b, dims, recipe, key, gemm_name)
+    a3, b3, k_lhs, k_rhs = quantizer_operands(*canonical_operands(a, b, dims), recipe, key)
 
     def q(x, op, k):
         return quantize(x, op.fmt, axis=-1, **op.quantizer_kwargs(k))
@@ -293,7 +331,7 @@ def _kernel_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key,
     return kernels.mx_dot(q(a3, recipe.lhs, k_lhs), q(b3, recipe.rhs, k_rhs), backend=backend)
 
 
-# Backend name (mxjax.recipes.BACKENDS) -> function(a3, b3, recipe, key, gemm_name)
+# Backend name (mxjax.recipes.BACKENDS) -> function(a, b, dims, recipe, key, gemm_name)
 # -> f32 [batch..., Fa, Fb]. Every name but 'xla' runs through mxjax.kernels.
 _BACKEND_FNS: dict[str, Callable[..., jax.Array]] = {
     "xla": _xla_gemm,
@@ -334,8 +372,7 @@ def gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key, *,
         jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(b.shape, b.dtype),
     ).dtype
     (ca, cb), (ba, bb) = dims
-    a3, b3 = canonical_operands(a, b, dims)
-    out = _backend_fn(recipe)(a3, b3, recipe, key if recipe.needs_key else None, gemm_name)
+    out = _backend_fn(recipe)(a, b, dims, recipe, key if recipe.needs_key else None, gemm_name)
     fa = [a.shape[i] for i in free_axes(a.ndim, ba, ca)]
     fb = [b.shape[i] for i in free_axes(b.ndim, bb, cb)]
     out = out.reshape(tuple(a.shape[i] for i in ba) + tuple(fa) + tuple(fb)).astype(out_dtype)

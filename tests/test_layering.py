@@ -35,7 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("_bits",),
     ("quantization", "rotation"),
     ("recipes",),
-    ("kernels",),
+    ("kernels", "accelerator"),
     ("gemm",),
     ("interceptor",),
     ("policies",),
