@@ -16,7 +16,9 @@ Per-layer tensors are stacked along the model's leading ``layers`` axis.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Mapping
@@ -37,7 +39,13 @@ from models.hf_config import (
     read_hf_config,
     read_json_object,
 )
-from models.hf_files import check_resolves_inside, check_shard_name
+from models.hf_files import (
+    check_resolves_inside,
+    check_shard_name,
+    discard,
+    resolve_checkpoint_dir,
+    write_staged,
+)
 from models.llama import Llama, LlamaConfig
 
 __all__ = [
@@ -148,6 +156,11 @@ class _Reader:
         self.path = path
         index = os.path.join(path, INDEX_FILE)
         single = os.path.join(path, SINGLE_FILE)
+        if os.path.exists(index) and os.path.exists(single):
+            # Which one is current cannot be told (transformers reads the single
+            # file, an index-first reader the shards): refuse rather than guess.
+            raise ValueError(f"{path} holds both {SINGLE_FILE} and {INDEX_FILE}, two "
+                             "checkpoints of which one is stale; remove the stale one")
         if os.path.exists(index):
             idx = read_json_object(index)
             wm = idx.get("weight_map")
@@ -159,7 +172,7 @@ class _Reader:
             if not isinstance(meta, dict):
                 raise ValueError(f"{index}: 'metadata' must be a JSON object")
             for fn in wm.values():
-                check_shard_name(path, fn, index)
+                check_shard_name(path, fn, index, reading=True)
             self.weight_map = dict(wm)
             self.index_metadata = dict(meta)
         elif os.path.exists(single):
@@ -172,7 +185,8 @@ class _Reader:
         self.file_metadata = {}
         name_to_file = {}
         for fn in files:
-            check_shard_name(path, fn, index if self.weight_map is not None else path)
+            check_shard_name(path, fn, index if self.weight_map is not None else path,
+                             reading=True)
             fp = os.path.join(path, fn)
             if not os.path.exists(fp):
                 raise FileNotFoundError(f"shard {fn} listed in {INDEX_FILE} is missing from {path}")
@@ -217,9 +231,12 @@ def load_hf_weights(model: Llama, path: str, *, mesh=None,
 
     Checks every tensor's presence and shape; raises KeyError naming a missing
     tensor, ValueError for a shape mismatch or an unexpected tensor. With a
-    ``mesh``, parameters are placed sharded per ``rules``.
+    ``mesh``, parameters are placed sharded per ``rules``. ``path`` may start
+    with ``~`` and may be a hub cache snapshot or repository directory (see
+    :func:`models.hf_files.resolve_checkpoint_dir`).
     """
     cfg = model.config
+    path = resolve_checkpoint_dir(path)
     reader = _Reader(path)
     state = nnx.state(model, nnx.Param)
     specs = shd.param_partition_specs(model, mesh, rules) if mesh is not None else None
@@ -268,11 +285,15 @@ def load_hf(path: str, *, mesh=None, rules: shd.Rules = shd.DEFAULT_RULES,
             **config_overrides) -> tuple[Llama, HFLayout]:
     """Build a :class:`Llama` from an HF checkpoint directory.
 
-    ``config_overrides`` go to :func:`config_from_hf` (e.g. ``dtype='bfloat16'``).
-    Parameters are allocated only once, from the checkpoint (the model is built
-    abstractly first). Returns ``(model, layout)``.
+    ``path``: a checkpoint directory (``~`` expanded), or a Hugging Face hub
+    cache snapshot (``.../models--org--name/snapshots/<rev>``, whose files
+    link into ``../../blobs/``) or repository directory (``refs/main``'s
+    snapshot). ``config_overrides`` go to :func:`config_from_hf` (e.g.
+    ``dtype='bfloat16'``). Parameters are allocated only once, from the
+    checkpoint (the model is built abstractly first). Returns ``(model, layout)``.
     """
-    cfg = config_from_hf(read_hf_config(path), **config_overrides)
+    path = resolve_checkpoint_dir(path)
+    cfg = config_from_hf(path, **config_overrides)
     model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
     layout = load_hf_weights(model, path, mesh=mesh, rules=rules)
     return model, layout
@@ -295,7 +316,16 @@ def export_hf(model: Llama, out_dir: str, *, layout: HFLayout | None = None,
     assignment, dtypes, index/file metadata and config.json. Otherwise tensors
     are written in ``dtype`` (default: the param dtype), sharded into files of
     at most ``max_shard_bytes`` (one ``model.safetensors`` when it all fits).
+
+    A checkpoint already in ``out_dir`` is replaced, not mixed with: its
+    ``model.safetensors`` / index go first, then config.json and the new
+    weights are written (each file to a temporary name, then renamed), the
+    index (or the single file) last, and the old index's shards the new
+    checkpoint does not use are removed. An interrupted export therefore
+    leaves a directory :func:`load_hf` refuses, never one it reads stale or
+    mixed weights from. An OSError (disk full, read-only) names the file.
     """
+    out_dir = os.path.expanduser(os.fspath(out_dir))
     cfg = model.config
     names = hf_tensor_names(cfg)
     if layout is not None:
@@ -309,6 +339,7 @@ def export_hf(model: Llama, out_dir: str, *, layout: HFLayout | None = None,
             _check_float_tensor(name, layout.dtypes[name], "the layout's dtypes")
         for fn in layout.weight_map.values():
             check_shard_name(out_dir, fn, "the layout's weight_map")
+    old_shards = _existing_shards(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     state = nnx.state(model, nnx.Param)
     tensors: dict[str, np.ndarray] = {}
@@ -347,24 +378,67 @@ def export_hf(model: Llama, out_dir: str, *, layout: HFLayout | None = None,
         file_meta = {fn: {"format": "pt"} for fn in set(weight_map.values())}
         hf_config = config_to_hf(cfg, torch_dtype=dtype or cfg.param_dtype.name)
 
-    written = []
     by_file: dict[str, dict[str, np.ndarray]] = {}
     for n, fn in weight_map.items():
         by_file.setdefault(fn, {})[n] = tensors[n]
     for fn in (*by_file, *((INDEX_FILE,) if sharded else ()), CONFIG_FILE):
         check_resolves_inside(out_dir, fn, f"export target {fn!r}")
-    for fn, group in sorted(by_file.items()):
-        p = os.path.join(out_dir, fn)
-        save_file(group, p, metadata=file_meta.get(fn))
-        written.append(p)
+    # Every new file is staged under a temporary name first: a failed write (disk
+    # full) leaves the old checkpoint as it was.
+    to_write = [(CONFIG_FILE, functools.partial(_dump_json, hf_config))]
+    to_write += [(fn, functools.partial(_save_safetensors, group, file_meta.get(fn)))
+              for fn, group in sorted(by_file.items())]
     if sharded:
-        p = os.path.join(out_dir, INDEX_FILE)
-        with open(p, "w") as f:
-            json.dump({"metadata": index_meta, "weight_map": dict(sorted(weight_map.items()))},
-                      f, indent=2)
-        written.append(p)
-    p = os.path.join(out_dir, CONFIG_FILE)
-    with open(p, "w") as f:
-        json.dump(hf_config, f, indent=2)
-    written.append(p)
+        index = {"metadata": index_meta, "weight_map": dict(sorted(weight_map.items()))}
+        to_write.append((INDEX_FILE, functools.partial(_dump_json, index)))
+    staged: list[str] = []
+    try:
+        for fn, write in to_write:
+            staged.append(write_staged(os.path.join(out_dir, fn), write))
+    except BaseException:
+        discard(staged)
+        raise
+    # Commit: the old checkpoint stops being loadable, then the new one's files
+    # land with its index (or single file) last.
+    for marker in (INDEX_FILE, SINGLE_FILE):
+        if os.path.lexists(os.path.join(out_dir, marker)):
+            os.remove(os.path.join(out_dir, marker))
+    written = []
+    for (fn, _), tmp in zip(to_write, staged, strict=True):
+        os.replace(tmp, os.path.join(out_dir, fn))
+        written.append(os.path.join(out_dir, fn))
+    for fn in sorted(old_shards - set(by_file)):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out_dir, fn))
     return written
+
+
+def _existing_shards(out_dir: str) -> set[str]:
+    """Shard files the index already in ``out_dir`` lists (validated names), for removal.
+
+    An index that cannot be read is refused rather than half replaced.
+    """
+    index = os.path.join(out_dir, INDEX_FILE)
+    if not os.path.isfile(index):
+        return set()
+    what = (f"export_hf would replace the checkpoint in {out_dir}, but its {INDEX_FILE} "
+            "cannot be read ({}); remove it or export elsewhere")
+    try:
+        wm = read_json_object(index).get("weight_map")
+    except (OSError, ValueError) as e:
+        raise ValueError(what.format(e)) from None
+    if not isinstance(wm, dict):
+        raise ValueError(what.format("no 'weight_map' object"))  # noqa: TRY004
+    return {check_shard_name(out_dir, fn, index) for fn in set(wm.values())}
+
+
+def _save_safetensors(group: dict[str, np.ndarray], metadata, path: str) -> None:
+    try:
+        save_file(group, path, metadata=metadata)
+    except SafetensorError as e:  # safetensors reports write errors (ENOSPC, EFBIG) this way
+        raise OSError(str(e)) from e
+
+
+def _dump_json(obj: Any, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
