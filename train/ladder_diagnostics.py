@@ -19,7 +19,7 @@ import numpy as np
 
 from models.llama import LlamaConfig
 from mxjax import diagnostics as D
-from train import dynamics
+from train.diagnostics import dynamics
 from train.hooks import Hooks, StepContext
 from train.ladder_report import as_float
 

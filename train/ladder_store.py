@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from train.ladder_report import as_float
-from train.metrics import read_jsonl
+from train.output.metrics import read_jsonl
 
 DONE_FILE = "ladder_done.json"
 

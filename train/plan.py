@@ -19,8 +19,8 @@ from models.llama import LlamaConfig, RopeScaling
 from mxjax import PrecisionPolicy, policies
 from train import data as datamod
 from train.config import Config, ConfigError
+from train.data.tokenizer import TokenizerError, load_hf
 from train.jsonsafe import jsonable
-from train.tokenizer import TokenizerError, load_hf
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

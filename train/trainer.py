@@ -5,8 +5,8 @@
 steps, stops at the target eval loss or after ``train.max_nonfinite``
 non-finite steps in a row (status ``'nonfinite'``; the checkpoints written
 before are untouched), checkpoints every ``checkpoint.every`` steps and at the
-end, and writes metrics.jsonl, mllog.txt (`train.mlperf`), TensorBoard event
-files (`train.tensorboard_log`, unless ``train.tensorboard`` is false), plot.png
+end, and writes metrics.jsonl, mllog.txt (`train.output.mlperf`), TensorBoard event
+files (`train.output.tensorboard_log`, unless ``train.tensorboard`` is false), plot.png
 and summary.json.
 
 Everything runs under a (data, fsdp, tensor) mesh with the model's partition
@@ -27,20 +27,20 @@ import yaml
 
 from models import sharding as shd
 from train import data as datamod
-from train import mlperf
 from train.checkpoint import Checkpointer
 from train.compat import check_compatible, fingerprint
 from train.config import ConfigError
 from train.hooks import Hooks
-from train.metrics import MetricsWriter, Progress, Tee
 from train.optimizer import make_optimizer
+from train.output import mlperf
+from train.output.metrics import MetricsWriter, Progress, Tee
+from train.output.summary import RunSummary, read_summary, summarize
+from train.output.tensorboard_log import TensorBoardWriter
 from train.plan import Plan
 from train.process import fetch
 from train.run_lock import RunDirNotWritable
 from train.state import make_state_layout, put_batch
 from train.step import make_eval_step, make_train_step, policy_base_key
-from train.summary import RunSummary, read_summary, summarize
-from train.tensorboard_log import TensorBoardWriter
 
 
 class _Null:

@@ -196,7 +196,7 @@ def _run_section(cache, jax_cache=None):
 def test_two_policy_ladder_end_to_end(tmp_path, tmp_path_factory):
     from train import config as C
     from train import loop
-    from train.metrics import read_jsonl
+    from train.output.metrics import read_jsonl
 
     cfg = L.from_dict({"name": "t", "out_dir": str(tmp_path / "ladder"),
                        "policies": ["fp8", "mxfp4_all"], "seeds": [0, 1], "baseline_steps": 4,

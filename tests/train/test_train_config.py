@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from train_testutil import MODEL, ROOT, fast_sets, run_cli
 
+from tests.train.train_testutil import MODEL, ROOT, fast_sets, run_cli
 from train import config as C
 from train import loop, optimizer
 from train import plan as plan_mod

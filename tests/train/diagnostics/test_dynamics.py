@@ -1,11 +1,12 @@
-"""train.dynamics: per-layer norms, collapse rate, update size, the instability detector."""
+"""train.diagnostics.dynamics: per-layer norms, collapse rate, update size, the instability
+detector."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train import dynamics as TD
+from train.diagnostics import dynamics as TD
 
 
 def test_layer_norms_collapse_and_update():

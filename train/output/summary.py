@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from train.config import Config
-from train.metrics import plot_losses, read_jsonl
+from train.output.metrics import plot_losses, read_jsonl
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,4 +1,4 @@
-"""train.mlperf: the MLPerf records written through mlperf_logging.mllog, checked by the
+"""train.output.mlperf: the MLPerf records written through mlperf_logging.mllog, checked by the
 package's own compliance checker (ruleset training 6.1.0, closed llama31_8b)."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from train_testutil import ROOT
 
 from mxjax import policies
+from tests.train.train_testutil import ROOT
 from train import config as C
-from train import mlperf as M
+from train.output import mlperf as M
 
 MLPERF_YAML = ROOT / "configs" / "llama3_8b_mlperf.yaml"
 
@@ -105,7 +105,7 @@ def test_record_order_and_metadata(tmp_path, mlperf_cfg):
     starts = [r["metadata"]["samples_count"] for r in recs if r["key"] == "block_start"]
     assert starts == [0, 32]
     # the caller (not the wrapper), relative to the repository
-    assert all(r["metadata"]["file"] == "tests/train/test_mlperf.py" for r in recs)
+    assert all(r["metadata"]["file"] == "tests/train/output/test_mlperf.py" for r in recs)
     values = {r["key"]: r["value"] for r in recs}
     assert values["opt_learning_rate_decay_steps"] == 1_200_000 - 512
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from train import study_stats as S
+from study import stats as S
 
 
 def test_mean_interval_matches_a_hand_computation():

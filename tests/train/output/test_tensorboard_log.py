@@ -1,5 +1,5 @@
-"""train.tensorboard_log: metrics records -> TensorBoard scalars, read back with TensorBoard's own
-EventAccumulator (an independent reader; tensorboard is a dev dependency)."""
+"""train.output.tensorboard_log: metrics records -> TensorBoard scalars, read back with
+TensorBoard's own EventAccumulator (an independent reader; tensorboard is a dev dependency)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from train.tensorboard_log import TensorBoardWriter, scalars
+from train.output.tensorboard_log import TensorBoardWriter, scalars
 
 
 def _rec(step: int, **kw):

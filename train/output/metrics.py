@@ -10,8 +10,8 @@ Files in a run directory (see `train.loop.run` and `train.trainer`):
   plus any extra fields from hooks. Step 0 holds the evaluation before training.
 * ``plot.png``: train loss (raw and smoothed) and eval loss against tokens.
 
-The MLPerf log (``mllog.txt``) is `train.mlperf`'s and the TensorBoard events
-are `train.tensorboard_log`'s. On resume, records after the restored step are
+The MLPerf log (``mllog.txt``) is `train.output.mlperf`'s and the TensorBoard events
+are `train.output.tensorboard_log`'s. On resume, records after the restored step are
 dropped so the files describe one consistent history.
 
 The progress display is ours rather than tqdm's or rich's: off a terminal

@@ -1,7 +1,7 @@
 """The statistics of the ladder study: equivalent steps, efficiencies, intervals.
 
 Pure NumPy on plain floats; every function is tested against hand-worked cases
-(tests/train/test_study_stats.py).
+(tests/study/test_study_stats.py).
 
 Branch-and-compare. From one reference state, the exact branch gives a curve
 of held-out loss decrease ``D(k)`` after ``k`` exact steps (evaluated on a

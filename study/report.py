@@ -3,7 +3,7 @@
 `analyze(cfg)` reads every record under the study's output directory and
 returns a JSON-able dict; `write_report(cfg)` also writes ``ladder.md``,
 ``ladder.json`` and the plots there. Intervals are 95% t intervals
-(`train.study_stats`); the unit of replication is stated with each table.
+(`study.stats`); the unit of replication is stated with each table.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from train import study_policies
-from train import study_stats as S
-from train.study_config import StudyConfig
-from train.study_engine import read_json, write_json
+from study import policies as study_policies
+from study import stats as S
+from study.config import StudyConfig
+from study.engine import read_json, write_json
 
 PAPER = {  # the paper's Table 1 (tokens over the FP8 baseline), for the side-by-side
     "mxfp4_fprop": "8–9%", "mxfp4_fprop_dgrad": "10–11%", "mxfp4_all": "26–27%",
@@ -356,7 +356,7 @@ PROBE_COLUMNS = (("rel_err", "out err"), ("gain", "gain"), ("err_corr_batches", 
 
 
 def render_probe(probe: Mapping[str, Any] | None) -> list[str]:
-    """The mechanism probe's Wgrad rows (train.study_probe) as markdown."""
+    """The mechanism probe's Wgrad rows (study.probe) as markdown."""
     if not probe:
         return []
     lines = ["", "## Mechanism probe (Wgrad GEMM at fixed reference states)", "",

@@ -11,6 +11,7 @@ import pytest
 
 from train import data as D
 from train.config import DataSection
+from train.data import cache
 
 
 def _spec(tmp_path, sources, **kw) -> DataSection:
@@ -50,7 +51,7 @@ def test_file_digest_is_sha256_of_the_whole_file(tmp_path):
 def _training_must_not_start(monkeypatch):
     def refuse(*_a, **_k):
         raise AssertionError("tokenizer training started before the sources were checked")
-    monkeypatch.setattr(D, "train_bpe", refuse)
+    monkeypatch.setattr(cache, "train_bpe", refuse)  # the name prepare() calls
 
 
 GOOD = "A fine first paragraph.\n\nAnd a second one.\n"
@@ -100,7 +101,7 @@ def test_bad_source_is_named_before_tokenizer_training(tmp_path, monkeypatch, ca
 
 def test_bad_source_is_named_with_an_hf_tokenizer_too(tmp_path):
     # No training pass: the one tokenizing pass names the file.
-    from train.tokenizer import train_bpe
+    from train.data.tokenizer import train_bpe
 
     tok = tmp_path / "tokenizer.json"
     train_bpe(["some text to learn from " * 20], 290).save(str(tok))

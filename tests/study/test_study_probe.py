@@ -26,8 +26,9 @@ from mxjax import diagnostics as D
 from mxjax import policies
 from mxjax.formats import MXFP4, ScaleRule
 from mxjax.recipes import GemmRecipe, Hadamard, OperandRecipe
+from study import probe as S
+from study.probe import analysis, capture
 from tests import reference as ref
-from train import study_probe as S
 
 U32 = 2.0 ** -24  # fp32 unit roundoff
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -48,8 +49,8 @@ def _batch(seed, b=4, t=32):
 def h16_capture(params):
     """(loss, captures, grads) of one batch under mxfp4_all_h16 (one compile)."""
     pol = policies.get("mxfp4_all_h16")
-    sink = S._Sink()
-    fn = S._loss_and_grad(S._probe_config(CFG), pol, sink)
+    sink = capture.Sink()
+    fn = capture.loss_and_grad(capture.probe_config(CFG), pol, sink)
     tokens = _batch(0)
     loss, caps = S.capture_gemms(CFG, params, tokens, pol, _fn=fn, _sink=sink)
     _, grads = fn(params, jnp.asarray(tokens), jax.random.key(0))
@@ -139,7 +140,7 @@ def test_h16_every_gemm_equals_an_independent_reference(h16_capture):
 def test_h16_rotation_only_gemms_equal_the_exact_product(h16_capture):
     """BF16 operands + the policy's H16 through mxjax's GEMM: the rotation cancels."""
     _, caps, _ = h16_capture
-    rot = S._rot_only_fn(Hadamard(block_size=16), 0)
+    rot = analysis._rot_only_fn(Hadamard(block_size=16), 0)
     for c in caps:
         a, b = np.asarray(c.a, np.float64), np.asarray(c.b, np.float64)
         got = np.asarray(rot(jnp.asarray(c.a), jnp.asarray(c.b), None), np.float64)

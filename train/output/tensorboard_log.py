@@ -1,6 +1,6 @@
 """TensorBoard event files for a run, written with tensorboardX (no TensorFlow).
 
-`TensorBoardWriter` turns the loop's metrics records (see `train.metrics`)
+`TensorBoardWriter` turns the loop's metrics records (see `train.output.metrics`)
 into scalars in ``events.out.tfevents.*`` files directly in the run directory,
 so ``tensorboard --logdir runs/`` lists every run by its directory (the ladder's
 ``<ladder>/runs/<policy>/seed<k>`` included) and draws them side by side.

@@ -8,11 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from train import study as ST
-from train import study_config as SC
-from train import study_engine as E
-from train import study_policies as SP
-from train import study_report as R
+from study import config as SC
+from study import engine as E
+from study import policies as SP
+from study import report as R
+from study import runner as ST
+from study import units as SU
 from train.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,7 +69,7 @@ def test_bad_study_configs_name_the_key(tmp_path, change, match):
 def test_units_cover_every_run_and_branch_and_group_by_policy(tmp_path):
     cfg = SC.from_dict(_raw(tmp_path, tmp_path, scale={"widths": [16], "seeds": [0],
                                                       "policies": ["mxfp4_all"]}))
-    units = ST.plan_units(cfg)
+    units = SU.plan_units(cfg)
     runs = [u for u in units if u.kind == "run"]
     branches = [u for u in units if u.kind == "branch"]
     # 3 ladder policies x 2 seeds at the main width + the scale width's reference run.
@@ -77,7 +78,7 @@ def test_units_cover_every_run_and_branch_and_group_by_policy(tmp_path):
     assert len(branches) == 2 * 2 * 4 + 2 * 2
     assert all(u.phase == 0 for u in units if u.kind == "run" and u.policy == "none")
     assert len({u.path(tmp_path) for u in units}) == len(units)
-    for group in ST.chunks(units):
+    for group in SU.chunks(units):
         assert len({(u.phase, u.width, u.kind, u.policy) for u in group}) == 1
 
 

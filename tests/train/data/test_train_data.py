@@ -10,11 +10,11 @@ import sys
 
 import numpy as np
 import pytest
-from train_testutil import ROOT, run_cli
 
+from tests.train.train_testutil import ROOT, run_cli
 from train import data as D
 from train.config import ConfigError, DataSection
-from train.tokenizer import TokenizerError, load_hf, train_bpe
+from train.data.tokenizer import TokenizerError, load_hf, train_bpe
 
 PARAS = ["First paragraph,\nwrapped over lines.", "Second one.", "Third: the end?"]
 
@@ -79,8 +79,8 @@ def test_resolve_sources(tmp_path):
 # ---------------------------------------------------------------- tokenizers
 
 def test_bpe_is_deterministic_across_processes(tmp_path):
-    code = ("import sys, hashlib; from train.tokenizer import train_bpe; from train.data import "
-            "iter_documents, EMBEDDED; import itertools;"
+    code = ("import sys, hashlib; from train.data.tokenizer import train_bpe; "
+            "from train.data import iter_documents, EMBEDDED; import itertools;"
             "docs = list(itertools.islice(iter_documents(EMBEDDED['austen']), 1500));"
             "print(hashlib.sha256(train_bpe(docs, 400).to_str().encode()).hexdigest())")
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -35,8 +35,8 @@ import jax
 import numpy as np
 
 from models import sharding as shd
+from study import policies as study_policies
 from train import data as datamod
-from train import study_policies
 from train.config import Config
 from train.optimizer import make_optimizer
 from train.plan import validate

@@ -1,7 +1,7 @@
 """The ladder study's configuration (``configs/ladder_tiny.yaml``), parsed and checked.
 
 Parsed with `train.config.build` (the train config's typed builder); every
-problem is a ConfigError naming the key. See ``train/study.py`` for the protocol.
+problem is a ConfigError naming the key. See the ``study`` package docstring for the protocol.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from study import policies as study_policies
 from train import config as C
-from train import study_policies
 from train.config import Config, ConfigError, require, require_unique
 from train.jsonsafe import jsonable
 

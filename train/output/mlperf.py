@@ -247,7 +247,7 @@ class MLPerfLog:
         logger = logging.Logger(f"mxjax.mllog:{self.path}", level=logging.INFO)  # noqa: LOG001
         logger.addHandler(self._handler)
         # metadata.file is the caller's path relative to the repository (e.g. train/trainer.py)
-        self._mllog = MLLogger(logger=logger, root_dir=str(Path(__file__).resolve().parents[1]))
+        self._mllog = MLLogger(logger=logger, root_dir=str(Path(__file__).resolve().parents[2]))
 
     def _log(self, kind: str, key: str, value: Any = None, *, step: int, depth: int = 0,
              **metadata: Any) -> None:
