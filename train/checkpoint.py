@@ -34,6 +34,7 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,23 @@ def shapes(flat: Mapping[str, Any]) -> dict[str, list]:
     return {k: [list(v.shape), str(np.dtype(v.dtype))] for k, v in flat.items()}
 
 
+def free_space_problem(directory: Path, need_bytes: int) -> str | None:
+    """Why `need_bytes` more cannot be written under `directory` (None when they fit).
+
+    Checked before a save so that a full disk ends in one message instead of a
+    failed write, whose orbax/tensorstore threads print dozens of tracebacks;
+    `need_bytes` (the state's raw size) bounds what an uncompressed write takes.
+    """
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return None  # cannot tell: the write itself will report
+    if free >= need_bytes:
+        return None
+    return (f"it needs about {need_bytes / 2**20:,.1f} MiB and {directory} has "
+            f"{free / 2**20:,.1f} MiB free")
+
+
 def _os_reason(cause: BaseException) -> str:
     """The operating-system error behind a failed write ("No space left on device (errno
     28)"), from an OSError or the ``os_error_code`` tensorstore puts in orbax's message."""
@@ -230,6 +248,13 @@ class Checkpointer:
         if self._failed is not None:
             raise self._failed
         flat, _ = flatten(state)
+        full = free_space_problem(self.directory, sum(int(v.nbytes) for v in flat.values()))
+        if full is not None:
+            self._failed = CheckpointWriteError(
+                f"not enough space to write checkpoint step {step}: {full}. Training stopped; "
+                f"{self._kept()}. Free space on that file system and run the same command "
+                "again to resume.")
+            raise self._failed
         record = dict(meta)
         record.update(format_version=FORMAT_VERSION, step=int(step), good=bool(good),
                       arrays=shapes(flat), digest=DIGEST, digests=digests(flat))
@@ -316,18 +341,21 @@ class Checkpointer:
     def _write_failed(self, step: int | None, cause: BaseException) -> CheckpointWriteError:
         self._pending = None
         first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
-        try:
-            newest = self.latest_step()
-        except CheckpointError:
-            newest = None
-        kept = (f"the newest complete checkpoint is step {newest} (kept)" if newest is not None
-                else "no complete checkpoint exists yet")
+        kept = self._kept()
         self._failed = CheckpointWriteError(
             f"could not write checkpoint {'' if step is None else f'step {step} '}to "
             f"{self.directory}: {_os_reason(cause)}. Training stopped; {kept}. Free space on "
             "that file system (or fix it) and run the same command again to resume. "
             f"[{type(cause).__name__}: {first[:300]}]")
         return self._failed
+
+    def _kept(self) -> str:
+        try:
+            newest = self.latest_step()
+        except CheckpointError:
+            newest = None
+        return (f"the newest complete checkpoint is step {newest} (kept)" if newest is not None
+                else "no complete checkpoint exists yet")
 
     def failure(self) -> CheckpointWriteError | None:
         """The write error of a save that failed, without waiting: an asynchronous save

@@ -27,7 +27,6 @@ import threading
 from collections.abc import Callable, Sequence
 from types import FrameType
 
-import jax
 import numpy as np
 
 __all__ = ["PREEMPTED_EXIT", "STOP_DATA_ERROR", "STOP_NONE", "STOP_SIGNAL", "STOP_WRITE_FAILED",
@@ -89,6 +88,8 @@ class StopSignals:
 def agree(code: int) -> int:
     """The largest stop code over all processes (a collective: every process calls it at
     the same point); on one process, `code` itself at no cost."""
+    import jax  # here: the signal handling above needs no JAX
+
     if jax.process_count() == 1:
         return int(code)
     from jax.experimental import multihost_utils

@@ -125,6 +125,12 @@ class Trainer:
         if self.verbose and jax.process_index() == 0:
             print(f"[train] {msg}", file=sys.stderr, flush=True)
 
+    def _log_here(self, msg: str) -> None:
+        """A log line from whichever process it concerns (a signal reaches one host)."""
+        if self.verbose:
+            where = f" (process {jax.process_index()})" if jax.process_count() > 1 else ""
+            print(f"[train]{where} {msg}", file=sys.stderr, flush=True)
+
     def _put(self, local: np.ndarray) -> jax.Array:
         return put_batch(local, self.batch_sh)
 
@@ -216,7 +222,7 @@ class Trainer:
             mll.begin_init(mlperf.run_header(c, mlperf.plan_facts(
                 self.plan, train_samples=len(self.train_seqs),
                 config_filename=str(self.out / "config.yaml"))))
-        with shd.use_mesh(self.mesh), StopSignals(log=self._log) as signals:
+        with shd.use_mesh(self.mesh), StopSignals(log=self._log_here) as signals:
             if state is None:
                 state = self._init(jax.random.key(c.seed))
                 mll.begin_run()
@@ -364,8 +370,8 @@ class Trainer:
         if code == STOP_DATA_ERROR:
             why = (str(data_error) if data_error is not None
                    else "a data error on another process of this run (see its log)")
-            return status, (f"stopped after step {step}: {why}; {kept}. Fix or delete the "
-                            "prepared data, then run the same command again to resume.")
+            return status, (f"stopped after step {step}: {why}. Saved: {kept}; once the data "
+                            "is fixed the same command resumes the run.")
         why = f"by {signal_name}" if signal_name else "by a signal to another process"
         return status, (f"preempted {why} after step {step}; {kept}. Run the same command "
                         "again to resume.")
