@@ -30,6 +30,7 @@ from train import data as datamod
 from train.checkpoint import Checkpointer
 from train.compat import check_compatible, fingerprint
 from train.config import ConfigError
+from train.diagnostics import numerics
 from train.hooks import Hooks
 from train.optimizer import make_optimizer
 from train.output import mlperf
@@ -61,6 +62,12 @@ class Trainer:
 
     def __init__(self, plan: Plan, hooks: Hooks | None = None, verbose: bool = True, *,
                  read_only: bool = False):
+        if plan.config.diagnostics.enabled:
+            if hooks is not None:
+                raise ConfigError("diagnostics.enabled: the run builds its own hooks "
+                                  "(train.diagnostics.numerics.for_run); pass either hooks or "
+                                  "diagnostics.enabled, not both")
+            hooks = numerics.for_run(plan.model_config, cosine=plan.config.diagnostics.cosine)
         self.plan, self.cfg, self.hooks, self.verbose = plan, plan.config, hooks or Hooks(), verbose
         self.read_only = read_only  # the run dir cannot be written: only a finished run may "run"
         c = self.cfg
