@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from mxjax import policies
 from study import config as SC
 from study import engine as E
 from study import policies as SP
@@ -91,9 +93,18 @@ def test_ablations_change_one_thing():
     assert not dy.wgrad.lhs.is_passthrough and dy.wgrad.rhs.is_passthrough
     f = SP.get("h16_fprop_only")
     assert f.fprop.hadamard is not None and f.dgrad.hadamard is None and f.wgrad.hadamard is None
+    # built from the library's presets: only the named GEMM differs from them
+    mx, exact = policies.get("mxfp4_all"), policies.get("bf16")
+    assert SP.get("wgrad_mx") == dataclasses.replace(exact, wgrad=mx.wgrad)
+    assert SP.get("h16_dgrad_only").gemms == {**mx.gemms, "dgrad": dataclasses.replace(
+        mx.dgrad, hadamard=policies.get("mxfp4_all_h16").dgrad.hadamard)}
+    assert SP.get("mxfp4_wgrad_h16") == policies.get("mxfp4_wgrad_h16")
+    assert all(SP.get(n).name == n for n in SP.ABLATIONS)
     assert SP.get("none") is None
-    with pytest.raises(ValueError, match="unknown study policy"):
+    with pytest.raises(ValueError, match="unknown study policy 'mxfp5'"):
         SP.get("mxfp5")
+    with pytest.raises(TypeError):
+        SP.ABLATIONS["mine"] = SP.ABLATIONS["wgrad_mx"]  # the registry is read-only
 
 
 # --------------------------------------------------------------------------- engine
