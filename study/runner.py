@@ -20,14 +20,16 @@ import yaml
 from study import config as SC
 from study import engine as E
 from study.probe.mechanism import run_probe
+from study.states import load_state, save_state, state_path
 from study.units import Unit, chunks, plan_units
 from train.config import ConfigError
+from train.run import CompiledRun
 
 __all__ = ["execute", "execute_chunk", "run_study"]
 
 
-def execute(cfg: SC.StudyConfig, bench: E.Bench, unit: Unit) -> float:
-    """Runs one unit on `bench` (its width's compiled pieces) and writes its record; returns
+def execute(cfg: SC.StudyConfig, run: CompiledRun, unit: Unit) -> float:
+    """Runs one unit on `run` (its width's compiled pieces) and writes its record; returns
     its wall seconds."""
     root = cfg.out_path
     t0 = time.time()
@@ -37,23 +39,23 @@ def execute(cfg: SC.StudyConfig, bench: E.Bench, unit: Unit) -> float:
 
         def save(k: int, state: Any) -> None:
             if k in points:
-                E.save_state(E.state_path(root, unit.width, unit.seed, k), state)
+                save_state(state_path(root, unit.width, unit.seed, k), state, run, step=k)
 
         every = (cfg.eval_every if unit.policy in (cfg.reference, cfg.baseline)
                  else cfg.rung_eval_every)
-        rec = E.fixed_budget_run(bench, unit.policy, unit.seed, cfg.steps, every,
+        rec = E.fixed_budget_run(run, unit.policy, unit.seed, cfg.steps, every,
                                  save if saving else None)
     else:
-        spath = E.state_path(root, unit.width, unit.seed, unit.point)
+        spath = state_path(root, unit.width, unit.seed, unit.point)
         if not spath.exists():  # a branch point added after the reference run: replay it
-            E.replay_state(bench, cfg.reference, unit.seed, unit.point, spath)
-        start = E.load_state(spath, bench)
+            E.replay_state(run, cfg.reference, unit.seed, unit.point, spath)
+        start = load_state(spath, run)
         exact = unit.policy == cfg.reference
         b = cfg.branch
-        rec = E.branch(bench, unit.policy, start, unit.seed, unit.point, unit.batch_set,
+        rec = E.branch(run, unit.policy, start, unit.seed, unit.point, unit.batch_set,
                        b.exact_steps if exact else b.steps, b.steps,
                        b.exact_eval_every if exact else None)
-    rec.update(width=unit.width, n_params=bench.n_params)
+    rec.update(width=unit.width, n_params=run.n_params)
     E.write_json(unit.path(root), rec)
     return time.time() - t0
 
@@ -64,20 +66,20 @@ def _log(verbose: bool, msg: str) -> None:
 
 
 def execute_chunk(cfg_json: str, units: Sequence[Unit], verbose: bool,
-                  benches: dict[int, E.Bench] | None = None) -> list[float]:
+                  runs: dict[int, CompiledRun] | None = None) -> list[float]:
     """Runs `units` (one width and policy: one compilation) in order; their wall seconds.
 
-    `benches` (width -> Bench) lets a sequential study share compiled pieces across chunks;
+    `runs` (width -> CompiledRun) lets a sequential study share compiled pieces across chunks;
     a worker process builds its chunk's own (the persistent compilation cache serves what
     another chunk compiled).
     """
     cfg = SC.from_dict(json.loads(cfg_json))
-    benches = {} if benches is None else benches
+    runs = {} if runs is None else runs
     walls = []
     for u in units:
-        if u.width not in benches:
-            benches[u.width] = E.make_bench(SC.run_config(cfg, u.width))
-        wall = execute(cfg, benches[u.width], u)
+        if u.width not in runs:
+            runs[u.width] = E.make_run(SC.run_config(cfg, u.width))
+        wall = execute(cfg, runs[u.width], u)
         walls.append(wall)
         _log(verbose, f"  {u.label()}: {wall:.1f} s (pid {os.getpid()})")
     return walls
@@ -104,7 +106,7 @@ def run_study(cfg: SC.StudyConfig, *, verbose: bool = True) -> dict[str, Any]:
         raise ConfigError(f"workers: {cfg.workers} worker processes are for CPU hosts; on "
                           f"{jax.default_backend()} use workers: 1 (one process per device set)")
     cfg_json = json.dumps(SC.to_dict(cfg), sort_keys=True)
-    benches: dict[int, E.Bench] = {}  # this process's compiled pieces, per width
+    runs: dict[int, CompiledRun] = {}  # this process's compiled pieces, per width
     t_start = time.time()
     n_done = 0
 
@@ -119,7 +121,7 @@ def run_study(cfg: SC.StudyConfig, *, verbose: bool = True) -> dict[str, Any]:
         groups = chunks([u for u in todo if u.phase == phase])
         if cfg.workers == 1 or len(groups) <= 1:
             for g in groups:
-                progress(len(execute_chunk(cfg_json, g, verbose, benches)))
+                progress(len(execute_chunk(cfg_json, g, verbose, runs)))
             continue
         saved = {k: os.environ.get(k) for k in _worker_env()}
         os.environ.update(_worker_env())

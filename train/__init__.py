@@ -10,7 +10,7 @@ What lives where (lowest first; a module imports only from the lines above it):
 * ``data/`` (sources and validation, tokenizer, the prepared-data cache, the
   loader; ``python -m train.data prepare``);
 * ``diagnostics/`` (training dynamics: per-layer gradient norms, update sizes,
-  the instability detector);
+  the instability detector; the per-GEMM numerics hooks of ``diagnostics.enabled``);
 * ``output/`` (what a run writes: metrics.jsonl, TensorBoard events, the MLPerf
   log, summary.json);
 * ``plan`` (the config resolved and validated before anything compiles),

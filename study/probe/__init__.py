@@ -38,7 +38,7 @@ run jitted with an observer (``mxjax.interceptor.observe``) that wraps every
 quantized ``dot_general`` in a custom VJP; ``jax.debug.callback`` sends its
 operands, the forward cotangent and the policy's three GEMM results to the
 host, where everything above is computed in float64 numpy. Labels follow
-``train.ladder_diagnostics.llama_slot_labels``; a call site inside the layer
+``train.diagnostics.numerics.llama_slot_labels``; a call site inside the layer
 scan runs once per layer and each execution is labelled with its layer
 (``L0.q_proj``, found by matching W against the stacked kernels).
 

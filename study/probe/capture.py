@@ -6,7 +6,7 @@ quantized ``dot_general`` in a custom VJP; ``jax.debug.callback`` sends its
 operands, the forward cotangent and the policy's three GEMM results to the
 host (`Sink`), where `capture_gemms` lays them out canonically as one
 `GemmCapture` per call site and GEMM. Labels follow
-``train.ladder_diagnostics.llama_slot_labels``; a call site inside the layer
+``train.diagnostics.numerics.llama_slot_labels``; a call site inside the layer
 scan runs once per layer and each execution is labelled with its layer
 (``L0.q_proj``, found by matching W against the stacked kernels).
 """
@@ -31,7 +31,7 @@ from mxjax import interceptor
 from mxjax.dimensions import Dims, backward_dimension_numbers
 from mxjax.policies import PrecisionPolicy
 from mxjax.recipes import GEMMS, GemmRecipe
-from train.ladder_diagnostics import llama_slot_labels
+from train.diagnostics.numerics import llama_slot_labels
 
 __all__ = ["GemmCapture", "Sink", "capture_gemms", "loss_and_grad", "probe_config"]
 

@@ -19,7 +19,7 @@ from study import engine as E
 from study import policies as study_policies
 from study.probe.analysis import COMMON_BLOCK, analyze_gemm
 from study.probe.capture import Sink, capture_gemms, loss_and_grad, probe_config
-from train.plan import validate
+from study.states import load_state, state_path
 from train.process import fetch
 from train.step import policy_base_key
 
@@ -215,16 +215,15 @@ def run_probe(cfg: SC.StudyConfig, out: Path) -> dict[str, Any]:
 
     The implementation checks run at the last point only (they triple the host work).
     """
-    run = SC.run_config(cfg, cfg.width)
-    model_config = validate(run, verbose=False).model_config
-    bench = E.make_bench(run)
+    compiled = E.make_run(SC.run_config(cfg, cfg.width))
+    model_config = compiled.plan.model_config
     seed = cfg.branch_seeds[0]
     pols = {p: study_policies.get(p) for p in PROBE_POLICIES}
     result: dict[str, Any] = {"seed": seed, "policies": list(pols), "points": {}}
     points = sorted(cfg.branch.points)
     for point in (points[0], points[-1]):
-        state = E.load_state(E.state_path(cfg.out_path, cfg.width, seed, point), bench)
-        loader = bench.loader(seed)
+        state = load_state(state_path(cfg.out_path, cfg.width, seed, point), compiled)
+        loader = compiled.loader(seed)
         batches = [loader.batch(point), loader.batch(point + 1)]
         result["points"][str(point)] = mechanism_probe(
             model_config, fetch(state["params"]), batches, pols, key_seed=seed,

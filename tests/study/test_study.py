@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
+from mxjax import policies
 from study import config as SC
 from study import engine as E
 from study import policies as SP
 from study import report as R
-from study import runner as ST
+from study import runner
+from study import states as ST
 from study import units as SU
+from train.checkpoint import IncompatibleCheckpointError
 from train.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,16 +96,33 @@ def test_ablations_change_one_thing():
     assert not dy.wgrad.lhs.is_passthrough and dy.wgrad.rhs.is_passthrough
     f = SP.get("h16_fprop_only")
     assert f.fprop.hadamard is not None and f.dgrad.hadamard is None and f.wgrad.hadamard is None
+    # built from the library's presets: only the named GEMM differs from them
+    mx, exact = policies.get("mxfp4_all"), policies.get("bf16")
+    assert SP.get("wgrad_mx") == dataclasses.replace(exact, wgrad=mx.wgrad)
+    assert SP.get("h16_dgrad_only").gemms == {**mx.gemms, "dgrad": dataclasses.replace(
+        mx.dgrad, hadamard=policies.get("mxfp4_all_h16").dgrad.hadamard)}
+    assert SP.get("mxfp4_wgrad_h16") == policies.get("mxfp4_wgrad_h16")
+    assert all(SP.get(n).name == n for n in SP.ABLATIONS)
     assert SP.get("none") is None
-    with pytest.raises(ValueError, match="unknown study policy"):
+    with pytest.raises(ValueError, match="unknown study policy 'mxfp5'"):
         SP.get("mxfp5")
+    with pytest.raises(TypeError):
+        SP.ABLATIONS["mine"] = SP.ABLATIONS["wgrad_mx"]  # the registry is read-only
 
 
 # --------------------------------------------------------------------------- engine
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory, data_cache):
+    """One width's compiled pieces (a train.run.CompiledRun, as the study builds them)."""
     cfg = SC.from_dict(_raw(tmp_path_factory.mktemp("study"), data_cache))
-    return cfg, E.make_bench(SC.run_config(cfg, cfg.width))
+    return cfg, E.make_run(SC.run_config(cfg, cfg.width))
+
+
+def _same_arrays(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert jax.tree.structure(a) == jax.tree.structure(b) and len(la) == len(lb) > 0
+    for x, y in zip(la, lb):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_branches_are_paired_and_the_exact_branch_continues_the_reference(bench, tmp_path):
@@ -109,20 +131,20 @@ def test_branches_are_paired_and_the_exact_branch_continues_the_reference(bench,
 
     def save(k, state):
         if k == 4:
-            E.save_state(tmp_path / "s4.npz", state)
-            saved[k] = True
+            ST.save_state(tmp_path / "s4", state, b, step=4)
+            saved[k] = jax.device_get(state)
 
     ref = E.fixed_budget_run(b, "none", 0, 8, 4, save)
     assert saved and ref["skipped"] == 0 and [k for k, _ in ref["curve"]] == [0, 4, 8]
+    # Saved through train.checkpoint (orbax) and restored onto the run's layout, bit for bit.
+    _same_arrays(ST.load_state(tmp_path / "s4", b), saved[4])
     # A missing state (a branch point added later) is replayed to the same bits.
-    E.replay_state(b, "none", 0, 4, tmp_path / "r4.npz")
-    with np.load(tmp_path / "s4.npz") as saved_z, np.load(tmp_path / "r4.npz") as replayed:
-        assert saved_z.files == replayed.files
-        for name in saved_z.files:
-            np.testing.assert_array_equal(saved_z[name], replayed[name])
+    E.replay_state(b, "none", 0, 4, tmp_path / "r4")
+    _same_arrays(ST.load_state(tmp_path / "r4", b), saved[4])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r4", "s4"]  # no temporary left
 
     def go(policy, steps, batch_set=0, every=None):
-        start = E.load_state(tmp_path / "s4.npz", b)
+        start = ST.load_state(tmp_path / "s4", b)
         return E.branch(b, policy, start, 0, 4, batch_set, steps, 2, every)
 
     exact = go("none", 4, every=2)
@@ -142,9 +164,16 @@ def test_branches_are_paired_and_the_exact_branch_continues_the_reference(bench,
 
 def test_load_state_refuses_another_layout(bench, tmp_path):
     _, b = bench
-    E.save_state(tmp_path / "bad.npz", {"params": {"w": np.zeros((3,), np.float32)}})
-    with pytest.raises(ValueError, match="does not match this model's layout"):
-        E.load_state(tmp_path / "bad.npz", b)
+    ST.save_state(tmp_path / "bad", {"params": {"w": np.zeros((3,), np.float32)}}, b, step=1)
+    with pytest.raises(IncompatibleCheckpointError, match="other state arrays than this run"):
+        ST.load_state(tmp_path / "bad", b)
+    wider = E.make_run(SC.run_config(bench[0], 48))  # another width: refused by its record
+    ST.save_state(tmp_path / "w48", {"params": {"w": np.zeros((3,), np.float32)}}, wider, step=1)
+    with pytest.raises(IncompatibleCheckpointError, match="does not match this model's layout"):
+        ST.load_state(tmp_path / "w48", b)
+    with pytest.raises(FileNotFoundError, match="no saved reference state"):
+        ST.load_state(tmp_path / "missing", b)
+    assert not (tmp_path / "missing").exists()
 
 
 def test_unit_records_are_written_atomically(tmp_path):
@@ -210,7 +239,7 @@ def test_report_end_to_end_on_a_tiny_study(tmp_path, data_cache):
     cfg = SC.from_dict(_raw(tmp_path, data_cache, rungs=["fp8"], ablations=[],
                             branch={"points": [4], "late_from": 5, "steps": 2,
                                     "exact_steps": 4, "exact_eval_every": 2}))
-    rep = ST.run_study(cfg, verbose=False)
+    rep = runner.run_study(cfg, verbose=False)
     assert set(rep["branch"]["table"]) == {"fp8"}
     for name in ("ladder.md", "ladder.json", "ladder_overhead.png", "ladder_curves.png"):
         assert (tmp_path / name).stat().st_size > 0
@@ -218,6 +247,6 @@ def test_report_end_to_end_on_a_tiny_study(tmp_path, data_cache):
     assert "Branch-and-compare" in text and "`fp8`" in text
     # Resuming finds every unit done and trains nothing.
     before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*.json") if "w32" in str(p)}
-    ST.run_study(cfg, verbose=False)
+    runner.run_study(cfg, verbose=False)
     after = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*.json") if "w32" in str(p)}
     assert before == after

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from train.config import Config
+from train.diagnostics import numerics
 from train.output.metrics import plot_losses, read_jsonl
 
 
@@ -18,6 +19,10 @@ class RunSummary:
     status: 'completed' (all steps), 'target_reached' (eval <= target),
     'nonfinite' (stopped by the guard). eval_history: [(step, tokens, eval_loss)].
     target_tokens: tokens consumed at the first eval <= target (None if never).
+    instability_step/instability_kind: the instability detector's first event over
+    the logged gradient norms (``train.diagnostics.dynamics.InstabilityDetector``;
+    None if none). diagnostics: means of the numerics fields over the last quarter
+    of the records (``diagnostics.enabled``; None without them).
     """
 
     status: str
@@ -39,6 +44,9 @@ class RunSummary:
     plot_path: str | None
     checkpoint_dir: str | None
     resumed_from: int | None
+    instability_step: int | None = None
+    instability_kind: str | None = None
+    diagnostics: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -72,6 +80,7 @@ def summarize(config: Config, *, policy_name: str, status: str, message: str, st
             if e <= t.target_eval_loss:
                 target_step, target_tokens = s, tok
                 break
+    unstable = numerics.instability(recs)
     plot_path = None
     if t.plot and primary and recs:
         title = f"{c.name} | policy {policy_name}"
@@ -87,7 +96,8 @@ def summarize(config: Config, *, policy_name: str, status: str, message: str, st
         tokens_per_s=round(tokens_per_s, 1) if tokens_per_s else None, policy=policy_name,
         out_dir=str(out), metrics_path=str(out / "metrics.jsonl"), plot_path=plot_path,
         checkpoint_dir=str(out / "checkpoints") if c.checkpoint.enabled else None,
-        resumed_from=resumed)
+        resumed_from=resumed, instability_step=unstable.event_step,
+        instability_kind=unstable.event_kind, diagnostics=numerics.diag_summary(recs) or None)
     if primary:
         (out / "summary.json").write_text(json.dumps(s.to_dict(), indent=1))
     return s

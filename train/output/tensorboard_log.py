@@ -2,8 +2,7 @@
 
 `TensorBoardWriter` turns the loop's metrics records (see `train.output.metrics`)
 into scalars in ``events.out.tfevents.*`` files directly in the run directory,
-so ``tensorboard --logdir runs/`` lists every run by its directory (the ladder's
-``<ladder>/runs/<policy>/seed<k>`` included) and draws them side by side.
+so ``tensorboard --logdir runs/`` lists every run by its directory and draws them side by side.
 Tags, against the optimizer step:
 
 * ``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/tokens_per_s``,

@@ -1,10 +1,12 @@
-"""Numerics diagnostics of ladder runs: the train-loop hooks and their per-run summaries.
+"""Numerics diagnostics of a run: the train-loop hooks and their per-run summaries.
 
 `RunDiagnostics.hooks()` records, in the jitted step, the per-GEMM
 quantization statistics (``mxjax.diagnostics``; losses are unchanged),
 per-layer gradient norms and relative update sizes, and turns them into compact
-fields of each metrics record. `diag_summary` and `instability` read those
-records back for the ladder's report.
+fields of each metrics record; a run turns it on with ``diagnostics.enabled``
+(`for_run`). `diag_summary` and `instability` read the records back for the
+run's summary.json. `llama_slot_labels` names the model's quantized GEMM call
+sites (also used by the study's probe).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from models.llama import LlamaConfig
 from mxjax import diagnostics as D
 from train.diagnostics import dynamics
 from train.hooks import Hooks, StepContext
-from train.ladder_report import as_float
 
 # Compact per-step diagnostics written into metrics.jsonl (means over GEMM call sites).
 DIAG_FIELDS = ("lhs_rel_err", "rhs_rel_err", "lhs_underflow", "rhs_underflow",
@@ -50,6 +51,15 @@ def llama_slot_labels(model_config: LlamaConfig) -> list[str]:
     return labels
 
 
+def as_float(v: Any) -> float:
+    """A metrics value as float; the JSONL writes NaN/Inf as 'nan'/'inf'/'-inf'; None is NaN."""
+    if v is None:
+        return math.nan
+    if isinstance(v, str):
+        return float(v)  # float('nan'), float('inf'), float('-inf') all parse
+    return float(v)
+
+
 def _round(x: float, digits: int = 5) -> float | None:
     if x is None or not math.isfinite(x):
         return None if x is None else x
@@ -57,7 +67,8 @@ def _round(x: float, digits: int = 5) -> float | None:
 
 
 class RunDiagnostics:
-    """Hooks for ``train.loop.run`` that record numerics diagnostics of one run.
+    """Hooks for ``train.loop.run`` that record numerics diagnostics of one run
+    (``diagnostics.enabled`` builds them with `for_run`).
 
     In the jitted step (``in_step``): the per-GEMM stats from
     ``mxjax.diagnostics`` (probes threaded through the quantized GEMMs; the
@@ -110,7 +121,7 @@ class RunDiagnostics:
         labels = self.labels
         if labels is None or len(labels) != stats.shape[0]:
             if labels is not None and stats.shape[0] and not self._warned:
-                print(f"[ladder] warning: {stats.shape[0]} quantized GEMM call sites but "
+                print(f"[train] warning: {stats.shape[0]} quantized GEMM call sites but "
                       f"{len(labels)} labels; using gemm0..gemm{stats.shape[0] - 1}",
                       file=sys.stderr)
                 self._warned = True
@@ -138,6 +149,12 @@ class RunDiagnostics:
                 for lab, gs in s["per_slot"].items()}
             more["diag_layer_grad_norm"] = {k: _round(v) for k, v in gn.items()}
         return more
+
+
+def for_run(model_config: LlamaConfig, *, cosine: bool = True) -> Hooks:
+    """The hooks of a run with ``diagnostics.enabled``: `RunDiagnostics` labelled with the
+    model's call sites (`llama_slot_labels`)."""
+    return RunDiagnostics(labels=llama_slot_labels(model_config), cosine=cosine).hooks()
 
 
 def diag_summary(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
