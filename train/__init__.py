@@ -12,12 +12,13 @@ What lives where (lowest first; a module imports only from the lines above it):
 * ``diagnostics/`` (training dynamics: per-layer gradient norms, update sizes,
   the instability detector; the per-GEMM numerics hooks of ``diagnostics.enabled``);
 * ``output/`` (what a run writes: metrics.jsonl, TensorBoard events, the MLPerf
-  log, summary.json);
+  log, summary.json; whether a directory's earlier outputs may be reused);
 * ``plan`` (the config resolved and validated before anything compiles),
   ``optimizer``, ``state`` (the train state's layout on the mesh), ``step``
   (the pure traced train/eval steps), ``process`` (multi-host setup, compile
   cache), ``checkpoint`` (orbax, digests), ``compat`` (which checkpoints a run
-  may resume), ``run_lock`` (one live run per output directory);
+  may resume), ``run_lock`` (one live run per output directory), ``preemption``
+  (SIGTERM/SIGINT: stop at a step boundary after a checkpoint, agreed by every process);
 * ``trainer`` (the host loop), ``loop`` (``run``), ``__main__`` (the CLI).
 
 The ladder study, which builds its runs from these pieces, is the repository-level

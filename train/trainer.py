@@ -9,6 +9,13 @@ end, and writes metrics.jsonl, mllog.txt (`train.output.mlperf`), TensorBoard ev
 files (`train.output.tensorboard_log`, unless ``train.tensorboard`` is false), plot.png
 and summary.json.
 
+Between two steps every process agrees (`train.preemption.agree`) whether to
+stop: on SIGTERM/SIGINT (status ``'preempted'``) or a damaged batch (status
+``'data_error'``) the state of the last step is checkpointed first, and the same
+command resumes; a checkpoint that could not be written raises
+`train.checkpoint.CheckpointWriteError`. With ``checkpoint.enabled: false`` a
+directory holding another run's outputs is refused (`train.output.previous`).
+
 Everything runs under a (data, fsdp, tensor) mesh with the model's partition
 rules (`models.sharding`); each process feeds its slice of every global batch.
 """

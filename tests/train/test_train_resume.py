@@ -90,7 +90,9 @@ def test_sigterm_sigkill_and_restart_are_bit_identical(tmp_path, data_cache, pol
     k = recs[-1]["step"]
     assert stopped_at <= k < STEPS
     with Checkpointer(b / "checkpoints", keep=2) as ck:
-        assert ck.latest_step() == k and ck.read_meta(k)["status"] == "preempted"
+        # saved at the stop, unless the step's regular checkpoint (every 4) already held it
+        assert ck.latest_step() == k
+        assert ck.read_meta(k)["status"] == ("running" if k % 4 == 0 else "preempted")
     summary = json.loads((b / "summary.json").read_text())
     assert summary["status"] == "preempted" and summary["steps"] == k
 
