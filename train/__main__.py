@@ -146,7 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"I/O error: {e}", file=sys.stderr)
         return 6
     except KeyboardInterrupt:  # Ctrl-C before training started (training handles its own)
-        print("interrupted (before training started: nothing to save)", file=sys.stderr)
+        print("interrupted (outside the training loop, which saves on SIGINT/SIGTERM: nothing "
+              "of the run is lost)", file=sys.stderr)
         return 130
     if jax.process_index() == 0:
         s = summary
