@@ -30,11 +30,15 @@ import itertools
 import sys
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+# Fingerprint the checkout this script lives in (not an installed mxjax).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mxjax
 from mxjax import gemm as mxgemm
@@ -338,7 +342,8 @@ def main(argv=None) -> int:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     skip = set(filter(None, args.skip.split(",")))
     rep = Report(sys.stdout)
-    print(f"# mxjax numerics fingerprint, jax {jax.__version__}, backend {jax.default_backend()}")
+    print(f"# mxjax numerics fingerprint, jax {jax.__version__}, backend "
+          f"{jax.default_backend()}, mxjax from {Path(mxjax.__file__).parent}")
     if "presets" not in skip:
         fingerprint_presets(rep, args.presets.split(","))
     if "quantizer" not in skip:
