@@ -295,20 +295,33 @@ def fingerprint_quantizer(rep: Report, eager: bool) -> None:
                 rep.add(f"{label}/{dname}", "eager all", attempt(f, x, key))
 
 
-def fingerprint_pallas(rep: Report) -> None:
+def _quant_spec(hadamard=None, **recipe):
+    """A fused-quantizer spec, in whichever form this checkout's mxjax.kernels takes.
+
+    (QuantSpec held loose recipe fields before it took an OperandRecipe; the
+    fingerprint must run on both sides of that change.)
+    """
+    import dataclasses
+
     from mxjax.kernels import QuantSpec
 
+    if "recipe" in {f.name for f in dataclasses.fields(QuantSpec)}:
+        return QuantSpec(recipe=mxjax.OperandRecipe(**recipe), hadamard=hadamard)
+    return QuantSpec(hadamard=hadamard, **recipe)
+
+
+def fingerprint_pallas(rep: Report) -> None:
     rng = np.random.default_rng(9)
     x = _adversarial_fill(rng.standard_normal((64, 96)).astype(np.float32), rng)
     x = jnp.asarray(x)
     key = jax.random.key(4)
     specs = {
-        "mxfp4_even_rne": QuantSpec(fmt="mxfp4", scale_rule="even"),
-        "mxfp4_floor_sr_h16": QuantSpec(fmt="mxfp4", rounding="stochastic", hadamard=16),
-        "mxfp8e4m3_rceil_sr_pre": QuantSpec(fmt="mxfp8_e4m3", scale_rule="rceil",
-                                            rounding="stochastic", sr_prescale=True),
-        "mxfp8e5m2_ceil_rtz_h32": QuantSpec(fmt="mxfp8_e5m2", scale_rule="ceil",
-                                            rounding="toward_zero", hadamard=32),
+        "mxfp4_even_rne": _quant_spec(fmt="mxfp4", scale_rule="even"),
+        "mxfp4_floor_sr_h16": _quant_spec(fmt="mxfp4", rounding="stochastic", hadamard=16),
+        "mxfp8e4m3_rceil_sr_pre": _quant_spec(fmt="mxfp8_e4m3", scale_rule="rceil",
+                                              rounding="stochastic", sr_prescale=True),
+        "mxfp8e5m2_ceil_rtz_h32": _quant_spec(fmt="mxfp8_e5m2", scale_rule="ceil",
+                                              rounding="toward_zero", hadamard=32),
     }
     for name, spec in specs.items():
         for dtype in (jnp.float32, jnp.bfloat16):

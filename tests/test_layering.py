@@ -21,6 +21,9 @@ PKG = ROOT / "mxjax"
 # Lowest first. A module may import modules of its own unit (a package such as
 # mxjax.kernels) and of units in earlier layers, never later ones; units that
 # share a layer do not import each other.
+#  - the quantizer is built bottom up: element grids (elements), the scaling
+#    schemes (scaling), the validated OperandRecipe the quantizer takes
+#    (operand_recipe; mxjax.recipes re-exports it), then quantization.
 #  - kernels sit above recipes (they take the backend names from mxjax.recipes)
 #    and below mxjax.gemm (one GEMM under a recipe), their only caller, which
 #    imports them lazily so that `import mxjax` stays free of Pallas.
@@ -33,6 +36,9 @@ PKG = ROOT / "mxjax"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("formats", "layout", "validation", "_platform", "dimensions"),
     ("_bits",),
+    ("elements",),
+    ("scaling",),
+    ("operand_recipe",),
     ("quantization", "rotation"),
     ("recipes",),
     ("kernels",),
