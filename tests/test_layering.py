@@ -33,6 +33,9 @@ PACKAGES: tuple[str, ...] = ("mxjax", "models", "train", "study")
 # layers, never later ones; units that share a layer do not import each other. A package's
 # facade (its __init__) may re-export any unit; inside the package only `__main__` imports it.
 LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
+    #  - the quantizer is built bottom up: element grids (elements), the scaling
+    #    schemes (scaling), the validated OperandRecipe the quantizer takes
+    #    (operand_recipe; mxjax.recipes re-exports it), then quantization.
     #  - kernels sit above recipes (they take the backend names from mxjax.recipes)
     #    and below mxjax.gemm (one GEMM under a recipe), their only caller, which
     #    imports them lazily so that `import mxjax` stays free of Pallas.
@@ -45,6 +48,9 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     "mxjax": (
         ("formats", "layout", "validation", "_platform", "dimensions"),
         ("_bits",),
+        ("elements",),
+        ("scaling",),
+        ("operand_recipe",),
         ("quantization", "rotation"),
         ("recipes",),
         ("kernels",),

@@ -3,7 +3,8 @@
 ``python -m train --config configs/tiny.yaml`` (see ``--help``); from Python,
 ``train.loop.run(train.config.load(path, overrides))`` returns a ``RunSummary``.
 
-What lives where (lowest first; a module imports only from the lines above it):
+What lives where, lower layers first (the exact order, which `tests/test_layering.py`
+enforces, is its ``LAYERS["train"]``):
 
 * ``config`` (the YAML schema, ``--set`` overrides), ``jsonsafe``, ``hooks``
   (the run's extension points);
@@ -19,6 +20,8 @@ What lives where (lowest first; a module imports only from the lines above it):
   cache), ``checkpoint`` (orbax, digests), ``compat`` (which checkpoints a run
   may resume), ``run_lock`` (one live run per output directory), ``preemption``
   (SIGTERM/SIGINT: stop at a step boundary after a checkpoint, agreed by every process);
+* ``run`` (``CompiledRun``: a run's mesh, optimizer, state layout, jitted steps and
+  data, built once from a plan; the trainer and the study's units run on it);
 * ``trainer`` (the host loop), ``loop`` (``run``), ``__main__`` (the CLI).
 
 The ladder study, which builds its runs from these pieces, is the repository-level
