@@ -17,12 +17,8 @@ program for XLA's GPU and TPU compilers:
   (recomputed), the rounding and the bf16 convert into one elementwise pass; a
   barrier on the input of the second pass keeps XLA from materializing the f32
   rotated operand between the two instead;
-* **cheap scaling**: the power-of-two scalings are f32 multiplies by 2^-s and 2^s
-  instead of the integer ``ldexp`` of `mxjax.quantization` (which XLA:CPU's
-  denormals-are-zero needs), with the same values wherever f32 arithmetic keeps
-  subnormals (GPUs). Where it flushes them (TPUs; XLA:CPU when this form is run
-  there in tests) only blocks with amax below 2^-121 can differ
-  (docs/NUMERICS.md, "Subnormals").
+* **cheap scaling**: the power-of-two scalings are f32 multiplies
+  (`mxjax.accelerator_values`, which says where the values agree).
 
 Values equal `mxjax.quantization.fake_quantize_parts` of the canonical operand bit
 for bit (stochastic rounding draws its uniforms in the canonical shape and
@@ -43,16 +39,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from mxjax import _bits
+from mxjax.accelerator_values import values_from_amax
 from mxjax.dimensions import free_axes
 from mxjax.formats import Rounding
-from mxjax.quantization import (
-    SR_PRESCALE,
-    SR_UNSCALE,
-    e8m0_exponent,
-    max_scale_exponent,
-    round_to_value,
-)
 from mxjax.rotation import bit_view, hadamard_bit_view
+from mxjax.scaling import SR_UNSCALE
 
 __all__ = [
     "ContractionView",
@@ -60,14 +51,10 @@ __all__ = [
     "mx_gemm",
     "mx_operand_values",
     "mx_operand_values_tpu",
-    "round_nearest_even",
-    "scale_exponent",
-    "values_from_amax",
 ]
 
 MX_BLOCK = 32
 _MX_BITS = 5  # log2(MX_BLOCK)
-_MIN_NORMAL = 2.0 ** -126
 
 
 class ContractionView(NamedTuple):
@@ -137,63 +124,6 @@ def _uniforms_like(key: jax.Array, view: ContractionView, k_pad: int) -> jax.Arr
     perm = list(view.canonical_perm) + [len(kept_shape)]
     perm.insert(view.axis, perm.pop())
     return jnp.transpose(u, perm)
-
-
-def scale_exponent(amax_bits: jax.Array, op) -> jax.Array:
-    """E8M0 exponent of blocks from their amax bits, as `fake_quantize_parts` (f32 input)."""
-    elem = op.fmt.element
-    s = jnp.minimum(e8m0_exponent(amax_bits, elem, op.scale_rule),
-                    max_scale_exponent(jnp.float32, elem, op.sr_prescale))
-    return jnp.where(amax_bits == 0, 0, s)
-
-
-def round_nearest_even(y: jax.Array, elem) -> jax.Array:
-    """`round_to_value(y, elem, NEAREST_EVEN)` in fewer operations, the same values.
-
-    For |y| finite and zero or at least 2^-126: with E = clip(floor(log2|y|), emin,
-    emax) the grid step is q = 2^(E - mbits) and ``(|y| + C) - C`` with C = q * 2^23
-    is |y| rounded to a multiple of q, ties to even, by the f32 addition itself
-    (|y| < C, so the sum's last significand bit is worth q), and the subtraction is
-    exact. Then saturated to max_normal; the sign is y's (-0 stays -0).
-    """
-    bits = _bits.f32_bits(y)
-    a = _bits.bits_f32(bits & _bits.ABS_MASK)
-    e = ((bits >> 23) & 0xFF).astype(jnp.int32) - 127
-    big_e = jnp.clip(e, elem.emin, elem.emax)
-    c = _bits.bits_f32(((big_e - elem.mbits + 23 + 127) << 23).astype(jnp.uint32))
-    mag = jnp.minimum((a + c) - c, jnp.float32(elem.max_normal))
-    return _bits.bits_f32(_bits.f32_bits(mag) | ((bits >> 31) << 31))
-
-
-def values_from_amax(r: jax.Array, amax_bits: jax.Array, op, u: jax.Array | None) -> jax.Array:
-    """f32 MX values of rotated f32 elements `r` given their blocks' amax bits (broadcast).
-
-    ``fake_quantize_parts``' values with its integer ``ldexp`` steps as f32 multiplies
-    (the module docstring says where they agree).
-    """
-    nonfinite = amax_bits >= _bits.EXP_INF
-    s = scale_exponent(amax_bits, op)
-    # r * 2^-s: an exact multiply (2^-s is normal for s in [-127, 125]) wherever the
-    # result is normal. A smaller result rounds to zero on every element grid, except
-    # under stochastic rounding (a draw of exactly 0 rounds it up): there it is made
-    # zero, as XLA:CPU's denormals-are-zero makes the integer ldexp's subnormal result.
-    # A non-finite block's elements are rounded too (no trap) and replaced by NaN.
-    y = r * _bits.pow2(-s)
-    if op.sr_prescale:
-        y = y * jnp.float32(SR_PRESCALE)
-    if op.rounding is Rounding.STOCHASTIC:
-        tiny = jnp.abs(y) < jnp.float32(_MIN_NORMAL)
-        y = jnp.where(tiny | nonfinite, jnp.copysign(jnp.float32(0.0), y), y)
-        q = round_to_value(y, op.fmt.element, op.rounding, u)
-    elif op.rounding is Rounding.NEAREST_EVEN:
-        q = round_nearest_even(y, op.fmt.element)
-    else:
-        q = round_to_value(y, op.fmt.element, op.rounding, None)
-    # q * 2^s: exact wherever representable (q has at most 4 significant bits); 2^-127
-    # is not a normal f32, so s = -127 is a halving of q and then 2^-126.
-    half = jnp.where(s < -126, jnp.float32(0.5), jnp.float32(1.0))
-    v = (q * half) * _bits.pow2(jnp.maximum(s, -126))
-    return jnp.where(nonfinite, jnp.float32(jnp.nan), v)
 
 
 def _padded_length(k: int, hadamard_size: int | None) -> tuple[int, int]:

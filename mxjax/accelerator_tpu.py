@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mxjax import _bits
+from mxjax.accelerator_values import values_from_amax
 
 __all__ = ["KernelSpec", "mx_values_tpu", "record_kernels", "tiles"]
 
@@ -117,8 +118,6 @@ def _rotate_rows(x, h: int, sign_col):
 
 def _values_rows(x, op, h, sign_col, u):
     """The MX values of a [rows, cols] f32 tile with blocks of 32 along rows."""
-    from mxjax.accelerator import values_from_amax
-
     if h:
         x = _rotate_rows(x, h, sign_col)
     r, c = x.shape

@@ -19,8 +19,8 @@ from models.llama import LlamaConfig, RopeScaling
 from mxjax import PrecisionPolicy, policies
 from train import data as datamod
 from train.config import Config, ConfigError
+from train.data.tokenizer import TokenizerError, load_hf
 from train.jsonsafe import jsonable
-from train.tokenizer import TokenizerError, load_hf
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,22 +45,37 @@ class Plan:
 def resolve_policy(
         spec: str | Mapping[str, Any] | None,
 ) -> tuple[PrecisionPolicy | None, str, dict[str, Any] | None]:
-    """(policy or None, display name, JSON record) for a config's ``policy`` entry."""
-    if spec is None or (isinstance(spec, str) and spec.lower() == "none"):
+    """(policy or None, display name, JSON record) for a config's ``policy`` entry
+    (looked up by `mxjax.policies.resolve`; its errors become ConfigErrors)."""
+    try:
+        pol = policies.resolve(spec)
+    except (ValueError, TypeError, KeyError) as e:
+        if isinstance(spec, str):
+            raise ConfigError(str(e)) from None
+        raise ConfigError(f"policy: invalid policy dict ({type(e).__name__}: {e})") from None
+    if pol is None:
         return None, "none", None
-    if isinstance(spec, str):
-        names = tuple(policies.names())
-        if spec not in names:
-            raise ConfigError(f"policy: unknown policy {spec!r}; known: none, {', '.join(names)}")
-        pol = policies.get(spec)
-        name = spec
-    else:
-        try:
-            pol = policies.from_dict(dict(spec))
-        except (ValueError, TypeError, KeyError) as e:
-            raise ConfigError(f"policy: invalid policy dict ({type(e).__name__}: {e})") from None
-        name = getattr(pol, "name", None) or str(spec.get("name") or "custom")
+    name = spec if isinstance(spec, str) else (pol.name or str(spec.get("name") or "custom"))
+    check_backends(pol)
     return pol, name, jsonable(policies.to_dict(pol))
+
+
+def check_backends(policy: PrecisionPolicy) -> None:
+    """Every quantized GEMM's backend can run on this device and implements its formats.
+
+    The interceptor raises the same errors at trace time; checked here so that
+    ``--check`` reports them, naming the GEMM, before anything compiles.
+    """
+    from mxjax import kernels  # Pallas is imported only when a policy is checked
+
+    for gemm, recipe in policy.gemms.items():
+        if recipe.is_passthrough or recipe.backend == "xla":
+            continue
+        try:
+            kernels.backend_for_formats(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt,
+                                        where=f"policy.{gemm}")
+        except (RuntimeError, ValueError) as e:
+            raise ConfigError(f"policy.{gemm}.backend: {e}") from None
 
 
 def build_model_config(config: Config, vocab_size: int,

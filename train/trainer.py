@@ -1,13 +1,20 @@
-"""The trainer: compiled pieces of a run and the host loop around them.
+"""The trainer: the host loop around a run's compiled pieces (`train.run.CompiledRun`).
 
 `Trainer(plan, hooks).run()` resumes from the run directory's last checkpoint
 (after checking it belongs to this setup), evaluates every ``train.eval_every``
 steps, stops at the target eval loss or after ``train.max_nonfinite``
 non-finite steps in a row (status ``'nonfinite'``; the checkpoints written
 before are untouched), checkpoints every ``checkpoint.every`` steps and at the
-end, and writes metrics.jsonl, mllog.txt (`train.mlperf`), TensorBoard event
-files (`train.tensorboard_log`, unless ``train.tensorboard`` is false), plot.png
+end, and writes metrics.jsonl, mllog.txt (`train.output.mlperf`), TensorBoard event
+files (`train.output.tensorboard_log`, unless ``train.tensorboard`` is false), plot.png
 and summary.json.
+
+Between two steps every process agrees (`train.preemption.agree`) whether to
+stop: on SIGTERM/SIGINT (status ``'preempted'``) or a damaged batch (status
+``'data_error'``) the state of the last step is checkpointed first, and the same
+command resumes; a checkpoint that could not be written raises
+`train.checkpoint.CheckpointWriteError`. With ``checkpoint.enabled: false`` a
+directory holding another run's outputs is refused (`train.output.previous`).
 
 Everything runs under a (data, fsdp, tensor) mesh with the model's partition
 rules (`models.sharding`); each process feeds its slice of every global batch.
@@ -27,20 +34,25 @@ import yaml
 
 from models import sharding as shd
 from train import data as datamod
-from train import mlperf
-from train.checkpoint import Checkpointer
+from train.checkpoint import Checkpointer, CheckpointWriteError
 from train.compat import check_compatible, fingerprint
 from train.config import ConfigError
+from train.diagnostics import numerics
 from train.hooks import Hooks
-from train.metrics import MetricsWriter, Progress, Tee
-from train.optimizer import make_optimizer
+from train.output import mlperf
+from train.output.metrics import MetricsWriter, Progress, Tee
+from train.output.previous import check_reuse, relocated
+from train.output.summary import RunSummary, read_summary, summarize
+from train.output.tensorboard_log import TensorBoardWriter
 from train.plan import Plan
+from train.preemption import STOP_DATA_ERROR, STOP_SIGNAL, STOP_WRITE_FAILED, StopSignals, agree
 from train.process import fetch
+from train.run import CompiledRun
 from train.run_lock import RunDirNotWritable
-from train.state import make_state_layout, put_batch
-from train.step import make_eval_step, make_train_step, policy_base_key
-from train.summary import RunSummary, read_summary, summarize
-from train.tensorboard_log import TensorBoardWriter
+from train.step import policy_base_key
+
+# Stops after which the same command resumes the run (the MLPerf log stays open).
+RESUMABLE_STOPS = ("preempted", "data_error")
 
 
 class _Null:
@@ -51,7 +63,11 @@ class _Null:
 
 
 class Trainer:
-    """Compiled pieces of a run (built from a validated `Plan`); `run()` trains.
+    """The host loop of a run (built from a validated `Plan`); `run()` trains.
+
+    ``compiled`` is the run's `train.run.CompiledRun` (mesh, optimizer, state layout, jitted
+    steps, data); ``mesh``, ``tx``, ``layout``, ``abs_state``, ``loader``, ``eval_data`` are
+    its pieces.
 
     Useful on its own for benchmarks and tests: ``init_state()`` (the sharded
     fresh state), ``train_step(state, batch) -> (state, metrics)`` (jitted, state
@@ -61,71 +77,51 @@ class Trainer:
 
     def __init__(self, plan: Plan, hooks: Hooks | None = None, verbose: bool = True, *,
                  read_only: bool = False):
+        if plan.config.diagnostics.enabled:
+            if hooks is not None:
+                raise ConfigError("diagnostics.enabled: the run builds its own hooks "
+                                  "(train.diagnostics.numerics.for_run); pass either hooks or "
+                                  "diagnostics.enabled, not both")
+            hooks = numerics.for_run(plan.model_config, cosine=plan.config.diagnostics.cosine)
         self.plan, self.cfg, self.hooks, self.verbose = plan, plan.config, hooks or Hooks(), verbose
         self.read_only = read_only  # the run dir cannot be written: only a finished run may "run"
         c = self.cfg
         self.out = c.out_path
         self.out.mkdir(parents=True, exist_ok=True)
-        d, f, t = plan.mesh_axes
-        self.mesh = shd.make_mesh(data=d, fsdp=f, tensor=t)
-        self.tx, self.schedule = make_optimizer(c)
-        self.layout = lay = make_state_layout(plan.model_config, self.mesh, self.tx, c.seed)
-        self.abs_state = lay.abstract
-        self.n_params = lay.n_params
-        self.batch_sh = lay.batch
-        step_fn = make_train_step(graphdef=lay.graphdef, policy=plan.policy, tx=self.tx,
-                                  schedule=self.schedule, accum_steps=c.accum_steps,
-                                  hooks=self.hooks)
-        eval_fn = make_eval_step(graphdef=lay.graphdef, policy=plan.policy, hooks=self.hooks)
-        self._init = lay.init
-        self._train_step = jax.jit(step_fn,
-                                   in_shardings=(lay.shardings, lay.batch, lay.replicated),
-                                   out_shardings=(lay.shardings, lay.replicated),
-                                   donate_argnums=(0,))
-        self._eval_step = jax.jit(eval_fn,
-                                  in_shardings=(lay.param_shardings, lay.batch, lay.replicated),
-                                  out_shardings=lay.replicated)
-        # data
-        pi, pc = jax.process_index(), jax.process_count()
-        self.primary = pi == 0
-        if plan.eval_batch % pc:
-            raise ConfigError(f"the eval batch ({plan.eval_batch}) must be divisible by the "
-                              f"number of processes ({pc})")
-        T = c.data.seq_len
-        V = plan.model_config.vocab_size  # batches with ids outside it are refused on the host
-        self.train_seqs = datamod.Sequences(plan.prepared.tokens("train"), T, vocab_size=V)
-        self.loader = datamod.TrainLoader(self.train_seqs, global_batch=c.train.global_batch,
-                                          seed=c.seed, process_index=pi, process_count=pc)
-        val = datamod.Sequences(plan.prepared.tokens("val"), T, vocab_size=V)
-        ev = datamod.eval_batches(val, c.train.eval_sequences, plan.eval_batch)
-        per = plan.eval_batch // pc
-        self.eval_data = [b[pi * per:(pi + 1) * per] for b in ev]
-        self.tokens_per_step = c.train.global_batch * T
+        self.compiled = run = CompiledRun(plan, hooks=self.hooks)
+        self.mesh, self.tx, self.schedule, self.layout = run.mesh, run.tx, run.schedule, run.layout
+        self.abs_state = run.abstract
+        self.n_params = run.n_params
+        self._train_step = run.train_step(plan.policy)
+        self.primary = jax.process_index() == 0
+        self.train_seqs = run.train_sequences
+        self.loader = run.loader(c.seed)
+        self.eval_data = run.eval_batches
+        self.tokens_per_step = run.tokens_per_step
         self.policy_base = policy_base_key(c.seed)
 
     def init_state(self):
-        with shd.use_mesh(self.mesh):
-            return self._init(jax.random.key(self.cfg.seed))
+        return self.compiled.init_state(self.cfg.seed)
 
     def train_step(self, state, batch):
         with shd.use_mesh(self.mesh):
             return self._train_step(state, batch, self.policy_base)
 
     def batch(self, step: int) -> jax.Array:
-        return self._put(self.loader.batch(step))
+        return self.compiled.put(self.loader.batch(step))
 
     def _log(self, msg: str) -> None:
         if self.verbose and jax.process_index() == 0:
             print(f"[train] {msg}", file=sys.stderr, flush=True)
 
-    def _put(self, local: np.ndarray) -> jax.Array:
-        return put_batch(local, self.batch_sh)
+    def _log_here(self, msg: str) -> None:
+        """A log line from whichever process it concerns (a signal reaches one host)."""
+        if self.verbose:
+            where = f" (process {jax.process_index()})" if jax.process_count() > 1 else ""
+            print(f"[train]{where} {msg}", file=sys.stderr, flush=True)
 
     def evaluate(self, params) -> float:
-        total = 0.0
-        for b in self.eval_data:
-            total += float(fetch(self._eval_step(params, self._put(b), self.policy_base)))
-        return total / (self.cfg.train.eval_sequences * self.cfg.data.seq_len)
+        return self.compiled.evaluate(params, self.plan.policy, self.policy_base)
 
     def _meta(self, step: int, status: str, skipped: int, time_s: float) -> dict[str, Any]:
         c = self.cfg
@@ -146,6 +142,15 @@ class Trainer:
             raise ConfigError(f"checkpoint.enabled is false but {self.out}/checkpoints holds "
                               "checkpoints of an earlier run; use another output directory "
                               "(--out) rather than overwrite it")
+        else:
+            prev = check_reuse(self.out, c.to_dict(), steps=t.steps)
+            if prev is not None:
+                note = "run already complete; nothing to do"
+                msg = prev.message if prev.message.startswith(note) else f"{note} ({prev.message})"
+                return dataclasses.replace(relocated(prev, self.out), message=msg)
+            if (self.out / "metrics.jsonl").exists():
+                self._log(f"starting {self.out} over: the earlier run of this config did not "
+                          "finish and checkpoints are off (checkpoint.enabled: false)")
         state, meta = None, None
         if ckpt is not None and ckpt.latest_step() is not None:
             latest = ckpt.latest_step()
@@ -179,7 +184,8 @@ class Trainer:
             if prev is not None and prev.steps == resumed:
                 note = "run already complete; nothing to do"
                 msg = prev.message if prev.message.startswith(note) else f"{note} ({prev.message})"
-                return dataclasses.replace(prev, message=msg, resumed_from=resumed)
+                return dataclasses.replace(relocated(prev, self.out), message=msg,
+                                           resumed_from=resumed)
             return self._summary(done_status if done_status in ("completed", "target_reached")
                                  else "completed", "run already complete; nothing to do",
                                  resumed, skipped, time_off, None, resumed)
@@ -199,12 +205,12 @@ class Trainer:
             mll.begin_init(mlperf.run_header(c, mlperf.plan_facts(
                 self.plan, train_samples=len(self.train_seqs),
                 config_filename=str(self.out / "config.yaml"))))
-        with shd.use_mesh(self.mesh):
+        with shd.use_mesh(self.mesh), StopSignals(log=self._log_here) as signals:
             if state is None:
-                state = self._init(jax.random.key(c.seed))
+                state = self.compiled.init_state(c.seed)
                 mll.begin_run()
             return self._loop(state, start, resumed, skipped, time_off, t_start, ckpt, writer,
-                              mll)
+                              mll, signals)
 
     def _record(self, step: int, **kw: Any) -> dict[str, Any]:
         rec = {"step": step, "tokens": step * self.tokens_per_step, "loss": None,
@@ -221,7 +227,8 @@ class Trainer:
                 rec.update(more)
         writer.write(rec)
 
-    def _loop(self, state, start, resumed, skipped, time_off, t_start, ckpt, writer, mll):
+    def _loop(self, state, start, resumed, skipped, time_off, t_start, ckpt, writer, mll,
+              signals):
         c, t = self.cfg, self.cfg.train
         prog = Progress(t.steps, mode=t.progress if jax.process_index() == 0 else "off",
                         start=start)
@@ -230,6 +237,7 @@ class Trainer:
         last_good = ckpt.last_good_step() if ckpt is not None else None
         step = start
         steady_t, steady_n = 0.0, 0
+        saved, good = resumed, True  # the step the newest checkpoint holds; state not NaN-streaked
 
         def now() -> float:
             return time_off + time.time() - t_run
@@ -246,9 +254,21 @@ class Trainer:
             prog.update(0, loss=None, tokens_per_s=None, eval_loss=ev)
         try:
             while step < t.steps:
-                mll.train_block(step=step + 1, samples=step * t.global_batch)
                 t0 = time.time()
-                batch = self._put(self.loader.batch(step))
+                try:
+                    local, data_error = self.loader.batch(step), None
+                except datamod.DataError as e:
+                    local, data_error = None, e
+                # Every process stops at the same step boundary, or none does.
+                code = agree(max(STOP_SIGNAL if signals.requested else 0,
+                                 STOP_DATA_ERROR if data_error is not None else 0,
+                                 STOP_WRITE_FAILED if ckpt is not None and ckpt.failure() else 0))
+                if code:
+                    status, message = self._stop(code, step, state, ckpt, saved, good,
+                                                 skipped, now(), signals.requested, data_error)
+                    break
+                mll.train_block(step=step + 1, samples=step * t.global_batch)
+                batch = self.compiled.put(local)
                 state, m = self._train_step(state, batch, self.policy_base)
                 m = fetch(m)
                 step += 1
@@ -287,15 +307,15 @@ class Trainer:
                         rec.update({k: np.asarray(v).tolist() for k, v in m["extra"].items()})
                     self._emit(writer, rec)
                 prog.update(step, loss=loss, tokens_per_s=tps, eval_loss=ev)
+                good = int(m["consecutive"]) == 0  # not inside a non-finite streak
                 if status == "nonfinite":
                     break
                 final = stop or step == t.steps
                 if ckpt is not None and (final or (c.checkpoint.every
                                                    and step % c.checkpoint.every == 0)):
                     st = status if final else "running"
-                    good = int(m["consecutive"]) == 0  # not inside a non-finite streak
                     ckpt.save(step, state, self._meta(step, st, skipped, now()), good=good)
-                    last_good = step if good else last_good
+                    saved, last_good = step, step if good else last_good
                 if stop:
                     break
         finally:
@@ -305,11 +325,39 @@ class Trainer:
                 ckpt.close()
         if status == "completed":
             message = f"trained {step} steps ({step * self.tokens_per_step} tokens)"
-        mll.end_run(success=status == "target_reached", step=step,
-                    samples=step * t.global_batch)
+        if status not in RESUMABLE_STOPS:  # a resumed run goes on in the same MLPerf log
+            mll.end_run(success=status == "target_reached", step=step,
+                        samples=step * t.global_batch)
         mll.close()
         tps = self.tokens_per_step * steady_n / steady_t if steady_n else None
         return self._summary(status, message, step, skipped, time.time() - t_start, tps, resumed)
+
+    def _stop(self, code, step, state, ckpt, saved, good, skipped, now, signal_name,
+              data_error) -> tuple[str, str]:
+        """(status, message) of a run stopped before step ``step + 1`` by `code` (see
+        `train.preemption`), after saving the state of ``step`` unless a checkpoint holds it."""
+        if code == STOP_WRITE_FAILED:
+            failure = ckpt.failure() if ckpt is not None else None
+            raise failure or CheckpointWriteError(
+                "a checkpoint could not be written on another process of this run (see its "
+                "error); training stopped. Fix that file system and run the same command again.")
+        status = "data_error" if code == STOP_DATA_ERROR else "preempted"
+        if ckpt is None:
+            kept = "checkpoints are off (checkpoint.enabled: false): nothing to resume from"
+        elif step == 0 and saved is None:
+            kept = "no step was trained: nothing to save"
+        else:
+            if saved != step:
+                ckpt.save(step, state, self._meta(step, status, skipped, now), good=good)
+            kept = f"checkpoint step {step} in {ckpt.directory}"
+        if code == STOP_DATA_ERROR:
+            why = (str(data_error) if data_error is not None
+                   else "a data error on another process of this run (see its log)")
+            return status, (f"stopped after step {step}: {why}. Saved: {kept}; once the data "
+                            "is fixed the same command resumes the run.")
+        why = f"by {signal_name}" if signal_name else "by a signal to another process"
+        return status, (f"preempted {why} after step {step}; {kept}. Run the same command "
+                        "again to resume.")
 
     def _summary(self, status, message, step, skipped, wall, tps, resumed) -> RunSummary:
         return summarize(self.cfg, policy_name=self.plan.policy_name, status=status,

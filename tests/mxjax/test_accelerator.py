@@ -27,8 +27,10 @@ import numpy as np
 import pytest
 
 import mxjax
-from mxjax import accelerator, rotation
-from mxjax.quantization import SR_UNSCALE, fake_quantize_parts
+from mxjax import accelerator, accelerator_values, rotation
+from mxjax.elements import round_to_value
+from mxjax.quantization import fake_quantize_parts_with
+from mxjax.scaling import SR_UNSCALE
 from tests import reference as ref
 
 dg = importlib.import_module("mxjax.gemm")
@@ -68,7 +70,7 @@ def _canonical_values(x, batch, contract, op, h, signs, key):
         if pad:
             x3 = jnp.pad(x3, [(0, 0)] * (x3.ndim - 1) + [(0, pad)])
         x3 = mxjax.hadamard(x3, h, axis=-1, signs=signs)
-    values, _ = fake_quantize_parts(x3, op.fmt, axis=-1, **op.quantizer_kwargs(key))
+    values, _ = fake_quantize_parts_with(x3, op, -1, key=key)
     return values
 
 
@@ -227,7 +229,7 @@ def test_power_of_two_scalings_are_exact_in_ieee_float32():
     values from 2^-149 up (a subnormal result is flushed to zero there, and rounds to
     zero on every element grid)."""
     from mxjax.formats import E2M1, E4M3, E5M2
-    from mxjax.quantization import max_scale_exponent
+    from mxjax.scaling import max_scale_exponent
 
     for elem, (n, dtype) in ((E2M1, (16, ml_dtypes.float4_e2m1fn)),
                              (E4M3, (256, ml_dtypes.float8_e4m3fn)),
@@ -248,6 +250,24 @@ def test_power_of_two_scalings_are_exact_in_ieee_float32():
         exact = np.ldexp(r.astype(np.float64), -s)
         normal = (exact >= 2.0**-126) & (exact <= np.finfo(np.float32).max)
         np.testing.assert_array_equal(y[normal].astype(np.float64), exact[normal])
+
+
+@pytest.mark.parametrize("elem", [mxjax.formats.E2M1, mxjax.formats.E4M3, mxjax.formats.E5M2],
+                         ids=lambda e: e.name)
+def test_round_nearest_even_equals_round_to_value(elem):
+    """Every f32 from 2^-126 to twice the largest grid value whose low 12 significand bits
+    are zero, with ties and the values next to them at every grid step, both signs."""
+    hi = int(np.float32(2 * elem.max_normal).view(np.uint32))
+    coarse = np.arange(0x00800000, hi, 1 << 12, dtype=np.uint32).view(np.float32)
+    steps = np.exp2(np.arange(elem.emin - elem.mbits - 1, elem.emax + 2, dtype=np.float64))
+    grid = np.concatenate([k * steps for k in range(1, 1 << (elem.mbits + 2))])
+    near = np.concatenate([np.nextafter(grid.astype(np.float32), d) for d in (-np.inf, np.inf)])
+    y = np.concatenate([coarse, grid.astype(np.float32), near, [0.0, 1e30]]).astype(np.float32)
+    y = jnp.asarray(np.concatenate([y, -y]))
+    got = jax.jit(lambda v: accelerator_values.round_nearest_even(v, elem))(y)
+    want = jax.jit(lambda v: round_to_value(v, elem, mxjax.Rounding.NEAREST_EVEN))(y)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32),
+                                  np.asarray(want).view(np.uint32))
 
 
 def test_tiny_blocks_are_the_only_difference_under_flush_to_zero(np_rng):

@@ -11,13 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from train_testutil import load
 
+from tests.train.train_testutil import load
 from train import loop, optimizer
 from train import step as step_mod
 from train.checkpoint import Checkpointer, CorruptCheckpointError, IncompatibleCheckpointError
 from train.config import ConfigError
-from train.metrics import read_jsonl
+from train.output.metrics import read_jsonl
 
 RECORD_KEYS = {"step", "tokens", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s",
                "skipped_steps", "policy", "epoch", "time_s"}
@@ -243,7 +243,7 @@ def test_nonfinite_guard_skips_counts_and_stops(tmp_path, cache):
 @pytest.mark.slow
 def test_tiny_config_runs_under_its_policy(tmp_path):
     """configs/tiny.yaml as shipped (MXFP4 + H16), cut to 4 steps, through the CLI."""
-    from train_testutil import run_cli
+    from tests.train.train_testutil import run_cli
 
     out = tmp_path / "tiny"
     r = run_cli(["--config", "configs/tiny.yaml", "--out", str(out), "--set",
@@ -254,3 +254,12 @@ def test_tiny_config_runs_under_its_policy(tmp_path):
     assert [x["policy"] for x in recs] == ["mxfp4_all_h16"] * 5
     evals = [x["eval_loss"] for x in recs if x["eval_loss"] is not None]
     assert len(evals) == 3 and evals[-1] < evals[0]
+
+
+def test_copied_run_directory_reports_its_own_paths(base, tmp_path, cache):
+    # issue 24 item 12: a finished run copied elsewhere printed the paths it was written with
+    dst, cfg2 = _copy_run(base[0], tmp_path, cache)
+    s = loop.run(cfg2, verbose=False)
+    assert s.status == "completed" and s.resumed_from == 12
+    assert s.out_dir == str(dst) and s.metrics_path == str(dst / "metrics.jsonl")
+    assert s.checkpoint_dir == str(dst / "checkpoints") and s.plot_path == str(dst / "plot.png")
