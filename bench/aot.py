@@ -163,5 +163,11 @@ def compile_for(fn, args, target: Target | str, compiler_options: dict | None = 
     """``jax.jit(fn)`` traced with abstract `args` and compiled for `target` (no device needed)."""
     target = TARGETS[target] if isinstance(target, str) else target
     placed = place(args, target)
-    lowered = jax.jit(fn).trace(*placed).lower()
+    if target.kind == "gpu":
+        # Pallas' GPU lowering reads the device kind (compute capability) from the
+        # context mesh's abstract device when there is no local GPU.
+        with jax.set_mesh(_mesh(target.name)):
+            lowered = jax.jit(fn).trace(*placed).lower()
+    else:
+        lowered = jax.jit(fn).trace(*placed).lower()
     return lowered.compile(compiler_options or None)

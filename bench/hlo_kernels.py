@@ -202,6 +202,7 @@ class Kernel:
     gemm_flops: int
     alu_ops: int
     shape: str
+    fusion_kind: str = ""  # kLoop, kInput, kOutput, kCustom (fusions only)
 
     @property
     def bytes(self) -> int:
@@ -294,7 +295,7 @@ def kernels(text: str) -> list[Kernel]:
             out.append(Kernel(name=inst.name, opcode=inst.opcode,
                               category=_category(inst, flops), target=inst.custom_call_target,
                               bytes_read=read, bytes_written=written, gemm_flops=flops,
-                              alu_ops=alu, shape=inst.shape))
+                              alu_ops=alu, shape=inst.shape, fusion_kind=inst.fusion_kind))
 
     walk(module.entry, 0)
     return out
