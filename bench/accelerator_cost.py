@@ -44,13 +44,12 @@ if not os.environ.get("PYTHONPATH") and str(ROOT) not in sys.path:
 
 from bench import aot
 from bench import hlo_kernels as hk
+from bench.programs import PROGRAMS, program
 
 aot.use_cpu_host()
 
 import jax
-import jax.numpy as jnp
 
-PROGRAMS = ("matmul", "layer")
 DEFAULT_TARGETS = ("h100", "h200", "v5e", "v6e", "cpu")
 GEMM_EFFICIENCY = 0.70  # of the bf16 matrix peak, for GEMM kernels
 HBM_EFFICIENCY = 0.85  # of peak HBM bandwidth, for every kernel's bytes
@@ -209,45 +208,6 @@ def measure(compiled, target: aot.Target, variant: str, program: str, policy: st
                 compile_s=compile_s, top=top)
 
 
-# --------------------------------------------------------------------------- #
-# Programs
-# --------------------------------------------------------------------------- #
-def matmul_program(policy_name: str, n: int = 4096):
-    """(fn, abstract args): value_and_grad of mean((x @ w)^2) for bf16 x, w [n, n] (and a key)."""
-    import mxjax
-    from mxjax import policies
-
-    policy = policies.get(policy_name)
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype) if policy.needs_key else None
-
-    def step(x, w, k):
-        def loss(x, w):
-            y = mxjax.dot_general(x, w, (((1,), (0,)), ((), ())), policy=policy, key=k)
-            return jnp.mean(jnp.square(y.astype(jnp.float32)))
-
-        return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
-
-    a = jax.ShapeDtypeStruct((n, n), jnp.bfloat16)
-    return step, (a, a, key)
-
-
-def layer_program(policy_name: str, batch: int = 1, seq: int = 2048):
-    """(fn, abstract args): bench/export_shape.py's decoder-layer train step."""
-    from bench import export_shape
-    from models.llama import LlamaConfig
-
-    config = LlamaConfig.llama3_1b(n_layers=1, dtype="bfloat16", param_dtype="float32")
-    return export_shape.layer_train_step(config, policy_name, batch, seq)
-
-
-def program(name: str, policy: str, args) -> tuple:
-    if name == "matmul":
-        return matmul_program(policy, args.matmul_size)
-    if name == "layer":
-        return layer_program(policy, args.batch, args.seq)
-    raise ValueError(f"program: unknown {name!r}; expected one of {PROGRAMS}")
-
-
 class KernelCycles:
     """Static cycles of TPU kernel specs, measured in a subprocess (bench/tpu_kernel_cycles.py)."""
 
@@ -284,8 +244,11 @@ def compile_one(target: aot.Target, variant: str, prog: str, policy: str, args,
     except ImportError:  # an mxjax without TPU kernels (a before table)
         record_kernels = functools.partial(contextlib.nullcontext, ())
 
-    fn, fargs = program(prog, policy, args)
-    options = {"xla_gpu_enable_triton_gemm": False} if variant == "cublas" else None
+    fn, fargs = program(prog, policy, matmul_size=args.matmul_size, batch=args.batch,
+                        seq=args.seq)
+    options = {"xla_gpu_enable_triton_gemm": False} if variant == "cublas" else {}
+    if target.kind == "gpu" and args.autotune_results:
+        options["xla_gpu_load_autotune_results_from"] = str(args.autotune_results)
     t0 = time.perf_counter()
     with record_kernels() as specs:
         compiled = aot.compile_for(fn, fargs, target, options)
@@ -385,6 +348,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--dump", type=Path, default=None, help="write each optimized HLO here")
+    ap.add_argument("--autotune-results", type=Path, default=None,
+                    help="GPU compiles load XLA's autotune results from this file "
+                         "(written on a device by bench/gpu.py --dump-autotune)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
     ap.add_argument("--top", type=int, default=0,
                     help=f"print each program's N slowest kernels (roofline; N <= {TOP_KERNELS})")
