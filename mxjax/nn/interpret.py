@@ -67,6 +67,18 @@ from jax.extend import core as jcore
 from jax.extend import source_info_util as siu
 
 from mxjax.interceptor import dot_general as policy_dot_general
+from mxjax.nn.analysis import (
+    NO_PARAMS,
+    analyze,
+    call_jaxpr,
+    eqn_deps,
+    has_dot,
+    join_all,
+    open_jaxpr,
+    read_dep,
+    scan_counts,
+    sub_jaxprs,
+)
 from mxjax.nn.rules import HEAD_NAMES, Rule, Site, WrapReport
 
 __all__ = ["MARKER_PREFIX", "marker", "module_path", "transform_call"]
@@ -103,40 +115,6 @@ def module_path(name_stack: str) -> str:
     return name_stack.strip("/")
 
 
-# --------------------------------------------------------------------------- #
-# Sub-jaxpr helpers (jax 0.11: ClosedJaxpr + open Jaxpr; jax 0.12: Jaxpr with consts)
-# --------------------------------------------------------------------------- #
-def _open(j) -> tuple[Any, list]:
-    consts = list(getattr(j, "consts", ()) or ())
-    return getattr(j, "jaxpr", j), consts
-
-
-def _is_jaxpr(v) -> bool:
-    return isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr))
-
-
-def _sub_jaxprs(params: dict) -> list:
-    out = []
-    for v in params.values():
-        if _is_jaxpr(v):
-            out.append(v)
-        elif isinstance(v, (tuple, list)):
-            out.extend(x for x in v if _is_jaxpr(x))
-    return out
-
-
-def _has_dot(j, cache: dict) -> bool:
-    """Whether a (sub-)jaxpr contains a dot_general; `cache` lives for one transform."""
-    inner, _ = _open(j)
-    hit = cache.get(id(inner))
-    if hit is not None and hit[0] is inner:
-        return hit[1]
-    found = any(e.primitive is _DOT or any(_has_dot(s, cache) for s in _sub_jaxprs(e.params))
-                for e in inner.eqns)
-    cache[id(inner)] = (inner, found)
-    return found
-
-
 def _bind_params(eqn) -> dict:
     p = eqn.primitive.get_bind_params(eqn.params)
     if isinstance(p, tuple):  # older jax: (subfuns, params)
@@ -145,106 +123,6 @@ def _bind_params(eqn) -> dict:
             raise NotImplementedError(f"mxjax.nn: cannot re-bind {eqn.primitive.name} with subfuns")
         return params
     return p
-
-
-# --------------------------------------------------------------------------- #
-# Data dependence: None = depends on data; frozenset = the parameters it is computed from
-# --------------------------------------------------------------------------- #
-_CALLS = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-          "custom_vjp_call_jaxpr", "remat", "remat2", "checkpoint")
-_NO_PARAMS: frozenset = frozenset()
-
-
-def _join_all(deps) -> frozenset | None:
-    out = _NO_PARAMS
-    for d in deps:
-        if d is None:
-            return None
-        out = out | d
-    return out
-
-
-def _join2(a, b):
-    return None if a is None or b is None else a | b
-
-
-def _call_jaxpr(p: dict):
-    return p.get("jaxpr", p.get("call_jaxpr", p.get("fun_jaxpr")))
-
-
-def _loop_fixed_point(body, fixed: list, carry: list, rest: list, n_carry: int,
-                      tables: set | None) -> list:
-    """Carry dependences of a loop body run to a fixed point (body(fixed, carry, rest))."""
-    while True:
-        outs = _analyze(body, [*fixed, *carry, *rest], tables)
-        new = [_join2(c, o) for c, o in zip(carry, outs[:n_carry], strict=True)]
-        if new == carry:
-            return carry
-        carry = new
-
-
-def _eqn_deps(eqn, ins: list, tables: set | None) -> tuple[list, list]:
-    """(output dependences, [(sub-jaxpr, its input dependences)]) of one equation.
-
-    `tables` (when not None) collects the parameters read by a ``gather`` at
-    data-dependent indices: embedding tables.
-    """
-    name, p = eqn.primitive.name, eqn.params
-    n_out = len(eqn.outvars)
-    if name == "gather" and tables is not None and ins[0] and ins[1] is None:
-        tables.update(ins[0])
-    if name in _CALLS and _call_jaxpr(p) is not None:
-        sub = _call_jaxpr(p)
-        return _analyze(sub, ins, tables), [(sub, ins)]
-    if name == "scan":
-        n_consts, n_carry = _scan_counts(p)
-        consts, carry = ins[:n_consts], ins[n_consts:n_consts + n_carry]
-        xs = ins[n_consts + n_carry:]
-        carry = _loop_fixed_point(p["jaxpr"], consts, list(carry), xs, n_carry, None)
-        body_in = [*consts, *carry, *xs]
-        outs = _analyze(p["jaxpr"], body_in, tables)
-        return [*carry, *outs[n_carry:]], [(p["jaxpr"], body_in)]
-    if name == "while":
-        cn, bn = p["cond_nconsts"], p["body_nconsts"]
-        cconsts, bconsts, carry = ins[:cn], ins[cn:cn + bn], list(ins[cn + bn:])
-        while True:
-            carry = _loop_fixed_point(p["body_jaxpr"], bconsts, carry, [], len(carry), None)
-            pred = _analyze(p["cond_jaxpr"], [*cconsts, *carry], None)[0]
-            if pred is None and any(c is not None for c in carry):
-                carry = [None] * len(carry)  # how often the body runs depends on data
-                continue
-            break
-        _analyze(p["body_jaxpr"], [*bconsts, *carry], tables)
-        return carry, [(p["cond_jaxpr"], [*cconsts, *carry]), (p["body_jaxpr"], [*bconsts, *carry])]
-    if name == "cond":
-        index, ops = ins[0], ins[1:]
-        outs = None
-        for b in p["branches"]:
-            o = _analyze(b, ops, tables)
-            outs = o if outs is None else [_join2(a, c) for a, c in zip(outs, o, strict=True)]
-        if index is None:
-            outs = [None] * n_out
-        return outs, [(b, ops) for b in p["branches"]]
-    return [_join_all(ins)] * n_out, []
-
-
-def _analyze(j, ins: list, tables: set | None) -> list:
-    """Output dependences of a (sub-)jaxpr given its inputs' dependences."""
-    jaxpr, _ = _open(j)
-    env: dict = {}
-    for v in jaxpr.constvars:
-        env[v] = _NO_PARAMS
-    for v, d in zip(jaxpr.invars, ins, strict=True):
-        env[v] = d
-    for eqn in jaxpr.eqns:
-        outs, _ = _eqn_deps(eqn, [_read_dep(env, v) for v in eqn.invars], tables)
-        for v, d in zip(eqn.outvars, outs, strict=True):
-            env[v] = d
-    return [_read_dep(env, v) for v in jaxpr.outvars]
-
-
-def _read_dep(env: dict, v):
-    return _NO_PARAMS if isinstance(v, jcore.Literal) else env[v]
 
 
 # --------------------------------------------------------------------------- #
@@ -292,7 +170,7 @@ def _kind(path: str, lhs_dep, rhs_dep, ctx: _Ctx) -> tuple[str, str]:
         return "activation", "both operands depend on the inputs"
     sides = [n for n, d in (("lhs", lhs_dep), ("rhs", rhs_dep)) if d is not None]
     side = sides[0] if len(sides) == 1 else "lhs and rhs"
-    params = _join_all(d for d in (lhs_dep, rhs_dep) if d is not None)
+    params = join_all(d for d in (lhs_dep, rhs_dep) if d is not None)
     if params & ctx.tables:
         return "head", f"{side} is the embedding table (a parameter also read by a gather)"
     if params & ctx.head_params:
@@ -343,7 +221,7 @@ def _dot(eqn, invals, deps, ctx: _Ctx, stack: str, salts: tuple):
 
 
 def _eval(j, args, deps, ctx: _Ctx, prefix: str, salts: tuple) -> list:
-    jaxpr, consts = _open(j)
+    jaxpr, consts = open_jaxpr(j)
     env: dict = {}
     denv: dict = {}
 
@@ -351,17 +229,17 @@ def _eval(j, args, deps, ctx: _Ctx, prefix: str, salts: tuple) -> list:
         return v.val if isinstance(v, jcore.Literal) else env[v]
 
     for v, x in zip(jaxpr.constvars, consts, strict=True):
-        env[v], denv[v] = x, _NO_PARAMS
+        env[v], denv[v] = x, NO_PARAMS
     for v, x, d in zip(jaxpr.invars, args, deps, strict=True):
         env[v], denv[v] = x, d
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        ins = [_read_dep(denv, v) for v in eqn.invars]
-        out_deps, sub_ins = _eqn_deps(eqn, ins, None)
+        ins = [read_dep(denv, v) for v in eqn.invars]
+        out_deps, sub_ins = eqn_deps(eqn, ins, None)
         stack = _join(prefix, _stack_str(eqn))
         if eqn.primitive is _DOT:
             outs = [_dot(eqn, invals, ins, ctx, stack, salts)]
-        elif any(_has_dot(s, ctx.has_dot_cache) for s in _sub_jaxprs(eqn.params)):
+        elif any(has_dot(s, ctx.has_dot_cache) for s in sub_jaxprs(eqn.params)):
             with _as(eqn):
                 outs = _higher_order(eqn, invals, [d for _, d in sub_ins], ctx, stack, salts)
         else:
@@ -381,22 +259,15 @@ def _rebind(eqn, invals) -> list:
         return _bind(eqn, invals)
 
 
-def _scan_counts(params: dict) -> tuple[int, int]:
-    if "num_consts" in params:  # jax <= 0.11
-        return params["num_consts"], params["num_carry"]
-    consts, carry, _ = params["ft_in"].unpack()  # jax 0.12
-    return len(consts), len(carry)
-
-
 def _higher_order(eqn, invals, sub_deps: list, ctx: _Ctx, stack: str, salts: tuple) -> list:
     """Re-emits a higher-order equation with a dot_general inside; called under ``_as(eqn)``.
 
-    `sub_deps`: the input dependences of each sub-jaxpr, from `_eqn_deps`.
+    `sub_deps`: the input dependences of each sub-jaxpr, from `eqn_deps`.
     """
     name = eqn.primitive.name
     p = eqn.params
     if name in ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call"):
-        return _eval(_call_jaxpr(p), invals, sub_deps[0], ctx, stack, salts)
+        return _eval(call_jaxpr(p), invals, sub_deps[0], ctx, stack, salts)
     if name in ("custom_vjp_call", "custom_vjp_call_jaxpr"):
         ctx.skipped.append(f"{module_path(stack) or '(root)'}: dot_general inside a custom_vjp "
                            "(left unchanged)")
@@ -408,7 +279,7 @@ def _higher_order(eqn, invals, sub_deps: list, ctx: _Ctx, stack: str, salts: tup
         return list(jax.checkpoint(body, prevent_cse=p.get("prevent_cse", True),
                                    policy=p.get("policy"))(*invals))
     if name == "scan":
-        n_consts, n_carry = _scan_counts(p)
+        n_consts, n_carry = scan_counts(p)
         consts, init, xs = (invals[:n_consts], invals[n_consts:n_consts + n_carry],
                             invals[n_consts + n_carry:])
 
@@ -429,7 +300,7 @@ def _higher_order(eqn, invals, sub_deps: list, ctx: _Ctx, stack: str, salts: tup
     if name == "while":
         cn, bn = p["cond_nconsts"], p["body_nconsts"]
         cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
-        if _has_dot(p["cond_jaxpr"], ctx.has_dot_cache):
+        if has_dot(p["cond_jaxpr"], ctx.has_dot_cache):
             raise NotImplementedError("mxjax.nn: a dot_general in a while_loop condition")
 
         counted = ctx.key is not None
@@ -517,7 +388,7 @@ def transform_call(fn: Callable, args: tuple, kwargs: dict, *, rules: tuple[Rule
                             and any(re.fullmatch(HEAD_NAMES, _key_name(k)) for k in paths[i][0]))
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
     tables: set = set()
-    _analyze(closed, deps, tables)
+    analyze(closed, deps, tables)
     ctx = _Ctx(rules, key, frozenset(tables), head_params)
     outs = _eval(closed, dyn, deps, ctx, prefix, ())
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs), ctx.report()
