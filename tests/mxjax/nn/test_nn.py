@@ -423,9 +423,10 @@ def test_readme_kinds_and_testing_snippet_runs(capsys):
     ns: dict = {}
     exec(compile(_wrap_snippets()[1], "README kinds", "exec"), ns)  # noqa: S102 - README's own
     out = capsys.readouterr().out.splitlines()
-    rows = [line.split()[:3] for line in out if line.split()[:1] in (["q"], ["k"], ["(root)"])]
+    rows = [line.split()[:3] for line in out
+            if line.split()[:1] in (["q"], ["k"], ["(root)"], ["embed"])]
     assert rows == [["q", "weight", "mxfp4_all"], ["k", "weight", "mxfp4_all"],
-                    ["(root)", "activation", "unchanged"], ["(root)", "head", "unchanged"]]
+                    ["(root)", "activation", "unchanged"], ["embed", "head", "unchanged"]]
     assert int(out[-1]) > 0  # "Attention/q/" in the lowered program's locations
     rep = ns["with_attention"].report(ns["params"], ns["tokens"])
     assert all(s.policy is not None for s in rep.sites)
