@@ -51,13 +51,18 @@ def linen_dot_general_cls(policy: PrecisionPolicy | str, rng_collection: str = R
                              rng_collection=rng_collection)
 
 
-def _root_scope(module: nn.Module, method) -> str | None:
-    """The scope Flax opens around the applied method (None: a function, not a method)."""
+def _root_scopes(module: nn.Module, method) -> tuple[str, ...]:
+    """The names the scope Flax opens around the applied method may have (() for a function
+    that is not a method): the module's name, else the name of its class or of the class
+    a lifted transform (``nn.jit(Cls)``: ``JitCls``) wraps."""
     if method is not None and not isinstance(method, str):
         name = getattr(method, "__name__", None)
         if name is None or getattr(type(module), name, None) is not method:
-            return None
-    return module.name or type(module).__name__
+            return ()
+    if module.name is not None:
+        return (module.name,)
+    return tuple(c.__name__ for c in type(module).__mro__
+                 if issubclass(c, nn.Module) and c is not nn.Module)
 
 
 class LinenWrapped(Reporting):
@@ -117,7 +122,7 @@ class LinenWrapped(Reporting):
                                     mutable=mutable, **kwargs)
             return out if returns_state else (out, None)
 
-        paths = PathSource(front_end="linen", root=_root_scope(self.module, method))
+        paths = PathSource(front_end="linen", roots=_root_scopes(self.module, method))
         (out, state), report = transform_call(
             fn, (variables, rest, *args), kwargs, rules=self.rules, key=key, param_args=(0,),
             paths=paths, aux_output=True)

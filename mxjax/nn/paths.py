@@ -13,7 +13,8 @@ mxjax puts nothing into the user's code that a plain call could see later.
 
 * Linen: the name stack. Flax runs each module method under
   ``jax.named_scope('<module name>[.<method>]')``; the path is those scopes
-  below the root module's own, without the ``.<method>`` suffixes and without
+  below the root module's own, without the ``.<method>`` suffixes (and without
+  the scope a module opens again when it calls its own method) and without
   JAX's entries (transforms such as ``jvp``/``vmap``, ``jnp.einsum``'s
   subscripts scope). Your own ``jax.named_scope`` names stay in it (the path is
   the call path, as profiles show it). A matmul whose weight is a parameter of a
@@ -95,12 +96,14 @@ class PathSource:
 
     Attributes:
       front_end: ``'function'``, ``'linen'`` or ``'nnx'``.
-      root: Linen: the root module's scope name (its ``name`` or class name), when
-        the applied method is one of its methods (Flax opens that scope); else None.
+      roots: Linen: the names the root module's own scope may have (its ``name``,
+        or its class's name; a class lifted by ``nn.jit``/``nn.remat``/... names
+        the scope after the class it wraps), when the applied method is one of
+        its methods (Flax opens that scope); else ``()``.
     """
 
     front_end: str
-    root: str | None = None
+    roots: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.front_end not in FRONT_ENDS:
@@ -118,16 +121,20 @@ class PathSource:
         names = scope_names(name_stack)
         if self.front_end == "function":
             return names
-        names = tuple(n.split(".", 1)[0] for n in names)  # 'embed.attend' -> 'embed'
-        if self.root is None:
-            return names
-        if not names or names[0] != self.root:
+        if self.roots and (not names or names[0].split(".", 1)[0] not in self.roots):
             raise ValueError(
-                f"mxjax.nn.wrap: a matmul of the Linen module {self.root!r} ran outside its "
+                f"mxjax.nn.wrap: a matmul of the Linen module {self.roots[0]!r} ran outside its "
                 f"module scope (name stack {str(name_stack)!r}): Flax's module scopes are off "
                 "(nn.disable_named_call() or flax_profile=False), and module paths come from "
                 "them; call nn.enable_named_call() before wrapping")
-        return names[1:]
+        out: list[str] = []
+        owner = names[0].split(".", 1)[0] if self.roots else None  # the module now running
+        for raw in names[1:] if self.roots else names:
+            name, dot, _ = raw.partition(".")  # 'embed.attend' -> 'embed'
+            if dot and name == (out[-1] if out else owner):
+                continue  # a module calling its own method: Flax opens its scope again
+            out.append(name)
+        return tuple(out)
 
     def site_path(self, call: Path, weight: Path | None, origin: Path | None) -> tuple[Path, Path]:
         """(site path, the trailing components the call path lacks) of one matmul.

@@ -313,12 +313,11 @@ def _mixed(x):
     return model
 
 
-def test_nnx_graph_with_bridge_list_attention_is_untouched_and_gradients_flow():
+def test_nnx_graph_with_bridge_list_attention_is_untouched():
     x = jax.random.normal(jax.random.key(4), (2, 3, 16))
     model, twin = _mixed(x), _mixed(x)
     before = _snapshot(model)
-    wrapped = mnn.wrap(model, "mxfp4_fprop")
-    rep = wrapped.report(x)
+    rep = mnn.wrap(model, "mxfp4_fprop").report(x)
     assert {s.path: s.kind for s in rep.sites} == {
         "enc/layers_0": "weight", "enc/layers_2": "weight", "blocks/0/q": "weight",
         "blocks/0/k": "weight", "blocks/0": "activation", "": "activation", "out": "weight"}
@@ -327,10 +326,6 @@ def test_nnx_graph_with_bridge_list_attention_is_untouched_and_gradients_flow():
     mnn.wrap(model, "bf16")(x)
     twin(x)
     _assert_untouched(model, before, _snapshot(twin))
-    loss, grads = nnx.jit(nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2)))(wrapped)
-    g = jax.tree.leaves(nnx.state(grads, nnx.Param))
-    assert np.isfinite(float(loss)) and all(np.isfinite(np.asarray(a)).all() for a in g)
-    assert float(sum(jnp.abs(a).sum() for a in g)) > 0
 
 
 def test_linen_with_nnx_inside_through_to_linen():
@@ -383,12 +378,29 @@ def test_case3_a_submodule_applied_inside_its_parent_has_its_own_path():
     np.testing.assert_array_equal(np.asarray(y), np.asarray(ref))
 
 
+class _Encoded(nn.Module):
+    def setup(self):
+        self.enc = nn.Dense(8)
+
+    def encode(self, x):
+        return self.enc(x)
+
+    def __call__(self, x):
+        return self.encode(x)  # Flax scopes: '_Encoded/_Encoded.encode/enc'
+
+
 def test_method_calls_and_method_functions_drop_method_names():
     m = _TiedByApply()
     v = m.init(jax.random.key(0), TOKENS)
     wrapped = mnn.wrap(m, mnn.Rule(path=".*", policy="bf16", operands="any"))
     attend = wrapped.report(v, TOKENS, method=lambda mod, t: mod.wte.attend(mod.wte(t)))
     assert _sites(attend) == [("wte", "head", "bf16")]  # Flax's scope: 'wte.attend'
+    # A module calling its own method; a class lifted by nn.jit (scope: the inner class).
+    for model in (_Encoded(), nn.jit(_Encoded)()):
+        v = model.init(jax.random.key(0), X)
+        wrapped = mnn.wrap(model, "bf16")
+        assert _sites(wrapped.report(v, X)) == [("enc", "weight", "bf16")]
+        assert _sites(wrapped.report(v, X, method="encode")) == [("enc", "weight", "bf16")]
 
 
 def test_without_flax_module_scopes_wrap_says_so():
@@ -417,7 +429,8 @@ def test_case4_dot_generals_that_sum_nothing_stay_exact_and_are_reported():
     m = _Norms()
     v = m.init(jax.random.key(0), X)
     wrapped = mnn.wrap(m, mnn.Rule(path=".*", policy="mxfp4_all", operands="any"))
-    got = jax.jit(wrapped.apply)(v, X)
+    with pytest.warns(UserWarning, match=re.escape("'(root)' (not_gemm, 2 dots)")):
+        got = jax.jit(wrapped.apply)(v, X)  # no GEMM, so no rule matched: a warning
     jax.tree.map(np.testing.assert_array_equal, got, jax.jit(m.apply)(v, X))
     rep = wrapped.last_report
     assert [(s.kind, s.policy, s.rule) for s in rep.sites] == [("not_gemm", None, None)] * 2
