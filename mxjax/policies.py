@@ -33,7 +33,8 @@ from mxjax.formats import BF16, FP8_E4M3, FP8_E5M2, MXFP4, NVFP4, Rounding, Scal
 from mxjax.recipes import GEMMS, GemmRecipe, Hadamard, OperandRecipe
 from mxjax.validation import check_keys
 
-__all__ = ["PRESETS", "PrecisionPolicy", "dot_general", "from_dict", "get", "names", "to_dict"]
+__all__ = ["PRESETS", "PrecisionPolicy", "dot_general", "from_dict", "get", "names", "resolve",
+           "to_dict"]
 
 
 def _coerce_gemm(value: Any, name: str) -> GemmRecipe:
@@ -325,6 +326,35 @@ def get(name: str | PrecisionPolicy) -> PrecisionPolicy:
     raise ValueError(f"policy: unknown preset {name!r}; valid names: {', '.join(PRESETS)}")
 
 
+def resolve(spec: str | Mapping[str, Any] | PrecisionPolicy | None) -> PrecisionPolicy | None:
+    """The policy `spec` stands for: the one place a policy is looked up by name or dict.
+
+    Args:
+      spec: a preset name (:func:`names`); ``None`` or ``"none"`` (any case) for no
+        policy; a dict in :func:`to_dict`'s layout (:func:`from_dict`); or a
+        PrecisionPolicy (returned unchanged).
+    Returns:
+      A PrecisionPolicy, or None for no policy.
+    Raises:
+      ValueError: an unknown name (the message lists the valid ones) or a dict
+        with unknown/missing keys or bad values (the message names the key).
+      TypeError: any other kind of `spec`, or a dict entry of the wrong type.
+    """
+    if spec is None or isinstance(spec, PrecisionPolicy):
+        return spec
+    if isinstance(spec, str):
+        if spec.lower() == "none":
+            return None
+        if spec in PRESETS:
+            return PRESETS[spec]()
+        raise ValueError(f"policy: unknown preset {spec!r}; valid names: none, "
+                         f"{', '.join(PRESETS)}")
+    if isinstance(spec, Mapping):
+        return from_dict(spec)
+    raise TypeError(f"policy: expected a preset name, None or 'none', a policy dict or a "
+                    f"PrecisionPolicy, got {type(spec).__name__} {spec!r}")
+
+
 def dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -332,20 +362,21 @@ def dot_general(
     precision=None,
     preferred_element_type=None,
     *,
-    policy: PrecisionPolicy | str,
+    policy: PrecisionPolicy | str | Mapping[str, Any],
     key: jax.Array | None = None,
     **kwargs,
 ) -> jax.Array:
     """``jax.lax.dot_general`` whose fprop, dgrad and wgrad follow `policy` (``mxjax.dot_general``).
 
-    ``policy`` is a PrecisionPolicy or a preset name (:func:`names`); everything
-    else is ``mxjax.interceptor.dot_general``'s (see there for shapes, dtypes
-    and ``key``).
+    ``policy`` is anything :func:`resolve` takes except no policy (a
+    PrecisionPolicy, a preset name or a policy dict); everything else is
+    ``mxjax.interceptor.dot_general``'s (see there for shapes, dtypes and ``key``).
     """
-    if isinstance(policy, str):
-        policy = get(policy)
-    if not isinstance(policy, PrecisionPolicy):
-        raise TypeError(f"policy: expected a PrecisionPolicy or a preset name, got {policy!r}")
+    resolved = resolve(policy) if isinstance(policy, (str, Mapping)) else policy
+    if not isinstance(resolved, PrecisionPolicy):
+        raise TypeError(f"policy: expected a PrecisionPolicy, a preset name or a policy dict, "
+                        f"got {policy!r}")
+    policy = resolved
     return interceptor.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                                    policy=policy, key=key, **kwargs)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +13,15 @@ import pytest
 def np_rng(request) -> np.random.Generator:
     """A numpy Generator seeded from the test's node id (stable across runs and workers)."""
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> Path:
+    """One data cache per test session (worker) for tests/train and tests/study: prepared
+    corpora are keyed by their fingerprint, so tests with the same data settings tokenize it
+    once, and runs of `tests.train.train_testutil.fast_sets` share the persistent compilation
+    cache under it."""
+    return tmp_path_factory.mktemp("data_cache")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,14 +1,22 @@
-"""Data flows one way inside mxjax: every import (module-level and inside functions) follows LAYERS.
+"""Data flows one way: every import (module-level and inside functions) follows the layers.
+
+Between packages: ``mxjax -> models -> train -> study`` (`PACKAGES`, lowest first):
+the library imports none of the others, the model never imports the loop or the
+study, the loop never imports the study. Inside a package (and inside the
+subpackages listed in `LAYERS`), its units (modules or subpackages) follow the
+package's own order.
 
 The graph is read from the source with `ast`, so an import hidden in a function
 body counts like one at the top of the module. Also checked: no module imports
-another module's private name, and `import mxjax` pulls in neither Flax nor
-Pallas (the reason the interceptor imports `mxjax.kernels` lazily).
+another module's private name, no import cycles between modules, and `import
+mxjax` pulls in neither Flax nor Pallas (the reason the interceptor imports
+`mxjax.kernels` lazily).
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 import subprocess
 import sys
@@ -16,34 +24,73 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PKG = ROOT / "mxjax"
 
-# Lowest first. A module may import modules of its own unit (a package such as
-# mxjax.kernels) and of units in earlier layers, never later ones; units that
-# share a layer do not import each other.
-#  - kernels sit above recipes (they take the backend names from mxjax.recipes)
-#    and below mxjax.gemm (one GEMM under a recipe), their only caller, which
-#    imports them lazily so that `import mxjax` stays free of Pallas.
-#  - the interceptor (the custom_vjp over the three GEMMs) sits above mxjax.gemm.
-#  - policies sit above the interceptor: PrecisionPolicy.dot_general and
-#    mxjax.dot_general run it; the interceptor reads a policy through the
-#    mxjax.recipes.PolicyRecipes protocol and never imports the policy type.
-#  - diagnostics sit above the interceptor and plug into it through its one
-#    hook, mxjax.interceptor.observe.
-LAYERS: tuple[tuple[str, ...], ...] = (
-    ("formats", "layout", "validation", "_platform", "dimensions"),
-    ("_bits",),
-    ("quantization", "rotation"),
-    ("recipes",),
-    ("kernels",),
-    ("gemm",),
-    ("interceptor",),
-    ("policies",),
-    ("diagnostics",),
-    ("nn",),
-    ("testing",),
-)
-FACADE = "mxjax"  # mxjax/__init__.py: re-exports from any layer; nothing imports it
+# Lowest first: a package imports only packages before it.
+PACKAGES: tuple[str, ...] = ("mxjax", "models", "train", "study")
+
+# Per package, lowest first. A module may import modules of its own unit (a module, or a
+# subpackage: its own order is checked where LAYERS names it) and of units in earlier
+# layers, never later ones; units that share a layer do not import each other. A package's
+# facade (its __init__) may re-export any unit; inside the package only `__main__` imports it.
+LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
+    #  - kernels sit above recipes (they take the backend names from mxjax.recipes)
+    #    and below mxjax.gemm (one GEMM under a recipe), their only caller, which
+    #    imports them lazily so that `import mxjax` stays free of Pallas.
+    #  - the interceptor (the custom_vjp over the three GEMMs) sits above mxjax.gemm.
+    #  - policies sit above the interceptor: PrecisionPolicy.dot_general and
+    #    mxjax.dot_general run it; the interceptor reads a policy through the
+    #    mxjax.recipes.PolicyRecipes protocol and never imports the policy type.
+    #  - diagnostics sit above the interceptor and plug into it through its one
+    #    hook, mxjax.interceptor.observe.
+    "mxjax": (
+        ("formats", "layout", "validation", "_platform", "dimensions"),
+        ("_bits",),
+        ("quantization", "rotation"),
+        ("recipes",),
+        ("kernels",),
+        ("gemm",),
+        ("interceptor",),
+        ("policies",),
+        ("diagnostics",),
+        ("nn",),
+        ("testing",),
+    ),
+    "models": (("sharding",), ("llama",), ("hf",)),
+    #  - the config and the run's extension points first; then the pieces that need only
+    #    them (data, state layout, diagnostics hooks, checkpoints, optimizer); the plan
+    #    (config + data validated), the traced step and what a run writes; then the
+    #    compiled run (CompiledRun), the host loop (trainer), `loop.run` and the CLI.
+    "train": (
+        ("jsonsafe",),
+        ("config",),
+        ("hooks", "process", "run_lock", "checkpoint", "optimizer"),
+        ("data", "state", "diagnostics"),
+        ("output", "plan", "step"),
+        ("compat", "run"),
+        ("trainer",),
+        ("loop",),
+        ("__main__",),
+    ),
+    "train.data": (("sources", "tokenizer"), ("cache", "loader"), ("__main__",)),
+    "train.output": (("metrics", "mlperf", "tensorboard_log"), ("summary",)),
+    "train.diagnostics": (("dynamics",), ("numerics",)),
+    #  - the policies and the statistics need nothing of the study; the config names the
+    #    policies; states and units need the config; the engine runs units on a
+    #    CompiledRun; the probe and the report read what the engine wrote; the runner
+    #    ties them together under the CLI.
+    "study": (
+        ("policies", "stats"),
+        ("config",),
+        ("states", "units"),
+        ("engine",),
+        ("probe", "report"),
+        ("runner",),
+        ("__main__",),
+    ),
+    "study.probe": (("capture",), ("analysis",), ("mechanism",)),
+}
+FACADE = "<facade>"  # a package's __init__
+ABOVE_FACADE = "__main__"  # the one unit that may import its own package's facade
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -53,20 +100,26 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts)
 
 
-MODULES = {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+MODULES = {_module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
 
 
 def _rel(path: pathlib.Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-def _unit(module: str) -> str:
-    """'mxjax.kernels.dispatch' -> 'kernels'; 'mxjax' -> the facade."""
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 else FACADE
+def _package(module: str) -> str:
+    return module.split(".")[0]
 
 
-LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+def _inside(module: str, pkg: str) -> bool:
+    return module == pkg or module.startswith(pkg + ".")
+
+
+def _unit(module: str, pkg: str) -> str:
+    """The unit of `module` in package `pkg`: 'train.data.cache' -> 'data' in 'train',
+    'cache' in 'train.data'; the package itself -> its facade."""
+    rest = module[len(pkg):].lstrip(".")
+    return rest.split(".")[0] if rest else FACADE
 
 
 def _is_module(name: str) -> bool:
@@ -74,58 +127,114 @@ def _is_module(name: str) -> bool:
 
 
 def _imports(module: str) -> list[tuple[str, int, str | None]]:
-    """(imported mxjax module, line, imported name or None) for every import in `module`."""
+    """(imported project module, line, imported name or None) for every import in `module`."""
     path = MODULES[module]
-    tree = ast.parse(path.read_text(), filename=str(path))
+    return _imports_in(module, path, path.read_text())
+
+
+@functools.cache  # the checks walk every module, several times each
+def _parse(path: pathlib.Path, source: str) -> ast.Module:
+    return ast.parse(source, filename=str(path))
+
+
+@functools.cache
+def _imports_in(module: str, path: pathlib.Path, source: str) -> list[tuple[str, int, str | None]]:
+    tree = _parse(path, source)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name == "mxjax" or alias.name.startswith("mxjax."):
+                if _package(alias.name) in PACKAGES:
                     out.append((alias.name, node.lineno, None))
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
                 base = base[: len(base) - node.level + 1]
-                source = ".".join(base + ([node.module] if node.module else []))
+                source_mod = ".".join(base + ([node.module] if node.module else []))
             else:
-                source = node.module or ""
-            if source != "mxjax" and not source.startswith("mxjax."):
+                source_mod = node.module or ""
+            if _package(source_mod) not in PACKAGES:
                 continue
             for alias in node.names:
-                sub = f"{source}.{alias.name}"
+                sub = f"{source_mod}.{alias.name}"
                 if _is_module(sub):  # `from mxjax import formats`: an edge to the submodule
                     out.append((sub, node.lineno, None))
                 else:
-                    out.append((source, node.lineno, alias.name))
+                    out.append((source_mod, node.lineno, alias.name))
     return out
+
+
+@functools.cache
+def _private_attribute_uses(path: pathlib.Path, source: str) -> list[tuple[int, str, str]]:
+    """(line, alias, attribute) where `alias` (a name imported from the project) is used as
+    ``alias._private`` and names a module."""
+    tree = _parse(path, source)
+    imported = {}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and _package(n.module or "") in PACKAGES:
+            for a in n.names:
+                imported.setdefault(a.asname or a.name, f"{n.module}.{a.name}")
+    return [(node.lineno, node.value.id, node.attr) for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_")
+            and not node.attr.startswith("__") and isinstance(node.value, ast.Name)
+            and _is_module(imported.get(node.value.id, ""))]
 
 
 def _edges():
     return {m: _imports(m) for m in MODULES}
 
 
+def _layer_of(pkg: str) -> dict[str, int]:
+    return {unit: i for i, units in enumerate(LAYERS[pkg]) for unit in units}
+
+
 def test_layers_name_every_unit():
-    units = {_unit(m) for m in MODULES} - {FACADE}
-    assert units <= set(LAYER_OF), f"add {sorted(units - set(LAYER_OF))} to LAYERS"
+    for pkg in LAYERS:
+        units = {_unit(m, pkg) for m in MODULES if _inside(m, pkg)} - {FACADE}
+        assert units, f"LAYERS names {pkg!r}, which has no modules"
+        assert units <= set(_layer_of(pkg)), f"add {sorted(units - set(_layer_of(pkg)))} to " \
+                                             f"LAYERS[{pkg!r}]"
+    subpackages = {m for m, p in MODULES.items() if p.name == "__init__.py" and "." in m}
+    for sub in subpackages:
+        parent = sub.rpartition(".")[0]
+        assert sub in LAYERS or parent not in ("train", "study"), \
+            f"{sub}: a subpackage of the loop or the study needs its own order in LAYERS"
+
+
+def test_packages_import_only_lower_packages():
+    order = {p: i for i, p in enumerate(PACKAGES)}
+    bad = []
+    for module, imports in _edges().items():
+        for target, line, _ in imports:
+            src, dst = _package(module), _package(target)
+            if order[dst] > order[src]:
+                bad.append(f"{_rel(MODULES[module])}:{line}: {module} -> {target} ({src} is "
+                           f"below {dst}: {' -> '.join(PACKAGES)})")
+    assert not bad, "imports against the package order:\n" + "\n".join(bad)
 
 
 def test_imports_follow_the_layer_order():
     bad = []
     for module, imports in _edges().items():
-        src = _unit(module)
-        for target, line, _ in imports:
-            dst = _unit(target)
-            where = f"{_rel(MODULES[module])}:{line}: {module} -> {target}"
-            if dst == FACADE:
-                if src != FACADE:
-                    bad.append(f"{where} (the package facade is above every layer)")
-            elif src == FACADE or src == dst:
+        for pkg in LAYERS:
+            if not _inside(module, pkg):
                 continue
-            elif LAYER_OF[dst] >= LAYER_OF[src]:
-                bad.append(f"{where} ({src} is in layer {LAYER_OF[src]}, {dst} in "
-                           f"{LAYER_OF[dst]})")
+            layer = _layer_of(pkg)
+            src = _unit(module, pkg)
+            for target, line, _ in imports:
+                if not _inside(target, pkg):
+                    continue  # another package: test_packages_import_only_lower_packages
+                dst = _unit(target, pkg)
+                where = f"{_rel(MODULES[module])}:{line}: {module} -> {target}"
+                if dst == FACADE:
+                    if src not in (FACADE, ABOVE_FACADE):
+                        bad.append(f"{where} (the facade of {pkg} is above every layer)")
+                elif src in (FACADE, dst):
+                    continue
+                elif layer[dst] >= layer[src]:
+                    bad.append(f"{where} ({src} is in layer {layer[src]} of {pkg}, {dst} in "
+                               f"{layer[dst]})")
     assert not bad, "imports against the declared order:\n" + "\n".join(bad)
 
 
@@ -159,39 +268,29 @@ def test_no_module_imports_another_modules_private_names():
             where = f"{_rel(MODULES[module])}:{line}"
             if name is not None and name.startswith("_"):
                 bad.append(f"{where}: {module} imports {target}.{name}")
-            private_parts = [p for p in target.split(".") if p.startswith("_")]
+            private_parts = [p for p in target.split(".") if p.startswith("_")
+                             and not p.startswith("__")]
             if private_parts:
                 owner = target.rpartition(".")[0]  # a private module is private to its package
                 if not (module == owner or module.startswith(owner + ".")):
                     bad.append(f"{where}: {module} imports {target}")
-        tree = ast.parse(MODULES[module].read_text())
-        aliases = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-                   and (n.module or "").startswith("mxjax") for a in n.names}
-        for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
-                    and not node.attr.startswith("__") and isinstance(node.value, ast.Name)
-                    and node.value.id in aliases
-                    and _is_module(_resolve_alias(tree, node.value.id) or "")):
-                bad.append(f"{_rel(MODULES[module])}:{node.lineno}: {module} uses "
-                           f"{node.value.id}.{node.attr}")
+        path = MODULES[module]
+        for line, alias, attr in _private_attribute_uses(path, path.read_text()):
+            bad.append(f"{_rel(path)}:{line}: {module} uses {alias}.{attr}")
     assert not bad, "private names used across modules:\n" + "\n".join(bad)
 
 
-def _resolve_alias(tree: ast.Module, alias: str) -> str | None:
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mxjax"):
-            for a in node.names:
-                if (a.asname or a.name) == alias:
-                    return f"{node.module}.{a.name}"
-    return None
+def _plant(tmp_path, monkeypatch, module: str, src: str) -> None:
+    path = tmp_path / (module.replace(".", "_") + ".py")
+    path.write_text(src)
+    monkeypatch.setitem(MODULES, module, path)
 
 
 def test_the_checker_sees_function_level_and_relative_imports(tmp_path, monkeypatch):
     """The walker finds an import inside a function body and resolves relative imports."""
-    src = ("def f():\n    from mxjax import nn\n    from mxjax.quantization import _core\n"
+    _plant(tmp_path, monkeypatch, "mxjax.recipes",
+           "def f():\n    from mxjax import nn\n    from mxjax.quantization import _core\n"
            "from . import formats\n")
-    (tmp_path / "recipes.py").write_text(src)
-    monkeypatch.setitem(MODULES, "mxjax.recipes", tmp_path / "recipes.py")
     found = _imports("mxjax.recipes")
     assert ("mxjax.nn", 2, None) in found
     assert ("mxjax.quantization", 3, "_core") in found
@@ -200,6 +299,37 @@ def test_the_checker_sees_function_level_and_relative_imports(tmp_path, monkeypa
         test_imports_follow_the_layer_order()
     with pytest.raises(AssertionError, match="_core"):
         test_no_module_imports_another_modules_private_names()
+
+
+@pytest.mark.parametrize("module, src, check, match", [
+    # the loop reaching up into the study, in a function body
+    ("train.loop", "def f():\n    from study import runner\n",
+     test_packages_import_only_lower_packages, r"train.loop -> study.runner \(train is below"),
+    # the model importing the loop; the library importing the model
+    ("models.llama", "import train.config\n", test_packages_import_only_lower_packages,
+     r"models.llama -> train.config"),
+    ("mxjax.gemm", "from models import llama\n", test_packages_import_only_lower_packages,
+     r"mxjax.gemm -> models.llama"),
+    # inside train: the config above the plan; inside train.data: sources above cache
+    ("train.config", "from train.plan import validate\n", test_imports_follow_the_layer_order,
+     r"train.config -> train.plan \(config is in layer 1 of train, plan in 4\)"),
+    ("train.data.sources", "from .cache import prepare\n", test_imports_follow_the_layer_order,
+     r"train.data.sources -> train.data.cache \(sources is in layer 0 of train.data"),
+    # a unit inside a package importing its own facade; two units of one layer
+    ("study.engine", "import study\n", test_imports_follow_the_layer_order,
+     r"study.engine -> study \(the facade of study"),
+    ("study.report", "from study.probe import mechanism\n", test_imports_follow_the_layer_order,
+     r"study.report -> study.probe.mechanism \(report is in layer 4 of study, probe in 4\)"),
+    # a private name of another module of the loop
+    ("train.trainer", "from train.step import _make_forward\n",
+     test_no_module_imports_another_modules_private_names, r"train.step._make_forward"),
+])
+def test_the_checker_refuses_planted_violations(tmp_path, monkeypatch, module, src, check,
+                                                match):
+    check()  # the real tree passes
+    _plant(tmp_path, monkeypatch, module, src)
+    with pytest.raises(AssertionError, match=match):
+        check()
 
 
 def test_import_mxjax_loads_neither_flax_nor_pallas():

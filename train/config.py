@@ -21,6 +21,7 @@ name the offending key)::
     checkpoint: {every, keep, async_save, enabled}
     mesh:    {data, fsdp, tensor, distributed}
     mlperf:  {benchmark, org, platform, division, status}
+    diagnostics: {enabled, cosine}
 
 `load(path, overrides)` reads a file and applies ``key.sub=value`` overrides
 (values parsed as YAML scalars) before validation. `describe()` renders the
@@ -171,6 +172,20 @@ class MLPerfSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class DiagnosticsSection:
+    """Numerics diagnostics recorded beside the losses (train/diagnostics/numerics.py)."""
+
+    enabled: bool = _field(
+        False, "record, at every logged step, the per-GEMM quantization statistics "
+        "(mxjax.diagnostics: diag/<gemm>/<field>), per-layer gradient norms and relative "
+        "update sizes (grad_collapse_rate, update_ratio_*) into metrics.jsonl and TensorBoard; "
+        "losses are unchanged, steps cost more")
+    cosine: bool = _field(
+        True, "with enabled: also each quantized GEMM's output cosine against the exact "
+        "product (one more GEMM per call site)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     name: str = _field("run", "run name")
     seed: int = _field(0, "seed for init, data order and randomized-policy keys")
@@ -179,7 +194,7 @@ class Config:
         "help": "precision policy: preset name (see mxjax.policies.names()), a full policy "
         "dict (mxjax.policies.to_dict format), or null for no policy"})
     jax_cache_dir: str | None = _field(
-        None, "persistent JAX compilation cache directory (re-runs, resumes and ladder runs "
+        None, "persistent JAX compilation cache directory (re-runs, resumes and study runs "
         "skip recompiling; null: off)")
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     data: DataSection = dataclasses.field(default_factory=DataSection)
@@ -188,6 +203,7 @@ class Config:
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
     mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
     mlperf: MLPerfSection = dataclasses.field(default_factory=MLPerfSection)
+    diagnostics: DiagnosticsSection = dataclasses.field(default_factory=DiagnosticsSection)
 
     @property
     def out_path(self) -> Path:

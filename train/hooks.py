@@ -1,6 +1,6 @@
 """Extension points of a training run (`Hooks`) and what the in-step hook sees.
 
-Hooks let other code (the ladder, tests) add metrics without touching the
+Hooks let other code (`train.diagnostics.numerics`, tests) add metrics without touching the
 step: ``forward`` replaces the model call (returning logits and an aux pytree),
 ``in_step`` computes extra scalars/arrays inside the jitted step from a
 `StepContext`, ``on_record`` adds host-side fields to each metrics record,

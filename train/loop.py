@@ -9,7 +9,7 @@ config into a `Plan` (`train.plan`) and trains it with a `Trainer`
 * `train.step`: the pure traced train/eval steps (`make_train_step`);
 * `train.state`: the train state's shapes and shardings on the mesh;
 * `train.trainer`: the host loop (checkpoints, evaluation, metrics);
-* `train.compat`, `train.summary`, `train.mlperf`, `train.process`: resume
+* `train.compat`, `train.output.summary`, `train.output.mlperf`, `train.process`: resume
   compatibility, the run summary, MLPerf events, process setup;
 * `train.run_lock`: one live run per output directory.
 
@@ -25,10 +25,10 @@ import jax
 
 from train.config import Config
 from train.hooks import Hooks, StepContext
+from train.output.summary import RunSummary, read_summary
 from train.plan import Plan, validate
 from train.process import init_distributed, use_compile_cache
 from train.run_lock import RunDirNotWritable, acquire_for_run
-from train.summary import RunSummary, read_summary
 from train.trainer import Trainer
 
 __all__ = ["Hooks", "Plan", "RunSummary", "StepContext", "Trainer", "init_distributed", "run",

@@ -19,8 +19,8 @@ from models.llama import LlamaConfig, RopeScaling
 from mxjax import PrecisionPolicy, policies
 from train import data as datamod
 from train.config import Config, ConfigError
+from train.data.tokenizer import TokenizerError, load_hf
 from train.jsonsafe import jsonable
-from train.tokenizer import TokenizerError, load_hf
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,21 +45,17 @@ class Plan:
 def resolve_policy(
         spec: str | Mapping[str, Any] | None,
 ) -> tuple[PrecisionPolicy | None, str, dict[str, Any] | None]:
-    """(policy or None, display name, JSON record) for a config's ``policy`` entry."""
-    if spec is None or (isinstance(spec, str) and spec.lower() == "none"):
+    """(policy or None, display name, JSON record) for a config's ``policy`` entry
+    (looked up by `mxjax.policies.resolve`; its errors become ConfigErrors)."""
+    try:
+        pol = policies.resolve(spec)
+    except (ValueError, TypeError, KeyError) as e:
+        if isinstance(spec, str):
+            raise ConfigError(str(e)) from None
+        raise ConfigError(f"policy: invalid policy dict ({type(e).__name__}: {e})") from None
+    if pol is None:
         return None, "none", None
-    if isinstance(spec, str):
-        names = tuple(policies.names())
-        if spec not in names:
-            raise ConfigError(f"policy: unknown policy {spec!r}; known: none, {', '.join(names)}")
-        pol = policies.get(spec)
-        name = spec
-    else:
-        try:
-            pol = policies.from_dict(dict(spec))
-        except (ValueError, TypeError, KeyError) as e:
-            raise ConfigError(f"policy: invalid policy dict ({type(e).__name__}: {e})") from None
-        name = getattr(pol, "name", None) or str(spec.get("name") or "custom")
+    name = spec if isinstance(spec, str) else (pol.name or str(spec.get("name") or "custom"))
     return pol, name, jsonable(policies.to_dict(pol))
 
 

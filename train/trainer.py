@@ -1,12 +1,12 @@
-"""The trainer: compiled pieces of a run and the host loop around them.
+"""The trainer: the host loop around a run's compiled pieces (`train.run.CompiledRun`).
 
 `Trainer(plan, hooks).run()` resumes from the run directory's last checkpoint
 (after checking it belongs to this setup), evaluates every ``train.eval_every``
 steps, stops at the target eval loss or after ``train.max_nonfinite``
 non-finite steps in a row (status ``'nonfinite'``; the checkpoints written
 before are untouched), checkpoints every ``checkpoint.every`` steps and at the
-end, and writes metrics.jsonl, mllog.txt (`train.mlperf`), TensorBoard event
-files (`train.tensorboard_log`, unless ``train.tensorboard`` is false), plot.png
+end, and writes metrics.jsonl, mllog.txt (`train.output.mlperf`), TensorBoard event
+files (`train.output.tensorboard_log`, unless ``train.tensorboard`` is false), plot.png
 and summary.json.
 
 Everything runs under a (data, fsdp, tensor) mesh with the model's partition
@@ -26,21 +26,20 @@ import numpy as np
 import yaml
 
 from models import sharding as shd
-from train import data as datamod
-from train import mlperf
 from train.checkpoint import Checkpointer
 from train.compat import check_compatible, fingerprint
 from train.config import ConfigError
+from train.diagnostics import numerics
 from train.hooks import Hooks
-from train.metrics import MetricsWriter, Progress, Tee
-from train.optimizer import make_optimizer
+from train.output import mlperf
+from train.output.metrics import MetricsWriter, Progress, Tee
+from train.output.summary import RunSummary, read_summary, summarize
+from train.output.tensorboard_log import TensorBoardWriter
 from train.plan import Plan
 from train.process import fetch
+from train.run import CompiledRun
 from train.run_lock import RunDirNotWritable
-from train.state import make_state_layout, put_batch
-from train.step import make_eval_step, make_train_step, policy_base_key
-from train.summary import RunSummary, read_summary, summarize
-from train.tensorboard_log import TensorBoardWriter
+from train.step import policy_base_key
 
 
 class _Null:
@@ -51,7 +50,11 @@ class _Null:
 
 
 class Trainer:
-    """Compiled pieces of a run (built from a validated `Plan`); `run()` trains.
+    """The host loop of a run (built from a validated `Plan`); `run()` trains.
+
+    ``compiled`` is the run's `train.run.CompiledRun` (mesh, optimizer, state layout, jitted
+    steps, data); ``mesh``, ``tx``, ``layout``, ``abs_state``, ``loader``, ``eval_data`` are
+    its pieces.
 
     Useful on its own for benchmarks and tests: ``init_state()`` (the sharded
     fresh state), ``train_step(state, batch) -> (state, metrics)`` (jitted, state
@@ -61,71 +64,45 @@ class Trainer:
 
     def __init__(self, plan: Plan, hooks: Hooks | None = None, verbose: bool = True, *,
                  read_only: bool = False):
+        if plan.config.diagnostics.enabled:
+            if hooks is not None:
+                raise ConfigError("diagnostics.enabled: the run builds its own hooks "
+                                  "(train.diagnostics.numerics.for_run); pass either hooks or "
+                                  "diagnostics.enabled, not both")
+            hooks = numerics.for_run(plan.model_config, cosine=plan.config.diagnostics.cosine)
         self.plan, self.cfg, self.hooks, self.verbose = plan, plan.config, hooks or Hooks(), verbose
         self.read_only = read_only  # the run dir cannot be written: only a finished run may "run"
         c = self.cfg
         self.out = c.out_path
         self.out.mkdir(parents=True, exist_ok=True)
-        d, f, t = plan.mesh_axes
-        self.mesh = shd.make_mesh(data=d, fsdp=f, tensor=t)
-        self.tx, self.schedule = make_optimizer(c)
-        self.layout = lay = make_state_layout(plan.model_config, self.mesh, self.tx, c.seed)
-        self.abs_state = lay.abstract
-        self.n_params = lay.n_params
-        self.batch_sh = lay.batch
-        step_fn = make_train_step(graphdef=lay.graphdef, policy=plan.policy, tx=self.tx,
-                                  schedule=self.schedule, accum_steps=c.accum_steps,
-                                  hooks=self.hooks)
-        eval_fn = make_eval_step(graphdef=lay.graphdef, policy=plan.policy, hooks=self.hooks)
-        self._init = lay.init
-        self._train_step = jax.jit(step_fn,
-                                   in_shardings=(lay.shardings, lay.batch, lay.replicated),
-                                   out_shardings=(lay.shardings, lay.replicated),
-                                   donate_argnums=(0,))
-        self._eval_step = jax.jit(eval_fn,
-                                  in_shardings=(lay.param_shardings, lay.batch, lay.replicated),
-                                  out_shardings=lay.replicated)
-        # data
-        pi, pc = jax.process_index(), jax.process_count()
-        self.primary = pi == 0
-        if plan.eval_batch % pc:
-            raise ConfigError(f"the eval batch ({plan.eval_batch}) must be divisible by the "
-                              f"number of processes ({pc})")
-        T = c.data.seq_len
-        V = plan.model_config.vocab_size  # batches with ids outside it are refused on the host
-        self.train_seqs = datamod.Sequences(plan.prepared.tokens("train"), T, vocab_size=V)
-        self.loader = datamod.TrainLoader(self.train_seqs, global_batch=c.train.global_batch,
-                                          seed=c.seed, process_index=pi, process_count=pc)
-        val = datamod.Sequences(plan.prepared.tokens("val"), T, vocab_size=V)
-        ev = datamod.eval_batches(val, c.train.eval_sequences, plan.eval_batch)
-        per = plan.eval_batch // pc
-        self.eval_data = [b[pi * per:(pi + 1) * per] for b in ev]
-        self.tokens_per_step = c.train.global_batch * T
+        self.compiled = run = CompiledRun(plan, hooks=self.hooks)
+        self.mesh, self.tx, self.schedule, self.layout = run.mesh, run.tx, run.schedule, run.layout
+        self.abs_state = run.abstract
+        self.n_params = run.n_params
+        self._train_step = run.train_step(plan.policy)
+        self.primary = jax.process_index() == 0
+        self.train_seqs = run.train_sequences
+        self.loader = run.loader(c.seed)
+        self.eval_data = run.eval_batches
+        self.tokens_per_step = run.tokens_per_step
         self.policy_base = policy_base_key(c.seed)
 
     def init_state(self):
-        with shd.use_mesh(self.mesh):
-            return self._init(jax.random.key(self.cfg.seed))
+        return self.compiled.init_state(self.cfg.seed)
 
     def train_step(self, state, batch):
         with shd.use_mesh(self.mesh):
             return self._train_step(state, batch, self.policy_base)
 
     def batch(self, step: int) -> jax.Array:
-        return self._put(self.loader.batch(step))
+        return self.compiled.put(self.loader.batch(step))
 
     def _log(self, msg: str) -> None:
         if self.verbose and jax.process_index() == 0:
             print(f"[train] {msg}", file=sys.stderr, flush=True)
 
-    def _put(self, local: np.ndarray) -> jax.Array:
-        return put_batch(local, self.batch_sh)
-
     def evaluate(self, params) -> float:
-        total = 0.0
-        for b in self.eval_data:
-            total += float(fetch(self._eval_step(params, self._put(b), self.policy_base)))
-        return total / (self.cfg.train.eval_sequences * self.cfg.data.seq_len)
+        return self.compiled.evaluate(params, self.plan.policy, self.policy_base)
 
     def _meta(self, step: int, status: str, skipped: int, time_s: float) -> dict[str, Any]:
         c = self.cfg
@@ -201,7 +178,7 @@ class Trainer:
                 config_filename=str(self.out / "config.yaml"))))
         with shd.use_mesh(self.mesh):
             if state is None:
-                state = self._init(jax.random.key(c.seed))
+                state = self.compiled.init_state(c.seed)
                 mll.begin_run()
             return self._loop(state, start, resumed, skipped, time_off, t_start, ckpt, writer,
                               mll)
@@ -248,7 +225,7 @@ class Trainer:
             while step < t.steps:
                 mll.train_block(step=step + 1, samples=step * t.global_batch)
                 t0 = time.time()
-                batch = self._put(self.loader.batch(step))
+                batch = self.batch(step)
                 state, m = self._train_step(state, batch, self.policy_base)
                 m = fetch(m)
                 step += 1

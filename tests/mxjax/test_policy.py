@@ -8,6 +8,7 @@ import json
 import jax
 import pytest
 
+import mxjax
 from mxjax import formats as F
 from mxjax import policies
 from mxjax.formats import BF16, FP8_E4M3, FP8_E5M2, MXFP4, NVFP4, Rounding, ScaleRule
@@ -140,6 +141,53 @@ def test_unknown_preset_lists_valid_names():
         policies.get("mxfp3_all")
     for n in EXPECTED_PRESETS:
         assert n in str(e.value)
+
+
+@pytest.mark.parametrize("name", EXPECTED_PRESETS)
+def test_resolve_takes_every_form_of_a_policy(name):
+    preset = policies.get(name)
+    assert policies.resolve(name) == preset and policies.resolve(name).name == name
+    assert policies.resolve(preset) is preset  # a PrecisionPolicy comes back unchanged
+    from_dict = policies.resolve(json.loads(json.dumps(policies.to_dict(preset))))
+    assert from_dict == preset and from_dict.name == name
+
+
+def test_resolve_no_policy():
+    for spec in (None, "none", "None", "NONE"):
+        assert policies.resolve(spec) is None
+
+
+@pytest.mark.parametrize("spec, exc, match", [
+    ("mxfp3_all", ValueError, r"unknown preset 'mxfp3_all'; valid names: none, bf16, fp8, "),
+    ("", ValueError, r"unknown preset ''"),
+    ("MXFP4_ALL", ValueError, r"unknown preset 'MXFP4_ALL'"),  # only 'none' ignores case
+    ({"fprop": {"lhs": "mxfp4", "rhs": "mxfp4"}}, ValueError, r"policy dict: missing"),
+    ({**policies.to_dict("fp8"), "extra": 1}, ValueError, r"policy dict: unknown keys \['extra'\]"),
+    ({**policies.to_dict("fp8"), "fprop": 3}, TypeError, r"fprop: expected a mapping"),
+    (3, TypeError, r"a policy dict or a PrecisionPolicy, got int 3"),
+    (["mxfp4_all"], TypeError, r"got list"),
+    (policies.get("fp8").fprop, TypeError, r"got GemmRecipe"),
+])
+def test_resolve_names_what_it_expected(spec, exc, match):
+    with pytest.raises(exc, match=match):
+        policies.resolve(spec)
+
+
+def test_dot_general_resolves_names_and_dicts_through_resolve(monkeypatch):
+    x, w = jax.numpy.ones((4, 32)), jax.numpy.ones((32, 8))
+    dims = (((1,), (0,)), ((), ()))
+    seen = []
+    real = policies.resolve
+    monkeypatch.setattr(policies, "resolve", lambda spec: seen.append(spec) or real(spec))
+    by_name = mxjax.dot_general(x, w, dims, policy="bf16")
+    by_dict = mxjax.dot_general(x, w, dims, policy=policies.to_dict("bf16"))
+    by_policy = mxjax.dot_general(x, w, dims, policy=policies.get("bf16"))
+    assert seen == ["bf16", policies.to_dict("bf16")]
+    assert (by_name == by_policy).all() and (by_dict == by_policy).all()
+    for spec in ("none", None):
+        with pytest.raises(TypeError, match="expected a PrecisionPolicy, a preset name or a "
+                                            "policy dict"):
+            mxjax.dot_general(x, w, dims, policy=spec)
 
 
 def test_preset_contents_match_design():

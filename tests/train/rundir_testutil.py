@@ -12,7 +12,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from train_testutil import ROOT
+
+from tests.train.train_testutil import ROOT
 
 _HOLD = ("import sys, time\n"
          "from train.run_lock import RunLock\n"

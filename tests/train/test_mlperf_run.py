@@ -21,12 +21,12 @@ import json
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from train_testutil import MODEL, ROOT
 
+from tests.train.train_testutil import MODEL, ROOT
 from train import config as C
 from train import loop
-from train import mlperf as M
-from train.metrics import read_jsonl
+from train.output import mlperf as M
+from train.output.metrics import read_jsonl
 
 CANNOT_PASS_AT_CPU_SIZE = {
     "max_sequence_length": "v['value'] == 8192",

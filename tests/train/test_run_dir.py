@@ -12,13 +12,13 @@ import sys
 import time
 
 import pytest
-from rundir_testutil import run_read_only
-from train_testutil import ROOT, fast_sets, load
 
+from tests.train.rundir_testutil import run_read_only
+from tests.train.train_testutil import ROOT, fast_sets, load
 from train import loop
 from train.__main__ import main
 from train.checkpoint import Checkpointer, IncompatibleCheckpointError
-from train.metrics import read_jsonl
+from train.output.metrics import read_jsonl
 
 
 def _cli_args(out, cache, *extra) -> list[str]:

@@ -9,9 +9,9 @@ import socket
 import sys
 
 import pytest
-from rundir_testutil import lock_holder, run_read_only
-from train_testutil import ROOT
 
+from tests.train.rundir_testutil import lock_holder, run_read_only
+from tests.train.train_testutil import ROOT
 from train.run_lock import LOCK_NAME, RunLock, RunLockError, acquire_for_run
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from train_testutil import MODEL, ROOT, fast_sets, run_cli
 
+from tests.train.train_testutil import MODEL, ROOT, fast_sets, run_cli
 from train import config as C
 from train import loop, optimizer
 from train import plan as plan_mod
@@ -116,7 +116,7 @@ def test_validate_accepts_fast_config(tmp_path, cache):
     (["data.sources=[/nonexistent/corpus.txt]"], r"data\.sources: file not found"),
     (["data.sources=['/nonexistent/c4-*.json.gz']"], r"no file matches"),
     (["data.tokenizer=/nonexistent/tokenizer.json"], r"data\.tokenizer: file not found"),
-    (["policy=mxfp5_magic"], r"unknown policy 'mxfp5_magic'; known: none, bf16, fp8"),
+    (["policy=mxfp5_magic"], r"unknown preset 'mxfp5_magic'; valid names: none, bf16, fp8"),
     (["policy={fprop: 1}"], r"policy: invalid policy dict"),
     (["data.seq_len=256"], (r"data\.seq_len=256 is longer than the model supports "
                             r"\(max_seq_len=128")),
@@ -157,7 +157,7 @@ def test_cli_reports_config_errors_before_compiling(tmp_path, cache):
     assert "config error: data.seq_len=4096 is longer than the model supports" in r.stderr
     assert not (out / "checkpoints").exists()
     r = run_cli(["--config", "configs/tiny.yaml", "--policy", "nope", "--out", str(out)])
-    assert r.returncode == 2 and "unknown policy 'nope'" in r.stderr
+    assert r.returncode == 2 and "unknown preset 'nope'" in r.stderr
     r = run_cli(["--config", str(tmp_path / "missing.yaml")])
     assert r.returncode == 2 and "config file not found" in r.stderr
 

@@ -11,13 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from train_testutil import load
 
+from tests.train.train_testutil import load
 from train import loop, optimizer
 from train import step as step_mod
 from train.checkpoint import Checkpointer, CorruptCheckpointError, IncompatibleCheckpointError
 from train.config import ConfigError
-from train.metrics import read_jsonl
+from train.output.metrics import read_jsonl
 
 RECORD_KEYS = {"step", "tokens", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s",
                "skipped_steps", "policy", "epoch", "time_s"}
@@ -243,7 +243,7 @@ def test_nonfinite_guard_skips_counts_and_stops(tmp_path, cache):
 @pytest.mark.slow
 def test_tiny_config_runs_under_its_policy(tmp_path):
     """configs/tiny.yaml as shipped (MXFP4 + H16), cut to 4 steps, through the CLI."""
-    from train_testutil import run_cli
+    from tests.train.train_testutil import run_cli
 
     out = tmp_path / "tiny"
     r = run_cli(["--config", "configs/tiny.yaml", "--out", str(out), "--set",

@@ -13,15 +13,16 @@ import sys
 import textwrap
 
 import pytest
-from train_testutil import ROOT
+
+from tests.train.train_testutil import ROOT
 
 _SCRIPT = textwrap.dedent("""
     import json, sys
     import jax
     assert jax.device_count() == 8, jax.devices()
     from train import loop
-    from train.metrics import read_jsonl
-    from train_testutil import load
+    from train.output.metrics import read_jsonl
+    from tests.train.train_testutil import load
 
     tmp, cache = sys.argv[1], sys.argv[2]
     out = {}
@@ -73,9 +74,8 @@ def _free_port() -> int:
 def test_two_processes_match_one_device(tmp_path):
     """Real multi-host path: 2 processes x 4 CPU devices, jax.distributed via --distributed,
     each process feeding its half of every batch; losses equal a 1-device run."""
-    from train_testutil import fast_sets, run_cli
-
-    from train.metrics import read_jsonl
+    from tests.train.train_testutil import fast_sets, run_cli
+    from train.output.metrics import read_jsonl
 
     common = ["train.steps=3", "train.eval_at_start=false", "checkpoint.every=2"]
     r = run_cli(["--quiet", *[a for s in fast_sets(tmp_path / "one", tmp_path / "data", *common)

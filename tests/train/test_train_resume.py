@@ -11,10 +11,10 @@ import time
 import jax
 import numpy as np
 import pytest
-from train_testutil import ROOT, fast_sets, run_cli
 
+from tests.train.train_testutil import ROOT, fast_sets, run_cli
 from train.checkpoint import Checkpointer
-from train.metrics import read_jsonl
+from train.output.metrics import read_jsonl
 
 STEPS = 24
 

@@ -30,10 +30,10 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from train_testutil import ROOT, fast_sets
 
+from tests.train.train_testutil import ROOT, fast_sets
 from train.checkpoint import Checkpointer
-from train.metrics import read_jsonl
+from train.output.metrics import read_jsonl
 
 STEPS = 12  # long enough that the kill lands mid-run; each step is a few ms of compute
 

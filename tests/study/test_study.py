@@ -1,0 +1,252 @@
+"""The ladder study: config checks, unit planning, branch pairing, and the report's arithmetic."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from mxjax import policies
+from study import config as SC
+from study import engine as E
+from study import policies as SP
+from study import report as R
+from study import runner
+from study import states as ST
+from study import units as SU
+from train.checkpoint import IncompatibleCheckpointError
+from train.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = {"dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 96,
+        "max_seq_len": 64}
+
+
+def _raw(tmp: Path, cache: Path, **top) -> dict:
+    return {"name": "t", "out_dir": str(tmp), "rungs": ["fp8", "mxfp4_all"],
+            "ablations": ["wgrad_mx_rht16"], "seeds": [0, 1], "steps": 12, "eval_every": 4,
+            "rung_eval_every": 4, "eval_sequences": 8, "width": 32, "workers": 1,
+            "probe": False,
+            "branch": {"points": [4, 6], "late_from": 5, "steps": 2, "exact_steps": 4,
+                       "exact_eval_every": 2},
+            "run": {"jax_cache_dir": str(cache / "jax"),
+                    "model": {"preset": "tiny", "overrides": TINY},
+                    "data": {"sources": ["embedded:austen"], "tokenizer": "bpe",
+                             "vocab_size": 512, "seq_len": 32, "max_docs": 3000,
+                             "cache_dir": str(cache)},
+                    "optim": {"lr": 3e-3, "warmup_steps": 2},
+                    "train": {"global_batch": 4, "eval_batch": 8}},
+            **top}
+
+
+# --------------------------------------------------------------------------- config
+def test_shipped_study_configs_load():
+    tiny = SC.load(ROOT / "configs" / "ladder_tiny.yaml")
+    gpu = SC.load(ROOT / "configs" / "ladder_gpu_1b.yaml")
+    assert len(tiny.seeds) >= 4 and tiny.eval_sequences * 128 >= 65536
+    assert set(SP.RUNGS) <= set(tiny.rungs) and set(SP.RUNGS) <= set(gpu.rungs)
+    assert tiny.scale.widths and gpu.workers == 1
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"ablations": ["nope"]}, "ablations: unknown"),
+    ({"baseline": "mxfp4_all_h16"}, "baseline"),
+    ({"seeds": [0]}, "seeds"),
+    ({"branch": {"points": [11], "steps": 2}}, "branch.points"),
+    ({"branch": {"steps": 4, "exact_steps": 2}}, "exact_steps"),
+    ({"branch": {"exact_eval_every": 3}}, "exact_eval_every"),
+    ({"scale": {"widths": [32]}}, "scale.widths"),
+    ({"run": {"policy": "fp8"}}, "run.policy"),
+    ({"workers": 0}, "workers"),
+])
+def test_bad_study_configs_name_the_key(tmp_path, change, match):
+    raw = _raw(tmp_path, tmp_path)
+    for k, v in change.items():
+        raw[k] = {**raw[k], **v} if isinstance(v, dict) and k in raw else v
+    with pytest.raises(ConfigError, match=match):
+        SC.from_dict(raw)
+
+
+def test_units_cover_every_run_and_branch_and_group_by_policy(tmp_path):
+    cfg = SC.from_dict(_raw(tmp_path, tmp_path, scale={"widths": [16], "seeds": [0],
+                                                      "policies": ["mxfp4_all"]}))
+    units = SU.plan_units(cfg)
+    runs = [u for u in units if u.kind == "run"]
+    branches = [u for u in units if u.kind == "branch"]
+    # 3 ladder policies x 2 seeds at the main width + the scale width's reference run.
+    assert len(runs) == 3 * 2 + 1
+    # main: 2 seeds x 2 points x (exact + 3 policies); scale: 1 seed x 2 points x 2.
+    assert len(branches) == 2 * 2 * 4 + 2 * 2
+    assert all(u.phase == 0 for u in units if u.kind == "run" and u.policy == "none")
+    assert len({u.path(tmp_path) for u in units}) == len(units)
+    for group in SU.chunks(units):
+        assert len({(u.phase, u.width, u.kind, u.policy) for u in group}) == 1
+
+
+def test_ablations_change_one_thing():
+    rot = SP.get("wgrad_rot16")
+    assert rot.wgrad.hadamard.block_size == 16
+    assert rot.wgrad.lhs.is_passthrough and rot.wgrad.rhs.is_passthrough
+    assert rot.fprop.is_passthrough and rot.dgrad.is_passthrough
+    dy = SP.get("wgrad_dy_h16")
+    assert not dy.wgrad.lhs.is_passthrough and dy.wgrad.rhs.is_passthrough
+    f = SP.get("h16_fprop_only")
+    assert f.fprop.hadamard is not None and f.dgrad.hadamard is None and f.wgrad.hadamard is None
+    # built from the library's presets: only the named GEMM differs from them
+    mx, exact = policies.get("mxfp4_all"), policies.get("bf16")
+    assert SP.get("wgrad_mx") == dataclasses.replace(exact, wgrad=mx.wgrad)
+    assert SP.get("h16_dgrad_only").gemms == {**mx.gemms, "dgrad": dataclasses.replace(
+        mx.dgrad, hadamard=policies.get("mxfp4_all_h16").dgrad.hadamard)}
+    assert SP.get("mxfp4_wgrad_h16") == policies.get("mxfp4_wgrad_h16")
+    assert all(SP.get(n).name == n for n in SP.ABLATIONS)
+    assert SP.get("none") is None
+    with pytest.raises(ValueError, match="unknown study policy 'mxfp5'"):
+        SP.get("mxfp5")
+    with pytest.raises(TypeError):
+        SP.ABLATIONS["mine"] = SP.ABLATIONS["wgrad_mx"]  # the registry is read-only
+
+
+# --------------------------------------------------------------------------- engine
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory, data_cache):
+    """One width's compiled pieces (a train.run.CompiledRun, as the study builds them)."""
+    cfg = SC.from_dict(_raw(tmp_path_factory.mktemp("study"), data_cache))
+    return cfg, E.make_run(SC.run_config(cfg, cfg.width))
+
+
+def _same_arrays(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert jax.tree.structure(a) == jax.tree.structure(b) and len(la) == len(lb) > 0
+    for x, y in zip(la, lb):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_branches_are_paired_and_the_exact_branch_continues_the_reference(bench, tmp_path):
+    _, b = bench
+    saved = {}
+
+    def save(k, state):
+        if k == 4:
+            ST.save_state(tmp_path / "s4", state, b, step=4)
+            saved[k] = jax.device_get(state)
+
+    ref = E.fixed_budget_run(b, "none", 0, 8, 4, save)
+    assert saved and ref["skipped"] == 0 and [k for k, _ in ref["curve"]] == [0, 4, 8]
+    # Saved through train.checkpoint (orbax) and restored onto the run's layout, bit for bit.
+    _same_arrays(ST.load_state(tmp_path / "s4", b), saved[4])
+    # A missing state (a branch point added later) is replayed to the same bits.
+    E.replay_state(b, "none", 0, 4, tmp_path / "r4")
+    _same_arrays(ST.load_state(tmp_path / "r4", b), saved[4])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r4", "s4"]  # no temporary left
+
+    def go(policy, steps, batch_set=0, every=None):
+        start = ST.load_state(tmp_path / "s4", b)
+        return E.branch(b, policy, start, 0, 4, batch_set, steps, 2, every)
+
+    exact = go("none", 4, every=2)
+    # Set 0 continues the reference run's own batches and keys: bit-identical losses.
+    np.testing.assert_array_equal(exact["train_loss"], ref["train_loss"][4:8])
+    assert exact["curve"][2][1] == ref["curve"][2][1]  # the held-out loss at step 8
+    rht = go("wgrad_mx_rht16", 2)
+    again = go("wgrad_mx_rht16", 2)
+    # Same batches and keys in every branch of the point (the digest), and a randomized
+    # policy's noise is a function of (seed, step): re-running gives the same numbers.
+    assert rht["batch_digest"] == exact["batch_digest"]
+    assert rht["curve"] == again["curve"] and rht["train_loss"] == again["train_loss"]
+    assert rht["curve"][-1][1] != exact["curve"][1][1]  # the rotation + MXFP4 changed it
+    other = go("wgrad_mx_rht16", 2, batch_set=1)
+    assert other["batch_digest"] != rht["batch_digest"]
+
+
+def test_load_state_refuses_another_layout(bench, tmp_path):
+    _, b = bench
+    ST.save_state(tmp_path / "bad", {"params": {"w": np.zeros((3,), np.float32)}}, b, step=1)
+    with pytest.raises(IncompatibleCheckpointError, match="other state arrays than this run"):
+        ST.load_state(tmp_path / "bad", b)
+    wider = E.make_run(SC.run_config(bench[0], 48))  # another width: refused by its record
+    ST.save_state(tmp_path / "w48", {"params": {"w": np.zeros((3,), np.float32)}}, wider, step=1)
+    with pytest.raises(IncompatibleCheckpointError, match="does not match this model's layout"):
+        ST.load_state(tmp_path / "w48", b)
+    with pytest.raises(FileNotFoundError, match="no saved reference state"):
+        ST.load_state(tmp_path / "missing", b)
+    assert not (tmp_path / "missing").exists()
+
+
+def test_unit_records_are_written_atomically(tmp_path):
+    E.write_json(tmp_path / "a" / "r.json", {"x": 1.5})
+    assert json.loads((tmp_path / "a" / "r.json").read_text()) == {"x": 1.5}
+    assert [p.name for p in (tmp_path / "a").iterdir()] == ["r.json"]
+
+
+# --------------------------------------------------------------------------- report
+def _branch_rec(policy, seed, point, curve, steps, digest="d"):
+    return {"policy": policy, "seed": seed, "point": point, "batch_set": 0, "steps": steps,
+            "curve": curve, "skipped": 0, "batch_digest": digest}
+
+
+def test_branch_table_reads_each_policy_against_its_own_exact_curve():
+    exact = [(0, 5.0), (2, 4.9), (4, 4.8)]
+    reps = {}
+    for seed, (pol_loss, base_loss) in enumerate([(4.95, 4.9), (4.9, 4.85)]):
+        reps[(seed, 10, 0)] = {
+            "none": _branch_rec("none", seed, 10, exact, 4),
+            "p": _branch_rec("p", seed, 10, [(2, pol_loss)], 2),
+            "fp8": _branch_rec("fp8", seed, 10, [(2, base_loss)], 2)}
+    t = R.branch_table(reps, "none", "fp8", late_from=5)
+    rows = t["replicates"]
+    # seed 0: decrease 0.05 = 1 exact step of 2 -> efficiency 0.5; seed 1: 0.1 -> 1.0.
+    assert [r["policies"]["p"]["efficiency"] for r in rows] == pytest.approx([0.5, 1.0])
+    assert [r["policies"]["fp8"]["efficiency"] for r in rows] == pytest.approx([1.0, 1.5])
+    all_p = t["table"]["p"]["all"]
+    assert all_p["vs_exact"]["overhead"] == pytest.approx(np.sqrt(2.0) - 1)  # geometric mean
+    assert all_p["vs_baseline"]["overhead"] == pytest.approx(np.sqrt(2.0 * 1.5) - 1)
+    assert "early" not in t["table"]["p"] and t["table"]["p"]["late"]["n"] == 2
+    assert all_p["loss_minus_exact"]["mean"] == pytest.approx((0.05 + 0.0) / 2)
+
+
+def test_branch_table_refuses_unpaired_branches():
+    reps = {(0, 10, 0): {"none": _branch_rec("none", 0, 10, [(0, 5.0), (2, 4.9)], 2),
+                         "p": _branch_rec("p", 0, 10, [(2, 4.95)], 2, digest="other")}}
+    with pytest.raises(ValueError, match="did not see the same batches"):
+        R.branch_table(reps, "none", None, late_from=5)
+
+
+def test_fixed_budget_tokens_are_read_off_the_baselines_curve():
+    def run(policy, seed, final, curve=None):
+        return {"policy": policy, "seed": seed, "steps": 100, "final_eval": final,
+                "final_eval_own_forward": final, "skipped": 0,
+                "curve": curve or [(0, 7.0), (100, final)]}
+
+    base = [(0, 7.0), (50, 5.0), (100, 4.0)]
+    runs = {"none": {s: run("none", s, 4.0, base) for s in (0, 1)},
+            "p": {0: run("p", 0, 4.5), 1: run("p", 1, 4.5)}}
+    t = R.fixed_budget_table(runs, "none", "none")
+    # The reference reaches 4.5 at step 75: the policy needs 100/75 - 1 = 33% more tokens.
+    tok = t["p"]["tokens_vs_reference"]
+    assert tok["overhead"] == pytest.approx(100 / 75 - 1) and tok["censored"] == 0
+    d = t["p"]["loss_vs_reference"]
+    # Identical differences: a zero-width interval at +0.5, which excludes 0.
+    assert d["mean"] == pytest.approx(0.5) and d["separated"] is True
+
+
+def test_report_end_to_end_on_a_tiny_study(tmp_path, data_cache):
+    # Same steps as the `bench` fixture: the reference's programs come from the persistent
+    # compilation cache.
+    cfg = SC.from_dict(_raw(tmp_path, data_cache, rungs=["fp8"], ablations=[],
+                            branch={"points": [4], "late_from": 5, "steps": 2,
+                                    "exact_steps": 4, "exact_eval_every": 2}))
+    rep = runner.run_study(cfg, verbose=False)
+    assert set(rep["branch"]["table"]) == {"fp8"}
+    for name in ("ladder.md", "ladder.json", "ladder_overhead.png", "ladder_curves.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    text = (tmp_path / "ladder.md").read_text()
+    assert "Branch-and-compare" in text and "`fp8`" in text
+    # Resuming finds every unit done and trains nothing.
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*.json") if "w32" in str(p)}
+    runner.run_study(cfg, verbose=False)
+    after = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*.json") if "w32" in str(p)}
+    assert before == after

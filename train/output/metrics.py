@@ -1,0 +1,200 @@
+"""Run outputs: per-step JSONL, progress display, loss plot.
+
+Files in a run directory (see `train.loop.run` and `train.trainer`):
+
+* ``metrics.jsonl``: one JSON object per logged step with keys ``step``,
+  ``tokens`` (tokens consumed so far), ``loss`` (train loss of that step),
+  ``eval_loss`` (null unless evaluated at that step), ``lr``, ``grad_norm``
+  (before clipping), ``tokens_per_s``, ``skipped_steps`` (total non-finite steps
+  skipped so far), ``policy``, ``epoch``, ``time_s`` (since the run started),
+  plus any extra fields from hooks. Step 0 holds the evaluation before training.
+* ``plot.png``: train loss (raw and smoothed) and eval loss against tokens.
+
+The MLPerf log (``mllog.txt``) is `train.output.mlperf`'s and the TensorBoard events
+are `train.output.tensorboard_log`'s. On resume, records after the restored step are
+dropped so the files describe one consistent history.
+
+The progress display is ours rather than tqdm's or rich's: off a terminal
+(logs, CI, SLURM) it prints a plain line every 5% and at each evaluation,
+where those libraries write carriage-return redraws into the log file, and on a
+terminal its bar is a few lines of code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+# Figures are drawn without pyplot (no global backend or figure registry to touch).
+from matplotlib.figure import Figure
+
+from train.jsonsafe import jsonable
+
+
+def _clean(v: Any) -> Any:
+    """Strict JSON: NaN/Inf floats become strings 'nan'/'inf'/'-inf'."""
+    return jsonable(v, nonfinite_as_str=True)
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a JSONL file (a torn last line, from a kill, is ignored)."""
+    p = Path(path)
+    if not p.is_file():
+        return []
+    out = []
+    lines = p.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break
+            raise
+    return out
+
+
+def _truncate(path: Path, keep) -> None:
+    """Rewrite `path` keeping the parsed records for which keep(record) is true."""
+    if not path.is_file():
+        return
+    recs = [r for r in read_jsonl(path) if keep(r)]
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    os.replace(tmp, path)
+
+
+class MetricsWriter:
+    """Appends step records to ``metrics.jsonl`` (flushed per record).
+
+    Args:
+      path: the JSONL file.
+      resume_step: None starts a fresh file; an int keeps records with
+        ``step <= resume_step`` and appends after them.
+    """
+
+    def __init__(self, path: str | Path, *, resume_step: int | None):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is None:
+            self.path.write_text("")
+        else:
+            _truncate(self.path, lambda r: r.get("step", 0) <= resume_step)
+        self._f: TextIO = open(self.path, "a")  # noqa: SIM115 (closed by close())
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        self._f.write(json.dumps(_clean(dict(record))) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class Tee:
+    """Hands each record to several writers (anything with ``write(record)`` and ``close()``)."""
+
+    def __init__(self, *writers: Any):
+        self.writers = writers
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        for w in self.writers:
+            w.write(record)
+
+    def close(self) -> None:
+        for w in self.writers:
+            w.close()
+
+
+def _fmt_time(s: float) -> str:
+    s = int(max(0, s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class Progress:
+    """Progress display on stderr: a live bar on a terminal, periodic lines otherwise."""
+
+    def __init__(self, total: int, *, mode: str = "auto", start: int = 0,
+                 stream: TextIO | None = None, label: str = ""):
+        self.stream = stream or sys.stderr
+        if mode == "auto":
+            mode = "bar" if getattr(self.stream, "isatty", lambda: False)() else "lines"
+        self.mode, self.total, self.start, self.label = mode, total, start, label
+        self.t0 = time.time()
+        self.every = max(1, total // 20)
+        self.eval_loss: float | None = None
+        self._open = False
+
+    def update(self, step: int, *, loss: float | None, tokens_per_s: float | None,
+               eval_loss: float | None = None, force: bool = False) -> None:
+        if self.mode == "off":
+            return
+        if eval_loss is not None:
+            self.eval_loss = eval_loss
+        done = step - self.start
+        elapsed = time.time() - self.t0
+        eta = elapsed / done * (self.total - step) if done > 0 else 0.0
+        parts = [f"{self.label}step {step}/{self.total}"]
+        if loss is not None:
+            parts.append(f"loss {loss:.4f}")
+        if self.eval_loss is not None:
+            parts.append(f"eval {self.eval_loss:.4f}")
+        if tokens_per_s:
+            parts.append(f"{tokens_per_s:,.0f} tok/s")
+        parts.append(f"{_fmt_time(elapsed)} elapsed, ETA {_fmt_time(eta)}")
+        text = " | ".join(parts)
+        if self.mode == "bar":
+            width = 24
+            fill = int(width * step / max(1, self.total))
+            self.stream.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {text}\x1b[K")
+            self._open = True
+            self.stream.flush()
+        elif force or eval_loss is not None or step % self.every == 0 or step == self.total:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self._open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._open = False
+
+
+def plot_losses(records: list[Mapping[str, Any]], path: str | Path, *, title: str = "") -> Path:
+    """Write a PNG of train loss (raw + centred moving average) and eval loss against tokens."""
+    def num(v):
+        return v if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+    tr = [(r["tokens"], num(r.get("loss"))) for r in records if num(r.get("loss")) is not None]
+    ev = [(r["tokens"], num(r.get("eval_loss"))) for r in records
+          if num(r.get("eval_loss")) is not None]
+    fig = Figure(figsize=(7, 4.2), dpi=110)
+    ax = fig.subplots()
+    if tr:
+        x, y = zip(*tr)
+        ax.plot(x, y, color="tab:blue", alpha=0.25, lw=0.8, label="train loss")
+        half = max(1, len(y) // 40)  # centered moving average: no lag
+        if len(y) > 2 * half:
+            avg = [sum(y[max(0, i - half):i + half + 1]) / len(y[max(0, i - half):i + half + 1])
+                   for i in range(len(y))]
+            ax.plot(x, avg, color="tab:blue", lw=1.5,
+                    label=f"train loss (moving average of {2 * half + 1})")
+    if ev:
+        x, y = zip(*ev)
+        ax.plot(x, y, "o-", color="tab:red", ms=3.5, lw=1.3, label="eval loss")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    p = Path(path)
+    fig.savefig(p)
+    return p

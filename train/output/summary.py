@@ -1,0 +1,103 @@
+"""A run's result (`RunSummary`), built from its metrics file and kept in summary.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from train.config import Config
+from train.diagnostics import numerics
+from train.output.metrics import plot_losses, read_jsonl
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunSummary:
+    """Result of `train.loop.run`.
+
+    status: 'completed' (all steps), 'target_reached' (eval <= target),
+    'nonfinite' (stopped by the guard). eval_history: [(step, tokens, eval_loss)].
+    target_tokens: tokens consumed at the first eval <= target (None if never).
+    instability_step/instability_kind: the instability detector's first event over
+    the logged gradient norms (``train.diagnostics.dynamics.InstabilityDetector``;
+    None if none). diagnostics: means of the numerics fields over the last quarter
+    of the records (``diagnostics.enabled``; None without them).
+    """
+
+    status: str
+    message: str
+    steps: int
+    tokens: int
+    final_eval_loss: float | None
+    best_eval_loss: float | None
+    eval_history: list[tuple[int, int, float]]
+    target_eval_loss: float | None
+    target_step: int | None
+    target_tokens: int | None
+    skipped_steps: int
+    wall_time_s: float
+    tokens_per_s: float | None
+    policy: str
+    out_dir: str
+    metrics_path: str
+    plot_path: str | None
+    checkpoint_dir: str | None
+    resumed_from: int | None
+    instability_step: int | None = None
+    instability_kind: str | None = None
+    diagnostics: dict[str, float] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def read_summary(path: Path) -> RunSummary | None:
+    """The summary in `path`, or None if it is missing or unreadable."""
+    try:
+        d = json.loads(path.read_text())
+        d["eval_history"] = [tuple(e) for e in d["eval_history"]]
+        return RunSummary(**d)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def summarize(config: Config, *, policy_name: str, status: str, message: str, step: int,
+              tokens_per_step: int, skipped: int, wall: float, tokens_per_s: float | None,
+              resumed: int | None, primary: bool) -> RunSummary:
+    """The summary of the run in ``config.out_path`` from its metrics.jsonl.
+
+    On the primary process also draws plot.png (when ``train.plot``) and writes
+    summary.json.
+    """
+    c, t, out = config, config.train, config.out_path
+    recs = read_jsonl(out / "metrics.jsonl")
+    evals = [(int(r["step"]), int(r["tokens"]), float(r["eval_loss"])) for r in recs
+             if isinstance(r.get("eval_loss"), (int, float))]
+    target_step = target_tokens = None
+    if t.target_eval_loss is not None:
+        for s, tok, e in evals:
+            if e <= t.target_eval_loss:
+                target_step, target_tokens = s, tok
+                break
+    unstable = numerics.instability(recs)
+    plot_path = None
+    if t.plot and primary and recs:
+        title = f"{c.name} | policy {policy_name}"
+        if evals:
+            title += f" | eval {evals[-1][2]:.4f} at step {evals[-1][0]}"
+        plot_path = str(plot_losses(recs, out / "plot.png", title=title))
+    s = RunSummary(
+        status=status, message=message, steps=step, tokens=step * tokens_per_step,
+        final_eval_loss=evals[-1][2] if evals else None,
+        best_eval_loss=min(e for _, _, e in evals) if evals else None,
+        eval_history=evals, target_eval_loss=t.target_eval_loss, target_step=target_step,
+        target_tokens=target_tokens, skipped_steps=skipped, wall_time_s=round(wall, 3),
+        tokens_per_s=round(tokens_per_s, 1) if tokens_per_s else None, policy=policy_name,
+        out_dir=str(out), metrics_path=str(out / "metrics.jsonl"), plot_path=plot_path,
+        checkpoint_dir=str(out / "checkpoints") if c.checkpoint.enabled else None,
+        resumed_from=resumed, instability_step=unstable.event_step,
+        instability_kind=unstable.event_kind, diagnostics=numerics.diag_summary(recs) or None)
+    if primary:
+        (out / "summary.json").write_text(json.dumps(s.to_dict(), indent=1))
+    return s
