@@ -80,7 +80,7 @@ from mxjax.nn.analysis import (
     weight_origin,
 )
 from mxjax.nn.kinds import classify
-from mxjax.nn.paths import Path, PathSource, as_str, key_name
+from mxjax.nn.paths import Path, PathSource, as_str, common_prefix, key_name
 from mxjax.nn.rules import HEAD_NAMES, NOT_GEMM, Rule, Site, WrapReport
 
 __all__ = ["transform_call"]
@@ -247,8 +247,12 @@ def _higher_order(eqn, invals, sub_infos: list, ctx: _Ctx, stack, salts: tuple) 
     if name in ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call"):
         return _eval(call_jaxpr(p), invals, sub_infos[0], ctx, stack, salts)
     if name in ("custom_vjp_call", "custom_vjp_call_jaxpr"):
-        ctx.skipped.append(f"{_stack_path(ctx, stack) or '(root)'}: dot_general inside a "
-                           "custom_vjp (left unchanged)")
+        ins = sub_infos[0]
+        weight = common_prefix(i.origin for i in ins if i.params is not None)
+        origin = weight if weight is not None else common_prefix(i.origin for i in ins)
+        where, _ = ctx.paths.site_path(ctx.paths.call_path(stack), weight, origin)
+        ctx.skipped.append(f"{as_str(where) or '(root)'}: dot_general inside a custom_vjp "
+                           "(left unchanged)")
         return _bind(eqn, invals)  # already under the equation's name stack
     if name in ("remat", "remat2", "checkpoint"):
         def body(*args):
