@@ -2,8 +2,9 @@
 
 Layers (data flows one way; tests/test_layering.py checks every import):
 
-  formats, layout, dimensions, validation, _platform -> _bits
-  -> quantization, rotation -> recipes -> kernels -> gemm -> interceptor
+  formats, layout, dimensions, validation, _platform -> _bits -> elements
+  -> scaling -> operand_recipe -> quantization, rotation -> recipes -> kernels
+  -> gemm -> interceptor
   -> policies -> diagnostics -> nn -> testing
 
 `mxjax.nn` (Flax integration) and `mxjax.kernels` (Pallas/Triton) are imported
@@ -14,7 +15,9 @@ Module layout: the public functions are re-exported here under the names of the
 API (`mxjax.quantize`, `mxjax.hadamard`, `mxjax.dot_general`,
 `mxjax.PrecisionPolicy`, ...); their modules have other names, so no function
 shadows its module: `mxjax.quantization` (quantize, dequantize, fake_quantize,
-MXArray), `mxjax.rotation` (hadamard, signs), `mxjax.recipes` (OperandRecipe,
+MXArray, and the recipe forms quantize_with, ...), `mxjax.elements` (element
+grids), `mxjax.scaling` (the scaling schemes), `mxjax.operand_recipe`
+(OperandRecipe), `mxjax.rotation` (hadamard, signs), `mxjax.recipes` (OperandRecipe,
 Hadamard, GemmRecipe), `mxjax.policies` (PrecisionPolicy, presets,
 dot_general), `mxjax.dimensions` (dimension numbers), `mxjax.gemm` (one GEMM
 under a recipe, per platform), `mxjax.interceptor` (the custom-VJP engine),

@@ -26,6 +26,11 @@ def bits_f32(b: jnp.ndarray) -> jnp.ndarray:
     return lax.bitcast_convert_type(b.astype(jnp.uint32), jnp.float32)
 
 
+def nonzero(x: jnp.ndarray) -> jnp.ndarray:
+    """|x| != 0 on the f32 bit pattern (subnormals count as nonzero, NaN too)."""
+    return (f32_bits(x) & ABS_MASK) != 0
+
+
 def pow2(e: jnp.ndarray) -> jnp.ndarray:
     """2.0**e as f32 for integer e in [-126, 127] (normal range), exactly."""
     return bits_f32(((e.astype(jnp.int32) + 127) << 23).astype(jnp.uint32))

@@ -26,19 +26,18 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mxjax import formats as F
 from mxjax._platform import cpu_barrier, cpu_or_accelerator
 from mxjax.dimensions import Dims, free_axes
 from mxjax.layout import canonical_dimension_numbers
-from mxjax.quantization import SR_UNSCALE, fake_quantize, fake_quantize_parts, quantize
+from mxjax.quantization import fake_quantize_parts_with, fake_quantize_with, quantize_with
 from mxjax.recipes import BACKENDS, GemmRecipe
 from mxjax.rotation import fixed_signs, hadamard, random_signs
+from mxjax.scaling import SR_UNSCALE, OperandRange
 
 __all__ = [
     "OperandRange",
@@ -77,9 +76,7 @@ def canonical_operands(a: jax.Array, b: jax.Array, dims: Dims) -> tuple[jax.Arra
 
 
 def _prepare_operand(x: jax.Array, recipe, key) -> jax.Array:
-    if recipe.is_passthrough:
-        return x
-    return fake_quantize(x, recipe.fmt, axis=-1, **recipe.quantizer_kwargs(key))
+    return fake_quantize_with(x, recipe, -1, key=key)
 
 
 def _prepare_operand_parts(x: jax.Array, recipe, key):
@@ -88,63 +85,24 @@ def _prepare_operand_parts(x: jax.Array, recipe, key):
     The factors (NVFP4's and per-tensor FP8's tensor scale, the 4/3 SR unscale)
     are left out of ``values`` so that they can be applied to the GEMM's f32 result.
     """
-    values, tensor_scale = fake_quantize_parts(x, recipe.fmt, axis=-1,
-                                               **recipe.quantizer_kwargs(key))
+    values, tensor_scale = fake_quantize_parts_with(x, recipe, -1, key=key)
     factors = () if tensor_scale is None else (tensor_scale,)
     if recipe.sr_prescale:
         factors += (jnp.float32(SR_UNSCALE),)
     return values, factors
 
 
-# bf16 (and f32) normal exponents start at -126; bf16 subnormals end at 2^-133.
-_BF16_MIN_NORMAL_EXP = -126
-_BF16_MIN_SUBNORMAL_EXP = -133
-_BF16_SIGNIFICANT_BITS = 8
-
-
-class OperandRange(NamedTuple):
-    """What the emulated GEMM's operand values (per-tensor factors left out) can be.
-
-    ``min_exp``: log2 of the smallest nonzero magnitude; ``significant_bits``:
-    the most significant bits of any value. None for a pass-through operand
-    (arbitrary f32 values).
-    """
-
-    min_exp: int | None
-    significant_bits: int | None
-
-    @property
-    def bf16_exact(self) -> bool:
-        """Every value is a bf16 value (subnormals included)."""
-        return (self.min_exp is not None and self.min_exp >= _BF16_MIN_SUBNORMAL_EXP
-                and self.significant_bits <= _BF16_SIGNIFICANT_BITS)
-
-    @property
-    def bf16_normal(self) -> bool:
-        """Every nonzero value is a bf16 normal (nothing a flush-to-zero unit can drop)."""
-        return self.bf16_exact and self.min_exp >= _BF16_MIN_NORMAL_EXP
-
-
 def operand_range(recipe) -> OperandRange:
     """Trace-time range of an operand's `fake_quantize_parts` values, from its format.
 
-    E8M0 formats: element grid times 2^s, s in [-127, 127]; the top end above the
-    f32 range is already Inf in f32 (and the same Inf in bf16: a finite f32 with
-    at most 8 significant bits is a bf16 value). NVFP4: E2M1 times an E4M3 block
-    scale (the tensor scale is a factor). Per-tensor FP8: the element grid.
+    The scaling scheme's range (``mxjax.scaling``: E8M0 formats: element grid
+    times 2^s, s in [-127, 127]; NVFP4: E2M1 times an E4M3 block scale, the
+    tensor scale being a factor; per-tensor FP8: the element grid); a
+    pass-through operand can be any f32 value.
     """
-    fmt = recipe.fmt
-    if fmt.is_passthrough:
+    if recipe.is_passthrough:
         return OperandRange(None, None)
-    elem = fmt.element
-    elem_min_exp = int(math.log2(elem.min_subnormal))
-    if fmt.scale == "e8m0":
-        return OperandRange(elem_min_exp - 127, elem.mbits + 1)
-    if fmt.scale == "e4m3":
-        scale_elem = F.E4M3
-        return OperandRange(elem_min_exp + int(math.log2(scale_elem.min_subnormal)),
-                            elem.mbits + 1 + scale_elem.mbits + 1)
-    return OperandRange(elem_min_exp, elem.mbits + 1)
+    return recipe.scheme.operand_range()
 
 
 def accelerator_operand_dtype(recipe: GemmRecipe):
@@ -288,7 +246,7 @@ def _kernel_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key,
     a3, b3, k_lhs, k_rhs = quantizer_operands(a3, b3, recipe, key)
 
     def q(x, op, k):
-        return quantize(x, op.fmt, axis=-1, **op.quantizer_kwargs(k))
+        return quantize_with(x, op, -1, key=k)
 
     return kernels.mx_dot(q(a3, recipe.lhs, k_lhs), q(b3, recipe.rhs, k_rhs), backend=backend)
 

@@ -18,7 +18,8 @@ GEMM; a recipe holds one :class:`OperandRecipe` per operand and an optional
 :class:`Hadamard` rotation applied to both operands along that GEMM's
 contraction axis. All these classes
 are frozen, keyword-only and hashable (usable as static ``jit`` arguments), and
-validate their fields at construction.
+validate their fields at construction. :class:`OperandRecipe` is defined in
+``mxjax.operand_recipe`` (below the quantizer, which takes it) and re-exported here.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ import dataclasses
 import operator
 from typing import Any, Protocol
 
-from mxjax import formats as F
-from mxjax.formats import Format, Rounding, ScaleRule
+from mxjax.formats import Format
+from mxjax.operand_recipe import OperandRecipe
+from mxjax.operand_recipe import check_bool as _check_bool
 from mxjax.rotation import HADAMARD_SIZES
 
 __all__ = [
@@ -48,90 +50,6 @@ GEMMS = ("fprop", "dgrad", "wgrad")
 # jnp reference (quantize -> dequantize -> dot in f32 at HIGHEST precision); the
 # others are mxjax.kernels backends; 'auto' picks the best one for the device.
 BACKENDS: tuple[str, ...] = ("xla", "pallas", "pallas_fp8", "triton", "auto")
-
-
-
-def _check_bool(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected a bool, got {value!r}")
-    return value
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class OperandRecipe:
-    """How one GEMM operand is quantized.
-
-    Attributes:
-      fmt: a :class:`mxjax.formats.Format` (or its name, e.g. ``'mxfp4'``).
-        ``BF16`` means pass-through: the operand is used as is.
-      scale_rule: E8M0 scale rule (MX formats only; NVFP4, per-tensor FP8 and
-        BF16 have a fixed scale computation and accept only ``FLOOR``).
-      rounding: element rounding. ``STOCHASTIC`` needs a PRNG key at call time.
-        BF16 accepts only ``NEAREST_EVEN`` (nothing is rounded).
-      sr_prescale: multiply by 3/4 before stochastic rounding (Tseng et al.);
-        only with ``STOCHASTIC``.
-    """
-
-    fmt: Format | str
-    scale_rule: ScaleRule | str = ScaleRule.FLOOR
-    rounding: Rounding | str = Rounding.NEAREST_EVEN
-    sr_prescale: bool = False
-
-    def __post_init__(self):
-        fmt = F.get(self.fmt)
-        rule = F.scale_rule(self.scale_rule)
-        mode = F.rounding(self.rounding)
-        _check_bool(self.sr_prescale, "sr_prescale")
-        if fmt.is_passthrough and (rule is not ScaleRule.FLOOR or mode is not Rounding.NEAREST_EVEN
-                                   or self.sr_prescale):
-            raise ValueError(
-                "OperandRecipe: fmt=BF16 is pass-through (nothing is quantized), so "
-                f"scale_rule={rule.name}, rounding={mode.name}, sr_prescale={self.sr_prescale} "
-                "would have no effect; use the defaults or a quantized format"
-            )
-        if fmt.scale != "e8m0" and not fmt.is_passthrough and rule is not ScaleRule.FLOOR:
-            raise ValueError(
-                f"OperandRecipe: scale_rule={rule.name} applies to E8M0-scaled MX formats only; "
-                f"fmt={fmt.name} has a fixed scale computation (use ScaleRule.FLOOR)"
-            )
-        if self.sr_prescale and mode is not Rounding.STOCHASTIC:
-            raise ValueError(
-                f"OperandRecipe: sr_prescale=True needs rounding=STOCHASTIC, got {mode.name}"
-            )
-        object.__setattr__(self, "fmt", fmt)
-        object.__setattr__(self, "scale_rule", rule)
-        object.__setattr__(self, "rounding", mode)
-
-    @property
-    def is_passthrough(self) -> bool:
-        """True for BF16: the operand is not quantized."""
-        return self.fmt.is_passthrough
-
-    @property
-    def needs_key(self) -> bool:
-        """True when rounding is STOCHASTIC."""
-        return self.rounding is Rounding.STOCHASTIC
-
-    def quantizer_kwargs(self, key: Any = None) -> dict[str, Any]:
-        """Keyword arguments of ``mxjax.quantize`` / ``fake_quantize`` for this operand.
-
-        ``key`` is kept only when the rounding is STOCHASTIC (None otherwise).
-        """
-        return {"scale_rule": self.scale_rule, "rounding": self.rounding,
-                "key": key if self.needs_key else None, "sr_prescale": self.sr_prescale}
-
-    def describe(self) -> str:
-        """Short text, e.g. ``'mxfp4 even/nearest_even'`` or ``'bf16 (pass-through)'``."""
-        if self.is_passthrough:
-            return "bf16 (pass-through)"
-        parts = [self.fmt.name]
-        if self.fmt.scale == "e8m0":
-            parts.append(f"{self.scale_rule.value}/{self.rounding.value}")
-        else:
-            parts.append(self.rounding.value)
-        if self.sr_prescale:
-            parts.append("x3/4")
-        return " ".join(parts)
 
 
 def _coerce_operand(value: Any, name: str) -> OperandRecipe:

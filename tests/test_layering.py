@@ -33,6 +33,9 @@ PACKAGES: tuple[str, ...] = ("mxjax", "models", "train", "study")
 # layers, never later ones; units that share a layer do not import each other. A package's
 # facade (its __init__) may re-export any unit; inside the package only `__main__` imports it.
 LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
+    #  - the quantizer is built bottom up: element grids (elements), the scaling
+    #    schemes (scaling), the validated OperandRecipe the quantizer takes
+    #    (operand_recipe; mxjax.recipes re-exports it), then quantization.
     #  - kernels sit above recipes (they take the backend names from mxjax.recipes)
     #    and below mxjax.gemm (one GEMM under a recipe), their only caller, which
     #    imports them lazily so that `import mxjax` stays free of Pallas.
@@ -45,6 +48,9 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     "mxjax": (
         ("formats", "layout", "validation", "_platform", "dimensions"),
         ("_bits",),
+        ("elements",),
+        ("scaling",),
+        ("operand_recipe",),
         ("quantization", "rotation"),
         ("recipes",),
         ("kernels",),
@@ -55,7 +61,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("nn",),
         ("testing",),
     ),
-    "models": (("sharding",), ("llama",), ("hf",)),
+    "models": (("sharding",), ("llama",), ("hf_config", "hf_files"), ("hf",)),
     #  - the config and the run's extension points first; then the pieces that need only
     #    them (data, state layout, diagnostics hooks, checkpoints, optimizer); the plan
     #    (config + data validated), the traced step and what a run writes; then the
@@ -63,7 +69,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     "train": (
         ("jsonsafe",),
         ("config",),
-        ("hooks", "process", "run_lock", "checkpoint", "optimizer"),
+        ("hooks", "process", "run_lock", "checkpoint", "optimizer", "preemption"),
         ("data", "state", "diagnostics"),
         ("output", "plan", "step"),
         ("compat", "run"),
@@ -72,7 +78,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("__main__",),
     ),
     "train.data": (("sources", "tokenizer"), ("cache", "loader"), ("__main__",)),
-    "train.output": (("metrics", "mlperf", "tensorboard_log"), ("summary",)),
+    "train.output": (("metrics", "mlperf", "tensorboard_log"), ("summary",), ("previous",)),
     "train.diagnostics": (("dynamics",), ("numerics",)),
     #  - the policies and the statistics need nothing of the study; the config names the
     #    policies; states and units need the config; the engine runs units on a

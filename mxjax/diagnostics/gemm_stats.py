@@ -35,10 +35,10 @@ import jax
 import jax.numpy as jnp
 
 from mxjax import _bits
-from mxjax import formats as F
 from mxjax.layout import canonical_dimension_numbers
-from mxjax.quantization import SR_PRESCALE, MXArray, decode_magnitude, dequantize, quantize
+from mxjax.quantization import MXArray, dequantize, quantize_with
 from mxjax.recipes import OperandRecipe
+from mxjax.scaling import SR_PRESCALE, scheme_for, to_blocks
 
 __all__ = [
     "GEMM_FIELDS",
@@ -78,20 +78,6 @@ def safe_ratio(num: jax.Array, den: jax.Array) -> jax.Array:
     return jnp.where(zero, 0.0, num / jnp.where(zero, 1.0, den)).astype(jnp.float32)
 
 
-def _blocks_last(a: jax.Array, axis: int, block: int) -> jax.Array:
-    """Moves `axis` last, zero-pads it to a multiple of `block`, splits [..., nb, block]."""
-    am = jnp.moveaxis(a, axis, -1)
-    pad = (-am.shape[-1]) % block
-    if pad:
-        am = jnp.pad(am, [(0, 0)] * (am.ndim - 1) + [(0, pad)])
-    return am.reshape(am.shape[:-1] + (am.shape[-1] // block, block))
-
-
-def _nonzero(a: jax.Array) -> jax.Array:
-    """|a| != 0 on the f32 bit pattern (subnormals count as nonzero)."""
-    return (_bits.f32_bits(a) & _bits.ABS_MASK) != 0
-
-
 def _scale_summary(log2d: jax.Array, valid: jax.Array) -> list[jax.Array]:
     """min/max/mean/std of log2d over `valid` entries (0s when there are none)."""
     # One materialized value for every consumer (XLA may otherwise evaluate log2 once
@@ -122,44 +108,22 @@ def operand_stats(x: jax.Array, q: MXArray, xq: jax.Array | None = None) -> dict
         raise TypeError(f"q: expected an MXArray, got {type(q).__name__}")
     if tuple(x.shape) != tuple(q.shape):
         raise ValueError(f"x: shape {tuple(x.shape)} differs from the quantized shape {q.shape}")
-    fmt, elem = q.fmt, q.fmt.element
+    elem = q.fmt.element
     xf = x.astype(jnp.float32)
     if xq is None:
         xq = dequantize(q, jnp.float32)
     xq = xq.astype(jnp.float32)
-    nz = _nonzero(xf)
+    nz = _bits.nonzero(xf)
     n_nz = jnp.sum(nz.astype(jnp.float32))
     rel_err = safe_ratio(jnp.sqrt(jnp.sum(jnp.square(xq - xf))), jnp.sqrt(jnp.sum(jnp.square(xf))))
-    underflow = safe_ratio(jnp.sum((nz & ~_nonzero(xq)).astype(jnp.float32)), n_nz)
-    prescale = jnp.float32(SR_PRESCALE) if q.sr_prescale else None
-    max_normal = jnp.float32(elem.max_normal)
-
-    if fmt.is_per_tensor:
-        t = q.tensor_scale.astype(jnp.float32)
-        y = jnp.abs(_bits.exact_div(xf, jnp.where(jnp.isfinite(t), t, 1.0)))
-        if prescale is not None:
-            y = y * prescale
-        clipped = nz & (y > max_normal)
-        log2d = jnp.log2(t)[None]
-        valid = (n_nz > 0)[None]
-    else:
-        xb = _blocks_last(xf, q.axis, fmt.block_size)  # [..., nb, block]
-        sb = jnp.moveaxis(q.scales, q.axis, -1).astype(jnp.int32)  # [..., nb]
-        valid = jnp.any(_nonzero(xb), axis=-1)  # blocks holding a nonzero (or NaN) value
-        if fmt.scale == "e8m0":
-            s = sb - 127
-            y = jnp.abs(_bits.ldexp(xb, -s[..., None]))
-            log2d = jnp.where(sb == 255, jnp.float32(jnp.nan), s.astype(jnp.float32))
-        else:  # NVFP4: E4M3 block scale times the fp32 tensor scale
-            d = decode_magnitude(sb, F.E4M3) * q.tensor_scale.astype(jnp.float32)
-            pos = d > 0
-            y = jnp.abs(_bits.exact_div(xb, jnp.where(pos, d, 1.0)[..., None]))
-            y = jnp.where(pos[..., None], y, 0.0)  # d == 0: everything underflows
-            log2d = jnp.where(pos, jnp.log2(jnp.where(pos, d, 1.0)), d)  # NaN stays NaN
-            valid = valid & (pos | jnp.isnan(d))
-        if prescale is not None:
-            y = y * prescale
-        clipped = _nonzero(xb) & (y > max_normal)
+    underflow = safe_ratio(jnp.sum((nz & ~_bits.nonzero(xq)).astype(jnp.float32)), n_nz)
+    # The scheme's view of x (blocks along q.axis, or the whole tensor), |x| / d per
+    # element with d the decode scale of its block, log2 d per block, and the blocks
+    # that count (a nonzero value and a usable d).
+    xv, y, log2d, valid = scheme_for(q.fmt).decode_view(xf, q.axis, q.scales, q.tensor_scale)
+    if q.sr_prescale:
+        y = y * jnp.float32(SR_PRESCALE)
+    clipped = _bits.nonzero(xv) & (y > jnp.float32(elem.max_normal))
     saturation = safe_ratio(jnp.sum(clipped.astype(jnp.float32)), n_nz)
     lo, hi, mean, std = _scale_summary(log2d, valid)
     return dict(zip(OPERAND_STATS, (rel_err, underflow, saturation, lo, hi, mean, std)))
@@ -175,7 +139,7 @@ def _requantize(x: jax.Array, recipe: OperandRecipe, axis: int, key: jax.Array |
     """(MXArray | None, dequantized f32) of ``x`` under an OperandRecipe (None: pass-through)."""
     if recipe.is_passthrough:
         return None, x.astype(jnp.float32)
-    q = quantize(x, recipe.fmt, axis, **recipe.quantizer_kwargs(key))
+    q = quantize_with(x, recipe, axis, key=key)
     return q, dequantize(q, jnp.float32)
 
 
@@ -225,7 +189,8 @@ def block_mean_share(x: jax.Array, axis: int = -1, block: int = 16) -> jax.Array
         raise ValueError("x: expected an array with at least one axis, got a scalar")
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis: {axis} is out of range for an array of rank {x.ndim}")
-    xb = _blocks_last(x.astype(jnp.float32), axis, block)
+    xm, _ = to_blocks(x.astype(jnp.float32), axis, block)
+    xb = xm.reshape(xm.shape[:-1] + (xm.shape[-1] // block, block))
     sums = jnp.sum(xb, axis=-1)
     common = jnp.sum(jnp.square(sums)) / jnp.float32(block)
     return safe_ratio(common, jnp.sum(jnp.square(xb)))

@@ -3,13 +3,13 @@
 One pass over a 2-D high-precision tensor writes packed codes and E8M0 scales
 for a row-wise copy (blocks along axis 1), a column-wise copy (blocks along
 axis 0), or both, each computed from the high-precision source tile (never one
-copy from the other). Each copy has its own QuantSpec (format, scale rule,
-rounding, optional Hadamard size and signs, SR key).
+copy from the other). Each copy has its own QuantSpec (an ``mxjax.OperandRecipe``
+and an optional Hadamard size) plus its signs and SR key.
 
-Bit-identity with `mxjax.quantize` comes from calling the same element-level
-code: the kernel body runs the reference's block quantizer
-(`mxjax.quantization.quantize_mx_blocks`, built from the public helpers `e8m0_exponent`,
-`round_to_grid` and `mxjax._bits`) on the tile's blocks. The Hadamard is
+Bit-identity with `mxjax.quantize` comes from calling the same code: the
+kernel body runs the reference's block quantizer
+(`mxjax.quantization.quantize_blocks`: the E8M0 scaling scheme of
+`mxjax.scaling` and the element helpers of `mxjax.elements`) on the tile's blocks. The Hadamard is
 `_hadamard_tile` below: the same f32 operations as `mxjax.hadamard` (signs
 multiply, log2(h) butterfly stages a+b / a-b, times 1/sqrt(h), cast back to the
 input dtype), written without captured array constants (Pallas refuses them)
@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,50 +37,53 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from mxjax import formats as F
-from mxjax.formats import Format, Rounding, ScaleRule
+from mxjax.formats import Format
 from mxjax.kernels import _common as C
-from mxjax.quantization import FLOAT_DTYPES, MXArray, quantize_mx_blocks
+from mxjax.operand_recipe import OperandRecipe
+from mxjax.quantization import FLOAT_DTYPES, MXArray, quantize_blocks
 from mxjax.rotation import HADAMARD_SIZES
+from mxjax.scaling import E8M0Blocks
 
 __all__ = ["QuantSpec", "fused_quantize"]
 
 _BLOCK = 32  # E8M0 block size of every MX format
 
 
+def _coerce_recipe(value: Any) -> OperandRecipe:
+    if isinstance(value, OperandRecipe):
+        return value
+    if isinstance(value, (Format, str)):
+        return OperandRecipe(fmt=value)
+    raise TypeError(f"recipe: expected an OperandRecipe, a Format or a format name, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class QuantSpec:
-    """How one copy is quantized by `fused_quantize`.
+    """How one copy is quantized by `fused_quantize`: an operand recipe and a rotation.
 
     Attributes:
-      fmt: an E8M0-scaled MX format (MXFP4, MXFP8_E4M3, MXFP8_E5M2).
-      scale_rule: ScaleRule (or its name).
-      rounding: Rounding (or its name); STOCHASTIC needs the copy's key.
+      recipe: the ``mxjax.OperandRecipe`` (format, scale rule, rounding, SR
+        pre-scale; a Format or format name becomes ``OperandRecipe(fmt=...)``).
+        Its format must be E8M0-scaled (MXFP4, MXFP8_E4M3, MXFP8_E5M2);
+        STOCHASTIC rounding needs the copy's key.
       hadamard: None or the Hadamard block size (16, 32, 64, 128), applied along
         this copy's block axis before quantizing (signs passed to fused_quantize).
-      sr_prescale: multiply by 3/4 before stochastic rounding (see mxjax.quantize).
     """
 
-    fmt: Format | str = F.MXFP4
-    scale_rule: ScaleRule | str = ScaleRule.FLOOR
-    rounding: Rounding | str = Rounding.NEAREST_EVEN
+    recipe: OperandRecipe | Format | str = F.MXFP4
     hadamard: int | None = None
-    sr_prescale: bool = False
 
     def __post_init__(self):
-        fmt = F.get(self.fmt)
-        if fmt.scale != "e8m0":
+        recipe = _coerce_recipe(self.recipe)
+        if type(recipe.scheme) is not E8M0Blocks:  # the kernel body is the E8M0 scheme's
             raise ValueError(
                 f"fmt: the fused quantize kernel supports E8M0-scaled MX formats "
-                f"(mxfp4, mxfp8_e4m3, mxfp8_e5m2), got {fmt.name}; use mxjax.quantize"
+                f"(mxfp4, mxfp8_e4m3, mxfp8_e5m2), got {recipe.fmt.name}; use mxjax.quantize"
             )
-        object.__setattr__(self, "fmt", fmt)
-        object.__setattr__(self, "scale_rule", F.scale_rule(self.scale_rule))
-        object.__setattr__(self, "rounding", F.rounding(self.rounding))
         if self.hadamard is not None and self.hadamard not in HADAMARD_SIZES:
             raise ValueError(f"hadamard: expected None or one of {HADAMARD_SIZES}, "
                              f"got {self.hadamard!r}")
-        if not isinstance(self.sr_prescale, bool):
-            raise TypeError(f"sr_prescale: expected a bool, got {self.sr_prescale!r}")
+        object.__setattr__(self, "recipe", recipe)
 
 
 def _hadamard_tile(x, h: int, signs):
@@ -109,11 +113,9 @@ def _quantize_tile(y, spec: QuantSpec, u, dtype=jnp.float32):
     r, n = y.shape
     xb = y.reshape(r, n // _BLOCK, _BLOCK)
     ub = None if u is None else u.reshape(xb.shape)
-    codes, scales = quantize_mx_blocks(
-        xb, spec.fmt.element, spec.scale_rule, spec.rounding, ub, spec.sr_prescale, dtype
-    )
+    codes, scales, _ = quantize_blocks(xb, spec.recipe, ub, dtype)
     codes = codes.reshape(r, n)
-    if spec.fmt.packed:
+    if spec.recipe.fmt.packed:
         codes = _pack_tile(codes)
     return codes, scales
 
@@ -192,9 +194,8 @@ def fused_quantize(
     """Quantizes a 2-D array into a row-wise and/or a column-wise MX copy in one pass.
 
     Equal bit for bit to
-      row: quantize(hadamard(x, row.hadamard, axis=1, signs=row_signs), row.fmt, axis=1,
-                    scale_rule=row.scale_rule, rounding=row.rounding, key=row_key,
-                    sr_prescale=row.sr_prescale)      (no hadamard call if row.hadamard is None)
+      row: quantize_with(hadamard(x, row.hadamard, axis=1, signs=row_signs), row.recipe,
+                         axis=1, key=row_key)      (no hadamard call if row.hadamard is None)
       col: the same with axis=0 and the col_* arguments.
 
     Args:
@@ -231,7 +232,7 @@ def fused_quantize(
             f"x: {n_rows} rows are not a multiple of col.hadamard={col.hadamard} (pad first)"
         )
     for name, spec, key in (("row_key", row, row_key), ("col_key", col, col_key)):
-        if spec is not None and spec.rounding is Rounding.STOCHASTIC and key is None:
+        if spec is not None and spec.recipe.needs_key and key is None:
             raise ValueError(f"{name}: STOCHASTIC rounding needs a PRNG key")
     row_signs = _check_signs(row_signs, row, "row_signs")
     col_signs = _check_signs(col_signs, col, "col_signs")
@@ -255,13 +256,13 @@ def fused_quantize(
         if s is not None:
             inputs.append(s)
             in_specs.append(pl.BlockSpec(s.shape, lambda i, j: (0,)))
-    if row is not None and row.rounding is Rounding.STOCHASTIC:
+    if row is not None and row.recipe.needs_key:
         # Reference: uniforms over x with axis 1 last, padded to the block.
         u = jax.random.uniform(row_key, (n_rows, C.round_up(n_cols, _BLOCK)), jnp.float32)
         inputs.append(C.pad2(u, rp, cp))
         in_specs.append(pl.BlockSpec((br, bc), lambda i, j: (i, j)))
         flags["row_u"] = True
-    if col is not None and col.rounding is Rounding.STOCHASTIC:
+    if col is not None and col.recipe.needs_key:
         # Reference: uniforms over x.T (axis 0 last), padded to the block; read transposed.
         u = jax.random.uniform(col_key, (n_cols, C.round_up(n_rows, _BLOCK)), jnp.float32)
         inputs.append(C.pad2(u, cp, rp))
@@ -270,13 +271,13 @@ def fused_quantize(
 
     out_shape, out_specs = [], []
     if row is not None:
-        cw = bc // 2 if row.fmt.packed else bc
+        cw = bc // 2 if row.recipe.fmt.packed else bc
         out_shape += [jax.ShapeDtypeStruct((rp, grid[1] * cw), jnp.uint8),
                       jax.ShapeDtypeStruct((rp, cp // _BLOCK), jnp.uint8)]
         out_specs += [pl.BlockSpec((br, cw), lambda i, j: (i, j)),
                       pl.BlockSpec((br, bc // _BLOCK), lambda i, j: (i, j))]
     if col is not None:
-        rw = br // 2 if col.fmt.packed else br
+        rw = br // 2 if col.recipe.fmt.packed else br
         out_shape += [jax.ShapeDtypeStruct((grid[0] * rw, cp), jnp.uint8),
                       jax.ShapeDtypeStruct((rp // _BLOCK, cp), jnp.uint8)]
         out_specs += [pl.BlockSpec((rw, bc), lambda i, j: (i, j)),
@@ -306,13 +307,13 @@ def fused_quantize(
     rpad = C.round_up(n_rows, _BLOCK)
     if row is not None:
         codes, scales = outs[0], outs[1]
-        cw = cpad // 2 if row.fmt.packed else cpad
+        cw = cpad // 2 if row.recipe.fmt.packed else cpad
         row_q = MXArray(codes[:n_rows, :cw], scales[:n_rows, : cpad // _BLOCK], None,
-                        (n_rows, n_cols), 1, row.fmt, row.sr_prescale)
+                        (n_rows, n_cols), 1, row.recipe.fmt, row.recipe.sr_prescale)
         outs = outs[2:]
     if col is not None:
         codes, scales = outs[0], outs[1]
-        rw = rpad // 2 if col.fmt.packed else rpad
+        rw = rpad // 2 if col.recipe.fmt.packed else rpad
         col_q = MXArray(codes[:rw, :n_cols], scales[: rpad // _BLOCK, :n_cols], None,
-                        (n_rows, n_cols), 0, col.fmt, col.sr_prescale)
+                        (n_rows, n_cols), 0, col.recipe.fmt, col.recipe.sr_prescale)
     return row_q, col_q

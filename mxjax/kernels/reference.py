@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from mxjax import formats as F
-from mxjax.quantization import MXArray, decode_magnitude, dequantize
+from mxjax.elements import decode_magnitude
+from mxjax.quantization import MXArray, dequantize
 
 __all__ = ["decode_e2m1", "dequant_split", "e8m0_to_f32", "expand_scales", "mx_dot_reference"]
 

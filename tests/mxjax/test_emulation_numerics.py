@@ -24,7 +24,8 @@ from jax import lax
 import mxjax
 from mxjax import formats as F
 from mxjax import policies
-from mxjax.quantization import SR_UNSCALE, fake_quantize_parts
+from mxjax.quantization import fake_quantize_parts
+from mxjax.scaling import SR_UNSCALE
 
 dg = importlib.import_module("mxjax.gemm")
 dims_mod = importlib.import_module("mxjax.dimensions")

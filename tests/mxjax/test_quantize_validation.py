@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import mxjax
-from mxjax.quantization import max_scale_exponent
+from mxjax.scaling import max_scale_exponent
 from tests import reference as ref
 from tests.mxjax.test_quantize import _check, _unit
 

@@ -10,8 +10,9 @@ from jax import lax
 
 import mxjax
 from mxjax import formats as F
+from mxjax.elements import round_to_grid
 from mxjax.kernels import gemm_error_bound
-from mxjax.quantization import dequantize, round_to_grid
+from mxjax.quantization import dequantize
 
 # One compile per call signature instead of one per primitive (eager mode).
 quantize = jax.jit(mxjax.quantize, static_argnames=("fmt", "axis", "scale_rule", "rounding",
@@ -73,7 +74,7 @@ def assert_gemm_close(out, ref, lhs_q, rhs_q, contract_len: int, *, slack: float
 
 
 def round_to_grid_uses_lax_round() -> bool:
-    """Whether mxjax.quantization.round_to_grid still rounds with lax.round.
+    """Whether mxjax.elements.round_to_grid still rounds with lax.round.
 
     lax.round has no Pallas-Triton lowering (jax 0.12), so while it does, the
     fused quantize kernel cannot compile for GPU.
@@ -86,7 +87,7 @@ def round_to_grid_uses_lax_round() -> bool:
 # A strict xfail that disappears by itself once round_to_grid stops using lax.round.
 BLOCKED_BY_LAX_ROUND = pytest.mark.xfail(
     condition=round_to_grid_uses_lax_round(), strict=True, raises=NotImplementedError,
-    reason="mxjax.quantization.round_to_grid rounds with lax.round, which has no Pallas-Triton "
+    reason="mxjax.elements.round_to_grid rounds with lax.round, which has no Pallas-Triton "
            "lowering (jax 0.12); with floor-based rounding the fused kernel lowers")
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import mxjax
+from mxjax import OperandRecipe
 from mxjax import formats as F
 from mxjax.kernels import QuantSpec, fused_quantize
 from mxjax.kernels.pallas_quantize import _hadamard_tile, _pack_tile
@@ -35,10 +36,12 @@ RULE_ROUNDING_PAIRS = [
 
 
 def _reference(x, spec, axis, signs=None, key=None):
+    """mxjax.hadamard then mxjax.quantize's keyword form with the spec's recipe fields."""
     if spec.hadamard:
         x = hadamard(x, spec.hadamard, axis=axis, signs=signs)
-    return quantize(x, spec.fmt, axis=axis, scale_rule=spec.scale_rule,
-                          rounding=spec.rounding, key=key, sr_prescale=spec.sr_prescale)
+    r = spec.recipe
+    return quantize(x, r.fmt, axis=axis, scale_rule=r.scale_rule, rounding=r.rounding, key=key,
+                    sr_prescale=r.sr_prescale)
 
 
 def test_pairs_cover_every_rule_and_deterministic_rounding():
@@ -50,8 +53,10 @@ def test_pairs_cover_every_rule_and_deterministic_rounding():
 def test_every_scale_rule_and_deterministic_rounding(np_rng, row_rr, col_rr):
     # 40 x 72: padding to 64 x 96 tiles (32 x 32) and to the 32-block in both copies.
     x = jnp.asarray(hard_matrix(np_rng, (40, 72)))
-    row_spec = QuantSpec(scale_rule=row_rr[0], rounding=row_rr[1])
-    col_spec = QuantSpec(scale_rule=col_rr[0], rounding=col_rr[1])
+    row_spec = QuantSpec(recipe=OperandRecipe(fmt=F.MXFP4, scale_rule=row_rr[0],
+                                              rounding=row_rr[1]))
+    col_spec = QuantSpec(recipe=OperandRecipe(fmt=F.MXFP4, scale_rule=col_rr[0],
+                                              rounding=col_rr[1]))
     row, col = fused_quantize(x, row=row_spec, col=col_spec, block_rows=32, block_cols=32)
     assert_same_mx(row, _reference(x, row_spec, 1))
     assert_same_mx(col, _reference(x, col_spec, 0))
@@ -62,7 +67,7 @@ def test_hadamard_then_quantize(np_rng, h, dtype):
     # The paper's recipe: deterministic H16 (fixed signs), EVEN scales, RNE; both copies.
     x = jnp.asarray(hard_matrix(np_rng, (64, 96), specials=False), dtype)
     x = x.at[9, 17].set(jnp.nan)
-    spec = QuantSpec(scale_rule=F.ScaleRule.EVEN, hadamard=h)
+    spec = QuantSpec(recipe=OperandRecipe(fmt=F.MXFP4, scale_rule=F.ScaleRule.EVEN), hadamard=h)
     signs_r, signs_c = mxjax.fixed_signs(1, h), mxjax.fixed_signs(2, h)
     row, col = fused_quantize(x, row=spec, col=spec, row_signs=signs_r, col_signs=signs_c,
                               block_rows=32, block_cols=64)
@@ -81,8 +86,9 @@ def test_hadamard_padding_stays_positive_zero(np_rng):
 
 def test_different_specs_per_copy(np_rng):
     x = jnp.asarray(hard_matrix(np_rng, (64, 96), specials=False), jnp.bfloat16)
-    row_spec = QuantSpec(scale_rule="rceil", rounding="nearest_away")
-    col_spec = QuantSpec(fmt=F.MXFP8_E4M3, scale_rule="ceil", hadamard=32)
+    row_spec = QuantSpec(recipe=OperandRecipe(fmt=F.MXFP4, scale_rule="rceil",
+                                              rounding="nearest_away"))
+    col_spec = QuantSpec(recipe=OperandRecipe(fmt=F.MXFP8_E4M3, scale_rule="ceil"), hadamard=32)
     row, col = fused_quantize(x, row=row_spec, col=col_spec)
     assert_same_mx(row, _reference(x, row_spec, 1))
     assert_same_mx(col, _reference(x, col_spec, 0))
@@ -91,7 +97,7 @@ def test_different_specs_per_copy(np_rng):
 @pytest.mark.parametrize("fmt", [F.MXFP8_E4M3, F.MXFP8_E5M2])
 def test_mxfp8_row_copy(np_rng, fmt):
     x = jnp.asarray(hard_matrix(np_rng, (40, 72)))
-    spec = QuantSpec(fmt=fmt, scale_rule=F.ScaleRule.EVEN)
+    spec = QuantSpec(recipe=OperandRecipe(fmt=fmt, scale_rule=F.ScaleRule.EVEN))
     row, col = fused_quantize(x, row=spec)
     assert col is None
     assert_same_mx(row, _reference(x, spec, 1))
@@ -99,7 +105,8 @@ def test_mxfp8_row_copy(np_rng, fmt):
 
 def test_stochastic_rounding_matches_reference_bits(np_rng):
     x = jnp.asarray(hard_matrix(np_rng, (64, 96)))
-    spec = QuantSpec(rounding=F.Rounding.STOCHASTIC, sr_prescale=True, hadamard=16)
+    spec = QuantSpec(recipe=OperandRecipe(fmt=F.MXFP4, rounding=F.Rounding.STOCHASTIC,
+                                          sr_prescale=True), hadamard=16)
     k_row, k_col = jax.random.split(jax.random.key(7))
     row, col = fused_quantize(x, row=spec, col=spec, row_key=k_row, col_key=k_col,
                               block_rows=32, block_cols=32)
@@ -112,7 +119,7 @@ def test_stochastic_rounding_matches_reference_bits(np_rng):
 
 def test_inside_jit_and_default_tiles(np_rng):
     x = jnp.asarray(hard_matrix(np_rng, (130, 200)))
-    spec = QuantSpec(scale_rule="even")
+    spec = QuantSpec(recipe=OperandRecipe(fmt=F.MXFP4, scale_rule="even"))
     row, col = jax.jit(lambda v: fused_quantize(v, row=spec, col=spec))(x)
     assert_same_mx(row, _reference(x, spec, 1))
     assert_same_mx(col, _reference(x, spec, 0))
@@ -141,13 +148,14 @@ def test_pack_tile_layout():
 def test_errors(np_rng):
     x = jnp.ones((32, 32))
     with pytest.raises(ValueError, match="fmt"):
-        QuantSpec(fmt=F.NVFP4)
+        QuantSpec(recipe=F.NVFP4)
     with pytest.raises(ValueError, match="hadamard"):
         QuantSpec(hadamard=8)
     with pytest.raises(ValueError, match="at least one copy"):
         fused_quantize(x)
     with pytest.raises(ValueError, match="row_key"):
-        fused_quantize(x, row=QuantSpec(rounding="stochastic"))
+        fused_quantize(x, row=QuantSpec(recipe=OperandRecipe(fmt=F.MXFP4,
+                                                             rounding="stochastic")))
     with pytest.raises(ValueError, match="row_signs"):
         fused_quantize(x, row=QuantSpec(), row_signs=jnp.ones(16))
     with pytest.raises(ValueError, match="not a multiple of col.hadamard"):
@@ -156,3 +164,5 @@ def test_errors(np_rng):
         fused_quantize(jnp.ones(32), row=QuantSpec())
     with pytest.raises(TypeError, match="QuantSpec"):
         fused_quantize(x, row="mxfp4")
+    with pytest.raises(TypeError, match="recipe: expected an OperandRecipe"):
+        QuantSpec(recipe=3)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import mxjax
+from mxjax import OperandRecipe
 from mxjax import formats as F
 from mxjax.kernels import QuantSpec, capabilities, fused_quantize, mx_dot
 from tests.mxjax.kernels._kernel_testutil import (
@@ -49,7 +50,7 @@ def test_capabilities_on_gpu():
 @pytest.mark.parametrize("h", [None, 16, 32])
 def test_fused_quantize_bit_exact(np_rng, h):
     x = jnp.asarray(hard_matrix(np_rng, (1024, 2048)), jnp.bfloat16)
-    spec = QuantSpec(scale_rule="even", hadamard=h)
+    spec = QuantSpec(recipe=OperandRecipe(fmt=F.MXFP4, scale_rule="even"), hadamard=h)
     signs = mxjax.fixed_signs(0, h) if h else None
     row, col = jax.jit(lambda v: fused_quantize(v, row=spec, col=spec, row_signs=signs,
                                                 col_signs=signs))(x)
@@ -62,7 +63,7 @@ def test_fused_quantize_bit_exact(np_rng, h):
 @BLOCKED_BY_LAX_ROUND
 def test_fused_quantize_stochastic(np_rng):
     x = jnp.asarray(hard_matrix(np_rng, (512, 1024)))
-    spec = QuantSpec(rounding="stochastic")
+    spec = QuantSpec(recipe=OperandRecipe(fmt=F.MXFP4, rounding="stochastic"))
     k = jax.random.key(3)
     row, _ = fused_quantize(x, row=spec, row_key=k)
     assert_same_mx(row, quantize(x, F.MXFP4, axis=1, rounding="stochastic", key=k))

@@ -56,7 +56,7 @@ def test_gemm_kernels_lower_to_triton_for_h200(kernel, m, n, k):
 @BLOCKED_BY_LAX_ROUND
 @pytest.mark.parametrize("specs", [
     {"row": QuantSpec(hadamard=16), "col": QuantSpec(hadamard=16)},
-    {"row": QuantSpec(fmt="mxfp8_e4m3")},
+    {"row": QuantSpec(recipe="mxfp8_e4m3")},
 ])
 def test_fused_quantize_lowers_to_triton_for_h200(specs):
     text = _lower_for_h200(lambda x: fused_quantize(x, interpret=False, **specs),
