@@ -46,6 +46,7 @@ __all__ = [
     "gemm",
     "operand_range",
     "quantizer_operands",
+    "rotation_signs",
     "split_key",
 ]
 
@@ -132,17 +133,25 @@ def _rotate(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, k_had):
     if pad:
         widths = [(0, 0)] * (a3.ndim - 1) + [(0, pad)]
         a3, b3 = jnp.pad(a3, widths), jnp.pad(b3, widths)
-    if had.randomized:
-        signs = random_signs(k_had, h)
-    elif had.seed is not None:
-        signs = fixed_signs(had.seed, h)
-    else:
-        signs = None
+    signs = rotation_signs(had, k_had)
     # On CPU the barrier keeps XLA from fusing the butterflies into the
     # quantizer's block reductions, which recomputes them (measured 4x slower).
     # One barrier per operand, so neither operand's program depends on the other.
     return (cpu_barrier(hadamard(a3, h, axis=-1, signs=signs)),
             cpu_barrier(hadamard(b3, h, axis=-1, signs=signs)))
+
+
+def rotation_signs(had, k_had):
+    """The ±1 f32[h] sign vector a GEMM's Hadamard uses, or None (plain H).
+
+    Randomized: drawn from ``k_had`` (the GEMM key's third split); a fixed seed:
+    ``mxjax.rotation.fixed_signs``; otherwise None.
+    """
+    if had.randomized:
+        return random_signs(k_had, had.block_size)
+    if had.seed is not None:
+        return fixed_signs(had.seed, had.block_size)
+    return None
 
 
 def split_key(key):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import operator
 from collections.abc import Callable
@@ -45,19 +46,18 @@ from jax.interpreters.ad import JVPTracer
 
 from mxjax.dimensions import Dims, backward_dimension_numbers, normalize_dimension_numbers
 from mxjax.gemm import gemm, split_key
+from mxjax.gemm_record import GemmRecord
 from mxjax.quantization import FLOAT_DTYPES
 from mxjax.recipes import GemmRecipe, PolicyRecipes, check_policy_recipes
 
-__all__ = ["dot_general", "observe"]
+__all__ = ["DotGeneralCall", "GemmRecord", "dot_general", "observe"]
 
 
 # --------------------------------------------------------------------------- #
 # The observer hook
 # --------------------------------------------------------------------------- #
-# hook(call, lhs, rhs, key, dims, policy) -> call(lhs, rhs, key). `call` is the
-# quantized dot_general with its custom VJP (it closes over static values only);
-# `dims` are the normalized dimension numbers, `key` the call's key (None when
-# the policy needs none). Context-local: set only inside `observe`.
+# hook(call: DotGeneralCall) -> call(call.lhs, call.rhs, call.key, on_gemm=...).
+# Context-local: set only inside `observe`.
 _HOOK: contextvars.ContextVar[Callable[..., jax.Array] | None] = contextvars.ContextVar(
     "mxjax_interceptor_hook", default=None)
 
@@ -67,11 +67,17 @@ def observe(hook: Callable[..., jax.Array]):
     """Routes every quantized ``dot_general`` traced inside the block through `hook`.
 
     The one extension point of the interceptor (``mxjax.diagnostics`` uses it to
-    collect GEMM statistics). Once per quantized call, at trace time, the
-    interceptor calls ``hook(call, lhs, rhs, key, dims, policy)`` instead of
-    ``call(lhs, rhs, key)``; the hook must return that value (it may wrap
-    ``call`` in its own custom VJP to see the cotangent). Pass-through policies
-    never reach it. Outside the block nothing is added to the traced program.
+    collect GEMM statistics, the study's probe to capture GEMMs). Once per
+    quantized call, at trace time, the interceptor calls ``hook(call)`` instead
+    of running the call; ``call`` is a :class:`DotGeneralCall` (``call.lhs``,
+    ``call.rhs``, ``call.key``, ``call.dims``, ``call.policy``). The hook must
+    return ``call(call.lhs, call.rhs, call.key, on_gemm=...)``: it may wrap that
+    in its own custom VJP (passing the arrays through, to see the cotangent), and
+    ``on_gemm(record)`` receives a :class:`mxjax.gemm_record.GemmRecord` for each
+    of the call's three GEMMs as it runs: fprop in the forward pass, then dgrad
+    and wgrad, in that order, in the backward pass.
+    Pass-through policies never reach the hook. Outside the block nothing is
+    added to the traced program.
     """
     if not callable(hook):
         raise TypeError(f"hook: expected a callable, got {hook!r}")
@@ -92,9 +98,11 @@ class _Static(NamedTuple):
     policy: PolicyRecipes
     out_sharding: Any = None  # of the forward result, as for lax.dot_general
     # Quantized GEMMs inside the custom_vjp get the straight-through rule for higher
-    # derivatives. Off while mxjax.diagnostics collects (first-order only): a custom_jvp
-    # traces its body apart, where the GEMM's recorded stats could not get out.
+    # derivatives. Off while an observer watches (first-order only): a custom_jvp
+    # traces its body apart, where the GEMM's records could not get out.
     straight_through: bool = True
+    # An observer's on_gemm(GemmRecord), called as each of the three GEMMs runs.
+    on_gemm: Callable[[GemmRecord], None] | None = None
 
 
 class _GemmSpec(NamedTuple):
@@ -149,11 +157,22 @@ def _differentiable_gemm(a, b, key, spec: _GemmSpec, straight_through: bool = Tr
     return _ste_gemm(a, b, key if spec.recipe.needs_key else None, spec)
 
 
+def _observed(st: _Static, spec: _GemmSpec, a, b, key, out, perm) -> None:
+    """Hands one GEMM's record to the observer's on_gemm (nothing without one)."""
+    if st.on_gemm is None:
+        return
+    st.on_gemm(GemmRecord(name=spec.gemm_name, recipe=spec.recipe, lhs=a, rhs=b, dims=spec.dims,
+                          call_dims=st.dims, out_perm=perm, key=key, out=out,
+                          precision=spec.precision,
+                          preferred_element_type=spec.preferred_element_type))
+
+
 def _fprop(lhs, rhs, key, st: _Static):
     kf, _, _ = split_key(key)
     spec = _GemmSpec(st.dims, st.policy.fprop, st.precision, st.preferred_element_type,
                      "fprop")
     out = _differentiable_gemm(lhs, rhs, kf, spec, st.straight_through)
+    _observed(st, spec, lhs, rhs, kf, out, tuple(range(out.ndim)))
     if st.out_sharding is not None:
         out = jax.sharding.reshard(out, st.out_sharding)
     return out
@@ -175,14 +194,45 @@ def _policy_dot_bwd(st: _Static, res, g):
     pet = st.preferred_element_type
     dspec = _GemmSpec(d_dims, st.policy.dgrad, st.precision, pet, "dgrad")
     dlhs = _differentiable_gemm(g, rhs, kd, dspec, st.straight_through)
+    _observed(st, dspec, g, rhs, kd, dlhs, d_perm)
     dlhs = jnp.transpose(dlhs, d_perm).astype(lhs.dtype)
     wspec = _GemmSpec(w_dims, st.policy.wgrad, st.precision, pet, "wgrad")
     drhs = _differentiable_gemm(g, lhs, kw, wspec, st.straight_through)
+    _observed(st, wspec, g, lhs, kw, drhs, w_perm)
     drhs = jnp.transpose(drhs, w_perm).astype(rhs.dtype)
     return dlhs, drhs, None
 
 
 _policy_dot.defvjp(_policy_dot_fwd, _policy_dot_bwd)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class DotGeneralCall:
+    """One intercepted quantized ``dot_general`` call, as an observer's hook gets it.
+
+    Attributes:
+      lhs, rhs: the call's operands (float arrays, any rank).
+      key: the call's PRNG key, or None when the policy needs none.
+      dims: the normalized dimension numbers (``mxjax.dimensions.Dims``).
+      policy: the policy (its ``fprop``, ``dgrad``, ``wgrad`` GemmRecipes).
+
+    ``call(lhs, rhs, key, on_gemm=None)`` runs it: the quantized dot_general with
+    its custom VJP, closed over static values only (so a hook may put it under
+    its own custom VJP, passing the arrays through); ``on_gemm(record)`` gets a
+    :class:`~mxjax.gemm_record.GemmRecord` per GEMM as it runs.
+    """
+
+    lhs: jax.Array
+    rhs: jax.Array
+    key: jax.Array | None
+    dims: Dims
+    policy: PolicyRecipes
+    static: _Static = dataclasses.field(repr=False)  # the custom_vjp's static arguments
+
+    def __call__(self, lhs, rhs, key, *, on_gemm: Callable[[GemmRecord], None] | None = None):
+        if on_gemm is not None and not callable(on_gemm):
+            raise TypeError(f"on_gemm: expected a callable or None, got {on_gemm!r}")
+        return _policy_dot(lhs, rhs, key, self.static._replace(on_gemm=on_gemm))
 
 
 def _check_operand(x: Any, name: str) -> jax.Array:
@@ -267,8 +317,9 @@ def dot_general(
     hook = _HOOK.get()  # None unless an observer (mxjax.diagnostics) is active
     try:
         if hook is not None:
-            st = st._replace(straight_through=False)
-            out = hook(lambda a, b, k: _policy_dot(a, b, k, st), lhs, rhs, key, dims, policy)
+            call = DotGeneralCall(lhs=lhs, rhs=rhs, key=key, dims=dims, policy=policy,
+                                  static=st._replace(straight_through=False))
+            out = hook(call)
         else:
             out = _policy_dot(lhs, rhs, key, st)
     except TypeError as e:  # JAX's own message, raised here when jvp runs eagerly
