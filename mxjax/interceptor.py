@@ -40,12 +40,13 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jax.interpreters.ad import JVPTracer
 
 from mxjax.dimensions import Dims, backward_dimension_numbers, normalize_dimension_numbers
-from mxjax.gemm import gemm, split_key
+from mxjax.gemm import gemm, has_explicit_axes, split_key
 from mxjax.gemm_record import GemmRecord
 from mxjax.quantization import FLOAT_DTYPES
 from mxjax.recipes import GemmRecipe, PolicyRecipes, check_policy_recipes
@@ -113,6 +114,7 @@ class _GemmSpec(NamedTuple):
     precision: Any
     preferred_element_type: Any
     gemm_name: str
+    out_sharding: Any = None  # as lax.dot_general's (set under a mesh with explicit axes)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
@@ -127,7 +129,8 @@ def _ste_gemm(a, b, key, spec: _GemmSpec):
     products) a defined meaning where rounding's own derivative is zero.
     """
     return gemm(a, b, spec.dims, spec.recipe, key, precision=spec.precision,
-                preferred_element_type=spec.preferred_element_type, gemm_name=spec.gemm_name)
+                preferred_element_type=spec.preferred_element_type, gemm_name=spec.gemm_name,
+                out_sharding=spec.out_sharding)
 
 
 @functools.partial(_ste_gemm.defjvp, symbolic_zeros=True)
@@ -136,6 +139,8 @@ def _ste_gemm_jvp(spec: _GemmSpec, primals, tangents):
     ta, tb, _ = tangents
     out = _ste_gemm(a, b, key, spec)
     kw = {"precision": spec.precision, "preferred_element_type": spec.preferred_element_type}
+    if spec.out_sharding is not None:
+        kw["out_sharding"] = spec.out_sharding
     dims = spec.dims.as_lax()
     parts = []
     if type(ta) is not SymbolicZero:
@@ -153,7 +158,7 @@ def _differentiable_gemm(a, b, key, spec: _GemmSpec, straight_through: bool = Tr
     if spec.recipe.is_passthrough or not straight_through:
         return gemm(a, b, spec.dims, spec.recipe, key, precision=spec.precision,
                     preferred_element_type=spec.preferred_element_type,
-                    gemm_name=spec.gemm_name)
+                    gemm_name=spec.gemm_name, out_sharding=spec.out_sharding)
     return _ste_gemm(a, b, key if spec.recipe.needs_key else None, spec)
 
 
@@ -169,13 +174,29 @@ def _observed(st: _Static, spec: _GemmSpec, a, b, key, out, perm) -> None:
 
 def _fprop(lhs, rhs, key, st: _Static):
     kf, _, _ = split_key(key)
+    # Under a mesh with explicit axes the GEMM itself takes the result's sharding
+    # (lax.dot_general's semantics); otherwise the result is resharded afterwards.
+    explicit = has_explicit_axes(lhs, rhs)
     spec = _GemmSpec(st.dims, st.policy.fprop, st.precision, st.preferred_element_type,
-                     "fprop")
+                     "fprop", st.out_sharding if explicit else None)
     out = _differentiable_gemm(lhs, rhs, kf, spec, st.straight_through)
     _observed(st, spec, lhs, rhs, kf, out, tuple(range(out.ndim)))
-    if st.out_sharding is not None:
+    if st.out_sharding is not None and not explicit:
         out = jax.sharding.reshard(out, st.out_sharding)
     return out
+
+
+def _cotangent_sharding(primal: jax.Array, perm: tuple[int, ...]):
+    """A backward GEMM's out_sharding, as JAX's transpose rule for dot_general gives it:
+    the primal's sharding in the GEMM's output layout (the cotangent is the output
+    transposed by `perm`). None unless the primal's mesh has explicit axes."""
+    if not has_explicit_axes(primal):
+        return None
+    sharding = jax.typeof(primal).sharding
+    spec = tuple(sharding.spec) + (None,) * (primal.ndim - len(sharding.spec))
+    inverse = np.argsort(np.asarray(perm, dtype=int))
+    return sharding.update(spec=sharding.spec.update(
+        partitions=tuple(spec[int(i)] for i in inverse)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -192,11 +213,13 @@ def _policy_dot_bwd(st: _Static, res, g):
     _, kd, kw = split_key(key)
     (d_dims, d_perm), (w_dims, w_perm) = backward_dimension_numbers(st.dims, lhs.ndim, rhs.ndim)
     pet = st.preferred_element_type
-    dspec = _GemmSpec(d_dims, st.policy.dgrad, st.precision, pet, "dgrad")
+    dspec = _GemmSpec(d_dims, st.policy.dgrad, st.precision, pet, "dgrad",
+                      _cotangent_sharding(lhs, d_perm))
     dlhs = _differentiable_gemm(g, rhs, kd, dspec, st.straight_through)
     _observed(st, dspec, g, rhs, kd, dlhs, d_perm)
     dlhs = jnp.transpose(dlhs, d_perm).astype(lhs.dtype)
-    wspec = _GemmSpec(w_dims, st.policy.wgrad, st.precision, pet, "wgrad")
+    wspec = _GemmSpec(w_dims, st.policy.wgrad, st.precision, pet, "wgrad",
+                      _cotangent_sharding(rhs, w_perm))
     drhs = _differentiable_gemm(g, lhs, kw, wspec, st.straight_through)
     _observed(st, wspec, g, lhs, kw, drhs, w_perm)
     drhs = jnp.transpose(drhs, w_perm).astype(rhs.dtype)
@@ -271,9 +294,13 @@ def dot_general(
         name and resolves it before calling this).
       key: PRNG key; required when ``policy.needs_key``. Split per GEMM.
       **kwargs: ``out_sharding`` (the only sharding argument ``lax.dot_general``
-        takes in jax 0.11.2 and 0.12) is kept: forwarded to ``lax.dot_general``
-        by pass-through GEMMs, applied to the result with
-        ``jax.sharding.reshard`` by quantized ones. Others are ignored.
+        takes in jax 0.11.2 and 0.12) is kept, with ``lax.dot_general``'s
+        semantics: forwarded to it by pass-through GEMMs; quantized GEMMs under a
+        mesh with explicit axes (``jax.set_mesh``) give the result the sharding
+        ``lax.dot_general`` would (and raise its error where that is ambiguous),
+        and the backward GEMMs give each cotangent its primal's sharding, as
+        JAX's transpose rule does; without explicit axes the result is resharded
+        with ``jax.sharding.reshard``. Others are ignored.
     Returns:
       Array with ``lax.dot_general``'s shape and dtype. Its cotangents have the
       primals' dtypes.
