@@ -16,7 +16,9 @@ Per-layer tensors are stacked along the model's leading ``layers`` axis.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Mapping
@@ -30,7 +32,21 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from models import sharding as shd
-from models.llama import Llama, LlamaConfig, RopeScaling
+from models.hf_config import (
+    CONFIG_FILE,
+    config_from_hf,
+    config_to_hf,
+    read_hf_config,
+    read_json_object,
+)
+from models.hf_files import (
+    check_resolves_inside,
+    check_shard_name,
+    discard,
+    resolve_checkpoint_dir,
+    write_staged,
+)
+from models.llama import Llama, LlamaConfig
 
 __all__ = [
     "HFLayout",
@@ -45,7 +61,6 @@ __all__ = [
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-CONFIG_FILE = "config.json"
 
 # (HF name template, model param path, transpose)
 _LAYER_TENSORS = (
@@ -89,63 +104,6 @@ class HFLayout:
         return self.index_metadata is not None
 
 
-# --------------------------------------------------------------------------- config
-
-
-def _read_json_object(p: str) -> dict:
-    """A JSON file that must hold an object; every failure names the file."""
-    try:
-        with open(p, encoding="utf-8") as f:
-            obj = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{p} is not valid JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{p} must hold a JSON object, got a {type(obj).__name__}")  # noqa: TRY004
-    return obj
-
-
-def read_hf_config(path: str) -> dict:
-    """The ``config.json`` dict of a checkpoint directory (or a config.json path).
-
-    Raises FileNotFoundError when it is absent and ValueError (naming the file)
-    when it is not valid JSON or not a JSON object.
-    """
-    p = os.path.join(path, CONFIG_FILE) if os.path.isdir(path) else path
-    if not os.path.exists(p):
-        raise FileNotFoundError(f"no {CONFIG_FILE} at {p}")
-    return _read_json_object(p)
-
-
-def _check_shard_name(directory: str, name: Any, source: str) -> str:
-    """``name`` if it is a plain ``*.safetensors`` file name that stays inside ``directory``.
-
-    Shard names come from ``model.safetensors.index.json`` (or a layout built
-    from one), so they are untrusted: an absolute path, ``..``, a path
-    separator or a symlink resolving outside ``directory`` would let a
-    checkpoint read or overwrite files elsewhere. ``source`` names where the
-    name came from, for the error.
-    """
-    plain = (isinstance(name, str) and name not in ("", ".", "..")
-             and "/" not in name and "\\" not in name and os.sep not in name
-             and (os.altsep is None or os.altsep not in name) and "\0" not in name
-             and not os.path.isabs(name) and name.endswith(".safetensors"))
-    if not plain:
-        raise ValueError(f"{source} names shard file {name!r}: shard names must be plain "
-                         "'*.safetensors' file names inside the checkpoint directory (no "
-                         "absolute paths, '..' or path separators)")
-    _check_resolves_inside(directory, name, f"{source} names shard file {name!r}, which")
-    return name
-
-
-def _check_resolves_inside(directory: str, name: str, what: str) -> None:
-    """Refuse ``directory/name`` when it (through symlinks) lands outside ``directory``."""
-    root = os.path.realpath(directory)
-    target = os.path.realpath(os.path.join(directory, name))
-    if os.path.dirname(target) != root:
-        raise ValueError(f"{what} resolves to {target}, outside the checkpoint directory "
-                         f"{root} (a symlink?)")
-
-
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
@@ -155,109 +113,6 @@ def _check_float_tensor(name: str, dtype: Any, where: str) -> None:
     if dname not in _FLOAT_DTYPES:
         raise ValueError(f"tensor {name!r} in {where} has dtype {dname}; Llama weights must be "
                          f"one of {', '.join(_FLOAT_DTYPES)}")
-
-
-def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
-    params = hf.get("rope_parameters")
-    if params is None:  # transformers v4 style
-        params = dict(hf.get("rope_scaling") or {})
-        if "rope_theta" in hf:
-            params.setdefault("rope_theta", hf["rope_theta"])
-    params = dict(params)
-    theta = float(params.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type in (None, "default"):
-        return theta, None
-    if rope_type != "llama3":
-        raise ValueError(f"unsupported rope type {rope_type!r} in config.json (only 'llama3' "
-                         "and 'default' are Llama 3.x)")
-    try:
-        scaling = RopeScaling(
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-        )
-    except KeyError as e:
-        raise ValueError(f"llama3 rope scaling in config.json lacks {e.args[0]!r}") from None
-    return theta, scaling
-
-
-def config_from_hf(hf: Mapping[str, Any] | str, **overrides) -> LlamaConfig:
-    """LlamaConfig from an HF ``config.json`` dict or checkpoint path.
-
-    ``overrides`` (e.g. ``dtype='bfloat16'``, ``scan_layers=False``) replace
-    fields. Raises ValueError for a non-Llama config or features this model
-    does not have (biases, another activation, another RoPE type).
-    """
-    if isinstance(hf, str):
-        hf = read_hf_config(hf)
-    mt = hf.get("model_type")
-    if mt != "llama":
-        raise ValueError(f"config.json model_type is {mt!r}, expected 'llama'")
-    archs = hf.get("architectures") or ["LlamaForCausalLM"]
-    if "LlamaForCausalLM" not in archs:
-        raise ValueError(f"config.json architectures {archs} do not include LlamaForCausalLM")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json hidden_act {hf['hidden_act']!r} is not 'silu'")
-    for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag, False):
-            raise ValueError(f"config.json sets {flag}=true; Llama 3.x has no biases")
-    theta, scaling = _rope_from_hf(hf)
-    try:
-        n_heads = int(hf["num_attention_heads"])
-        kw: dict[str, Any] = {
-            "vocab_size": int(hf["vocab_size"]),
-            "dim": int(hf["hidden_size"]),
-            "n_layers": int(hf["num_hidden_layers"]),
-            "n_heads": n_heads,
-            "n_kv_heads": int(hf.get("num_key_value_heads") or n_heads),
-            "ffn_dim": int(hf["intermediate_size"]),
-            "head_dim": int(hf["head_dim"]) if hf.get("head_dim") else None,
-            "max_seq_len": int(hf.get("max_position_embeddings", 8192)),
-            "rope_theta": theta,
-            "rope_scaling": scaling,
-            "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        }
-    except KeyError as e:
-        raise ValueError(f"config.json lacks required field {e.args[0]!r}") from None
-    kw.update(overrides)
-    return LlamaConfig(**kw)
-
-
-def config_to_hf(config: LlamaConfig, *, torch_dtype: str = "float32") -> dict:
-    """An HF ``config.json`` dict (transformers v4 style, as Meta's checkpoints ship)."""
-    c = config
-    rope_scaling = None
-    if c.rope_scaling is not None:
-        rope_scaling = {
-            "rope_type": "llama3",
-            "factor": c.rope_scaling.factor,
-            "low_freq_factor": c.rope_scaling.low_freq_factor,
-            "high_freq_factor": c.rope_scaling.high_freq_factor,
-            "original_max_position_embeddings": c.rope_scaling.original_max_position_embeddings,
-        }
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.dim,
-        "intermediate_size": c.ffn_dim,
-        "num_hidden_layers": c.n_layers,
-        "num_attention_heads": c.n_heads,
-        "num_key_value_heads": c.n_kv_heads,
-        "head_dim": c.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": c.max_seq_len,
-        "rms_norm_eps": c.norm_eps,
-        "rope_theta": c.rope_theta,
-        "rope_scaling": rope_scaling,
-        "tie_word_embeddings": c.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": torch_dtype,
-    }
 
 
 # --------------------------------------------------------------------------- mapping
@@ -301,8 +156,13 @@ class _Reader:
         self.path = path
         index = os.path.join(path, INDEX_FILE)
         single = os.path.join(path, SINGLE_FILE)
+        if os.path.exists(index) and os.path.exists(single):
+            # Which one is current cannot be told (transformers reads the single
+            # file, an index-first reader the shards): refuse rather than guess.
+            raise ValueError(f"{path} holds both {SINGLE_FILE} and {INDEX_FILE}, two "
+                             "checkpoints of which one is stale; remove the stale one")
         if os.path.exists(index):
-            idx = _read_json_object(index)
+            idx = read_json_object(index)
             wm = idx.get("weight_map")
             if wm is None:
                 raise ValueError(f"{index} has no 'weight_map'")
@@ -312,7 +172,7 @@ class _Reader:
             if not isinstance(meta, dict):
                 raise ValueError(f"{index}: 'metadata' must be a JSON object")
             for fn in wm.values():
-                _check_shard_name(path, fn, index)
+                check_shard_name(path, fn, index, reading=True)
             self.weight_map = dict(wm)
             self.index_metadata = dict(meta)
         elif os.path.exists(single):
@@ -325,7 +185,8 @@ class _Reader:
         self.file_metadata = {}
         name_to_file = {}
         for fn in files:
-            _check_shard_name(path, fn, index if self.weight_map is not None else path)
+            check_shard_name(path, fn, index if self.weight_map is not None else path,
+                             reading=True)
             fp = os.path.join(path, fn)
             if not os.path.exists(fp):
                 raise FileNotFoundError(f"shard {fn} listed in {INDEX_FILE} is missing from {path}")
@@ -370,9 +231,12 @@ def load_hf_weights(model: Llama, path: str, *, mesh=None,
 
     Checks every tensor's presence and shape; raises KeyError naming a missing
     tensor, ValueError for a shape mismatch or an unexpected tensor. With a
-    ``mesh``, parameters are placed sharded per ``rules``.
+    ``mesh``, parameters are placed sharded per ``rules``. ``path`` may start
+    with ``~`` and may be a hub cache snapshot or repository directory (see
+    :func:`models.hf_files.resolve_checkpoint_dir`).
     """
     cfg = model.config
+    path = resolve_checkpoint_dir(path)
     reader = _Reader(path)
     state = nnx.state(model, nnx.Param)
     specs = shd.param_partition_specs(model, mesh, rules) if mesh is not None else None
@@ -421,11 +285,15 @@ def load_hf(path: str, *, mesh=None, rules: shd.Rules = shd.DEFAULT_RULES,
             **config_overrides) -> tuple[Llama, HFLayout]:
     """Build a :class:`Llama` from an HF checkpoint directory.
 
-    ``config_overrides`` go to :func:`config_from_hf` (e.g. ``dtype='bfloat16'``).
-    Parameters are allocated only once, from the checkpoint (the model is built
-    abstractly first). Returns ``(model, layout)``.
+    ``path``: a checkpoint directory (``~`` expanded), or a Hugging Face hub
+    cache snapshot (``.../models--org--name/snapshots/<rev>``, whose files
+    link into ``../../blobs/``) or repository directory (``refs/main``'s
+    snapshot). ``config_overrides`` go to :func:`config_from_hf` (e.g.
+    ``dtype='bfloat16'``). Parameters are allocated only once, from the
+    checkpoint (the model is built abstractly first). Returns ``(model, layout)``.
     """
-    cfg = config_from_hf(read_hf_config(path), **config_overrides)
+    path = resolve_checkpoint_dir(path)
+    cfg = config_from_hf(path, **config_overrides)
     model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
     layout = load_hf_weights(model, path, mesh=mesh, rules=rules)
     return model, layout
@@ -448,7 +316,16 @@ def export_hf(model: Llama, out_dir: str, *, layout: HFLayout | None = None,
     assignment, dtypes, index/file metadata and config.json. Otherwise tensors
     are written in ``dtype`` (default: the param dtype), sharded into files of
     at most ``max_shard_bytes`` (one ``model.safetensors`` when it all fits).
+
+    A checkpoint already in ``out_dir`` is replaced, not mixed with: its
+    ``model.safetensors`` / index go first, then config.json and the new
+    weights are written (each file to a temporary name, then renamed), the
+    index (or the single file) last, and the old index's shards the new
+    checkpoint does not use are removed. An interrupted export therefore
+    leaves a directory :func:`load_hf` refuses, never one it reads stale or
+    mixed weights from. An OSError (disk full, read-only) names the file.
     """
+    out_dir = os.path.expanduser(os.fspath(out_dir))
     cfg = model.config
     names = hf_tensor_names(cfg)
     if layout is not None:
@@ -461,7 +338,8 @@ def export_hf(model: Llama, out_dir: str, *, layout: HFLayout | None = None,
         for name in names:
             _check_float_tensor(name, layout.dtypes[name], "the layout's dtypes")
         for fn in layout.weight_map.values():
-            _check_shard_name(out_dir, fn, "the layout's weight_map")
+            check_shard_name(out_dir, fn, "the layout's weight_map")
+    old_shards = _existing_shards(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     state = nnx.state(model, nnx.Param)
     tensors: dict[str, np.ndarray] = {}
@@ -500,24 +378,67 @@ def export_hf(model: Llama, out_dir: str, *, layout: HFLayout | None = None,
         file_meta = {fn: {"format": "pt"} for fn in set(weight_map.values())}
         hf_config = config_to_hf(cfg, torch_dtype=dtype or cfg.param_dtype.name)
 
-    written = []
     by_file: dict[str, dict[str, np.ndarray]] = {}
     for n, fn in weight_map.items():
         by_file.setdefault(fn, {})[n] = tensors[n]
     for fn in (*by_file, *((INDEX_FILE,) if sharded else ()), CONFIG_FILE):
-        _check_resolves_inside(out_dir, fn, f"export target {fn!r}")
-    for fn, group in sorted(by_file.items()):
-        p = os.path.join(out_dir, fn)
-        save_file(group, p, metadata=file_meta.get(fn))
-        written.append(p)
+        check_resolves_inside(out_dir, fn, f"export target {fn!r}")
+    # Every new file is staged under a temporary name first: a failed write (disk
+    # full) leaves the old checkpoint as it was.
+    to_write = [(CONFIG_FILE, functools.partial(_dump_json, hf_config))]
+    to_write += [(fn, functools.partial(_save_safetensors, group, file_meta.get(fn)))
+              for fn, group in sorted(by_file.items())]
     if sharded:
-        p = os.path.join(out_dir, INDEX_FILE)
-        with open(p, "w") as f:
-            json.dump({"metadata": index_meta, "weight_map": dict(sorted(weight_map.items()))},
-                      f, indent=2)
-        written.append(p)
-    p = os.path.join(out_dir, CONFIG_FILE)
-    with open(p, "w") as f:
-        json.dump(hf_config, f, indent=2)
-    written.append(p)
+        index = {"metadata": index_meta, "weight_map": dict(sorted(weight_map.items()))}
+        to_write.append((INDEX_FILE, functools.partial(_dump_json, index)))
+    staged: list[str] = []
+    try:
+        for fn, write in to_write:
+            staged.append(write_staged(os.path.join(out_dir, fn), write))
+    except BaseException:
+        discard(staged)
+        raise
+    # Commit: the old checkpoint stops being loadable, then the new one's files
+    # land with its index (or single file) last.
+    for marker in (INDEX_FILE, SINGLE_FILE):
+        if os.path.lexists(os.path.join(out_dir, marker)):
+            os.remove(os.path.join(out_dir, marker))
+    written = []
+    for (fn, _), tmp in zip(to_write, staged, strict=True):
+        os.replace(tmp, os.path.join(out_dir, fn))
+        written.append(os.path.join(out_dir, fn))
+    for fn in sorted(old_shards - set(by_file)):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out_dir, fn))
     return written
+
+
+def _existing_shards(out_dir: str) -> set[str]:
+    """Shard files the index already in ``out_dir`` lists (validated names), for removal.
+
+    An index that cannot be read is refused rather than half replaced.
+    """
+    index = os.path.join(out_dir, INDEX_FILE)
+    if not os.path.isfile(index):
+        return set()
+    what = (f"export_hf would replace the checkpoint in {out_dir}, but its {INDEX_FILE} "
+            "cannot be read ({}); remove it or export elsewhere")
+    try:
+        wm = read_json_object(index).get("weight_map")
+    except (OSError, ValueError) as e:
+        raise ValueError(what.format(e)) from None
+    if not isinstance(wm, dict):
+        raise ValueError(what.format("no 'weight_map' object"))  # noqa: TRY004
+    return {check_shard_name(out_dir, fn, index) for fn in set(wm.values())}
+
+
+def _save_safetensors(group: dict[str, np.ndarray], metadata, path: str) -> None:
+    try:
+        save_file(group, path, metadata=metadata)
+    except SafetensorError as e:  # safetensors reports write errors (ENOSPC, EFBIG) this way
+        raise OSError(str(e)) from e
+
+
+def _dump_json(obj: Any, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)

@@ -15,7 +15,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m study",
         description="The MXFP4 ladder study: fixed-budget runs, branch-and-compare "
-                    "efficiency with 95%% intervals, ablations and scale trend (study/).")
+                    "efficiency with 95% intervals, ablations and scale trend (study/).")
     p.add_argument("--config", required=True, help="study YAML (e.g. configs/ladder_tiny.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key, e.g. seeds=[0,1] or branch.steps=12")

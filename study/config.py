@@ -87,7 +87,7 @@ class StudyConfig:
 
     @property
     def out_path(self) -> Path:
-        return Path(self.out_dir) if self.out_dir else Path("runs") / self.name
+        return Path(self.out_dir).expanduser() if self.out_dir else Path("runs") / self.name
 
     @property
     def ladder_policies(self) -> tuple[str, ...]:

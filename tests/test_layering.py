@@ -63,7 +63,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("nn",),
         ("testing",),
     ),
-    "models": (("sharding",), ("llama",), ("hf",)),
+    "models": (("sharding",), ("llama",), ("hf_config", "hf_files"), ("hf",)),
     #  - the config and the run's extension points first; then the pieces that need only
     #    them (data, state layout, diagnostics hooks, checkpoints, optimizer); the plan
     #    (config + data validated), the traced step and what a run writes; then the
@@ -71,7 +71,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     "train": (
         ("jsonsafe",),
         ("config",),
-        ("hooks", "process", "run_lock", "checkpoint", "optimizer"),
+        ("hooks", "process", "run_lock", "checkpoint", "optimizer", "preemption"),
         ("data", "state", "diagnostics"),
         ("output", "plan", "step"),
         ("compat", "run"),
@@ -80,7 +80,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("__main__",),
     ),
     "train.data": (("sources", "tokenizer"), ("cache", "loader"), ("__main__",)),
-    "train.output": (("metrics", "mlperf", "tensorboard_log"), ("summary",)),
+    "train.output": (("metrics", "mlperf", "tensorboard_log"), ("summary",), ("previous",)),
     "train.diagnostics": (("dynamics",), ("numerics",)),
     #  - the policies and the statistics need nothing of the study; the config names the
     #    policies; states and units need the config; the engine runs units on a

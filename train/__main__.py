@@ -13,8 +13,11 @@ import yaml
 from mxjax import policies
 from train import config as cfgmod
 from train import loop
-from train.checkpoint import CheckpointError
+from train.checkpoint import CheckpointError, CheckpointWriteError
 from train.config import ConfigError
+from train.data import DataError
+from train.preemption import PREEMPTED_EXIT
+from train.process import INIT_TIMEOUT_EXIT, DistributedInitError
 from train.run_lock import RunLockError
 
 _EPILOG = """\
@@ -39,10 +42,25 @@ One live run per output directory: a second run on it while the first is alive
 is refused (naming the holder's host and pid); a directory left by a killed run
 is taken over. A complete run in a read-only directory is reported (exit 0).
 
-exit codes: 0 done (all steps, or target eval loss reached); 2 configuration
-error (reported before anything compiles); 3 stopped by the non-finite guard;
-4 checkpoint unreadable or incompatible; 5 output directory in use by another
-run, or not writable.
+SIGTERM or Ctrl-C (SIGINT): the run finishes its step, saves a checkpoint,
+writes its metrics and summary (status: preempted) and exits 75; the same
+command resumes it bit-identically. A second signal exits at once.
+
+exit codes:
+  0   done (all steps, or the target eval loss reached; also a finished run re-run)
+  1   an unexpected error (a bug: please report the traceback)
+  2   configuration error (reported before anything compiles)
+  3   stopped by the non-finite guard (train.max_nonfinite steps in a row)
+  4   checkpoint unreadable, damaged or from another setup
+  5   output directory in use by another run, or not writable
+  6   a file could not be written or read (disk full, read-only or failing file
+      system): a checkpoint, the data cache, the metrics
+  7   damaged prepared data (a .bin of the wrong size, token ids outside the
+      vocabulary); a checkpoint of the last good step is saved first
+  8   --distributed: no cluster found, or not every process joined in
+      mesh.init_timeout_s
+  75  preempted: stopped by SIGTERM/SIGINT after saving a checkpoint
+  130, 143  interrupted outside training, or by a second SIGINT/SIGTERM
 
 config keys (set in the YAML file or with --set section.key=value):
 """
@@ -94,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
             return 0
         if cfg.mesh.distributed:
-            loop.init_distributed(cfg.mesh)
+            loop.init_distributed(cfg.mesh, verbose=not args.quiet)
         if args.check:
             plan = loop.validate(cfg, verbose=not args.quiet)
             print(json.dumps({
@@ -109,12 +127,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except CheckpointWriteError as e:
+        print(f"checkpoint write error: {e}", file=sys.stderr)
+        return 6
     except CheckpointError as e:
         print(f"checkpoint error: {e}", file=sys.stderr)
         return 4
     except RunLockError as e:
         print(f"output directory error: {e}", file=sys.stderr)
         return 5
+    except DataError as e:
+        print(f"data error: {e}", file=sys.stderr)
+        return 7
+    except DistributedInitError as e:
+        print(f"distributed setup error: {e}", file=sys.stderr)
+        return INIT_TIMEOUT_EXIT
+    except OSError as e:  # environmental, not a bug: the message names the file
+        print(f"I/O error: {e}", file=sys.stderr)
+        return 6
+    except KeyboardInterrupt:  # Ctrl-C before training started (training handles its own)
+        print("interrupted (outside the training loop, which saves on SIGINT/SIGTERM: nothing "
+              "of the run is lost)", file=sys.stderr)
+        return 130
     if jax.process_index() == 0:
         s = summary
         print(f"status: {s.status} ({s.message})")
@@ -134,7 +168,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if s.checkpoint_dir:
             print(f"checkpoints: {s.checkpoint_dir}")
         print(f"summary: {s.out_dir}/summary.json")
-    return 3 if summary.status == "nonfinite" else 0
+    return _EXIT_BY_STATUS.get(summary.status, 0)
+
+
+_EXIT_BY_STATUS = {"nonfinite": 3, "data_error": 7, "preempted": PREEMPTED_EXIT}
 
 
 if __name__ == "__main__":

@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import logging
 import os
 import re
+import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -56,6 +58,24 @@ class CorruptCheckpointError(CheckpointError):
 
 class IncompatibleCheckpointError(CheckpointError):
     """A readable checkpoint written by a run with another model/policy/data/optimizer."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (disk full, read-only or failing file system).
+
+    The checkpoints written before are intact; the message names the newest.
+    """
+
+
+class _OrbaxTracebackFilter(logging.Filter):
+    """Keeps orbax's error lines but drops their tracebacks (one failed background write
+    logs the same traceback from four threads, ~300 lines); `CheckpointWriteError`
+    reports the failure once, with what to do."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname:
+            record.exc_info = record.exc_text = None
+        return True
 
 
 def _key(path) -> str:
@@ -125,6 +145,35 @@ def shapes(flat: Mapping[str, Any]) -> dict[str, list]:
     return {k: [list(v.shape), str(np.dtype(v.dtype))] for k, v in flat.items()}
 
 
+def free_space_problem(directory: Path, need_bytes: int) -> str | None:
+    """Why `need_bytes` more cannot be written under `directory` (None when they fit).
+
+    Checked before a save so that a full disk ends in one message instead of a
+    failed write, whose orbax/tensorstore threads print dozens of tracebacks;
+    `need_bytes` (the state's raw size) bounds what an uncompressed write takes.
+    """
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return None  # cannot tell: the write itself will report
+    if free >= need_bytes:
+        return None
+    return (f"it needs about {need_bytes / 2**20:,.1f} MiB and {directory} has "
+            f"{free / 2**20:,.1f} MiB free")
+
+
+def _os_reason(cause: BaseException) -> str:
+    """The operating-system error behind a failed write ("No space left on device (errno
+    28)"), from an OSError or the ``os_error_code`` tensorstore puts in orbax's message."""
+    for e in (cause, cause.__cause__, cause.__context__):
+        if isinstance(e, OSError) and e.errno:
+            return f"{os.strerror(e.errno)} (errno {e.errno})"
+    m = re.search(r"os_error_code='?(\d+)", str(cause))
+    if m:
+        return f"{os.strerror(int(m.group(1)))} (errno {m.group(1)})"
+    return "the write failed"
+
+
 class Checkpointer:
     """Saves/restores train states under ``directory`` (one sub-directory per step).
 
@@ -137,6 +186,13 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, *, keep: int, async_save: bool = True):
         self.directory = Path(directory).absolute()
+        if self.directory.exists() and not self.directory.is_dir():
+            raise CheckpointWriteError(f"{self.directory} is a file, not a directory: no "
+                                       "checkpoint could be saved. Move it away or use another "
+                                       "output directory (--out).")
+        self._async = async_save
+        self._pending: int | None = None  # an async save not known to have finished
+        self._failed: CheckpointWriteError | None = None
         pp = ocp.checkpoint_managers
         good_step = lambda m: m["good_step"]  # a bad checkpoint records -1
         keep_policy = pp.AnyPreservationPolicy([
@@ -151,6 +207,8 @@ class Checkpointer:
         except Exception as e:  # orbax raises assorted errors on a mangled root
             raise CorruptCheckpointError(f"cannot open checkpoint directory {self.directory}: "
                                          f"{type(e).__name__}: {e}") from e
+        self._log_filter = _OrbaxTracebackFilter()
+        logging.getLogger("absl").addFilter(self._log_filter)
 
     def steps(self) -> list[int]:
         """Complete checkpoints, oldest first.
@@ -184,14 +242,31 @@ class Checkpointer:
 
         ``good=False`` marks a checkpoint written inside a non-finite streak: it
         counts toward ``keep`` but never evicts the most recent good one.
+        Raises CheckpointWriteError when this save, or the previous asynchronous one
+        (whose failure orbax reports here), could not be written.
         """
+        if self._failed is not None:
+            raise self._failed
         flat, _ = flatten(state)
+        full = free_space_problem(self.directory, sum(int(v.nbytes) for v in flat.values()))
+        if full is not None:
+            self._failed = CheckpointWriteError(
+                f"not enough space to write checkpoint step {step}: {full}. Training stopped; "
+                f"{self._kept()}. Free space on that file system and run the same command "
+                "again to resume.")
+            raise self._failed
         record = dict(meta)
         record.update(format_version=FORMAT_VERSION, step=int(step), good=bool(good),
                       arrays=shapes(flat), digest=DIGEST, digests=digests(flat))
-        self.mngr.save(int(step), args=ocp.args.Composite(
-            state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(record)), force=True,
-            metrics={"good_step": int(step) if good else -1})
+        try:
+            self.mngr.save(int(step), args=ocp.args.Composite(
+                state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(record)), force=True,
+                metrics={"good_step": int(step) if good else -1})
+        except Exception as e:
+            # orbax raises a pending async save's error on the next save
+            raise self._write_failed(self._pending if self._pending is not None else step,
+                                     e) from e
+        self._pending = int(step) if self._async else None
 
     def read_meta(self, step: int) -> dict[str, Any]:
         where = self.directory / str(step)
@@ -263,10 +338,59 @@ class Checkpointer:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _write_failed(self, step: int | None, cause: BaseException) -> CheckpointWriteError:
+        self._pending = None
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        kept = self._kept()
+        self._failed = CheckpointWriteError(
+            f"could not write checkpoint {'' if step is None else f'step {step} '}to "
+            f"{self.directory}: {_os_reason(cause)}. Training stopped; {kept}. Free space on "
+            "that file system (or fix it) and run the same command again to resume. "
+            f"[{type(cause).__name__}: {first[:300]}]")
+        return self._failed
+
+    def _kept(self) -> str:
+        try:
+            newest = self.latest_step()
+        except CheckpointError:
+            newest = None
+        return (f"the newest complete checkpoint is step {newest} (kept)" if newest is not None
+                else "no complete checkpoint exists yet")
+
+    def failure(self) -> CheckpointWriteError | None:
+        """The write error of a save that failed, without waiting: an asynchronous save
+        still in progress counts as not failed (yet)."""
+        if self._failed is None and self._pending is not None \
+                and not self.mngr.is_saving_in_progress():
+            try:  # finished: joining its thread returns at once, raising what it raised
+                self.mngr.wait_until_finished()
+            except Exception as e:  # noqa: BLE001 (orbax raises assorted types; reported here)
+                return self._write_failed(self._pending, e)
+            self._pending = None
+        return self._failed
+
     def wait(self) -> None:
-        self.mngr.wait_until_finished()
+        """Wait for an asynchronous save; CheckpointWriteError if it failed."""
+        try:
+            self.mngr.wait_until_finished()
+        except Exception as e:
+            if self._failed is None:
+                raise self._write_failed(self._pending, e) from e
+        self._pending = None
+        if self._failed is not None:
+            raise self._failed
 
     def close(self) -> None:
-        self.mngr.wait_until_finished()
-        self.mngr.close()
+        """Finish pending saves and release orbax's threads; raises CheckpointWriteError for a
+        pending save that failed (not again for one already reported)."""
+        try:
+            try:
+                self.mngr.wait_until_finished()
+            except Exception as e:
+                if self._failed is None:
+                    raise self._write_failed(self._pending, e) from e
+            self._pending = None
+        finally:
+            self.mngr.close()
+            logging.getLogger("absl").removeFilter(self._log_filter)
 

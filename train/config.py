@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
+import os
 import textwrap
 import types
 import typing
@@ -155,6 +157,9 @@ class MeshSection:
         None, "host:port of process 0's coordinator (jax.distributed.initialize)")
     num_processes: int | None = _field(None, "number of processes (hosts)")
     process_id: int | None = _field(None, "this process's index in [0, num_processes)")
+    init_timeout_s: int = _field(
+        300, "seconds jax.distributed.initialize waits for every process to join the "
+        "coordinator before the run stops with exit code 8")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -262,6 +267,8 @@ def _convert(value: Any, tp: Any, path: str, what: str = "config") -> Any:
                 return _convert(value, a, path, what)
             except ConfigError as e:
                 errors.append(str(e))
+        if len(errors) == 1:  # `X | None`: X's own message says more
+            raise ConfigError(errors[0])
         raise ConfigError(f"{path}: expected {_type_name(tp)}, got "
                           f"{type(value).__name__} {value!r}")
     if origin is Literal:
@@ -294,11 +301,13 @@ def _convert(value: Any, tp: Any, path: str, what: str = "config") -> Any:
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads '3e-4' as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected a number, got {type(value).__name__} {value!r}")
+        if not math.isfinite(value):  # YAML reads .inf/.nan; no setting means them
+            raise ConfigError(f"{path}: expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -332,9 +341,29 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
     """Build and validate a `Config` from a nested mapping (as read from YAML)."""
     if not isinstance(raw, Mapping):
         raise ConfigError(f"config must be a mapping, got {type(raw).__name__}")
-    cfg = build(Config, raw)
+    cfg = expand_user(build(Config, raw))
     check(cfg)
     return cfg
+
+
+def expand_user(cfg: Config) -> Config:
+    """`cfg` with ``~`` expanded in every path setting (out_dir, jax_cache_dir,
+    data.cache_dir, data.tokenizer, data.sources, data.val_sources).
+
+    Expanded once here, so every consumer (and config.yaml) sees the real path
+    rather than a directory literally named ``~`` in the working directory.
+    """
+    def ex(p: str | None) -> str | None:
+        return os.path.expanduser(p) if p else p
+
+    d = cfg.data
+    data = dataclasses.replace(
+        d, cache_dir=ex(d.cache_dir),
+        tokenizer=d.tokenizer if d.tokenizer == "bpe" else ex(d.tokenizer),
+        sources=tuple(s if s.startswith("embedded:") else ex(s) for s in d.sources),
+        val_sources=tuple(s if s.startswith("embedded:") else ex(s) for s in d.val_sources))
+    return dataclasses.replace(cfg, out_dir=ex(cfg.out_dir), jax_cache_dir=ex(cfg.jax_cache_dir),
+                               data=data)
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -370,7 +399,7 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
+    p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
@@ -447,6 +476,7 @@ def check(cfg: Config) -> None:
     need([m.data, m.fsdp, m.tensor].count(-1) <= 1, "mesh: at most one axis may be -1")
     if m.num_processes is not None:
         need(m.num_processes >= 1, f"mesh.num_processes must be >= 1, got {m.num_processes}")
+    need(m.init_timeout_s >= 1, f"mesh.init_timeout_s must be >= 1, got {m.init_timeout_s}")
     if m.process_id is not None:
         need(0 <= m.process_id < (m.num_processes or m.process_id + 1),
              f"mesh.process_id must be in [0, mesh.num_processes), got {m.process_id}")

@@ -56,7 +56,26 @@ def resolve_policy(
     if pol is None:
         return None, "none", None
     name = spec if isinstance(spec, str) else (pol.name or str(spec.get("name") or "custom"))
+    check_backends(pol)
     return pol, name, jsonable(policies.to_dict(pol))
+
+
+def check_backends(policy: PrecisionPolicy) -> None:
+    """Every quantized GEMM's backend can run on this device and implements its formats.
+
+    The interceptor raises the same errors at trace time; checked here so that
+    ``--check`` reports them, naming the GEMM, before anything compiles.
+    """
+    from mxjax import kernels  # Pallas is imported only when a policy is checked
+
+    for gemm, recipe in policy.gemms.items():
+        if recipe.is_passthrough or recipe.backend == "xla":
+            continue
+        try:
+            kernels.backend_for_formats(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt,
+                                        where=f"policy.{gemm}")
+        except (RuntimeError, ValueError) as e:
+            raise ConfigError(f"policy.{gemm}.backend: {e}") from None
 
 
 def build_model_config(config: Config, vocab_size: int,

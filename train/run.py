@@ -59,8 +59,10 @@ class CompiledRun:
                               f"number of processes ({pc})")
         T = c.data.seq_len
         V = plan.model_config.vocab_size  # batches with ids outside it are refused on the host
-        self.train_sequences = datamod.Sequences(plan.prepared.tokens("train"), T, vocab_size=V)
-        val = datamod.Sequences(plan.prepared.tokens("val"), T, vocab_size=V)
+        self.train_sequences = datamod.Sequences(plan.prepared.tokens("train"), T, vocab_size=V,
+                                                 source=plan.prepared.path / "train.bin")
+        val = datamod.Sequences(plan.prepared.tokens("val"), T, vocab_size=V,
+                                source=plan.prepared.path / "val.bin")
         per = plan.eval_batch // pc
         self.eval_batches = [b[pi * per:(pi + 1) * per]
                              for b in datamod.eval_batches(val, c.train.eval_sequences,

@@ -43,6 +43,7 @@ LOCK_NAME = ".run.lock"
 # files and folders a run writes into its output directory (all must be writable if present)
 RUN_FILES = ("config.yaml", "metrics.jsonl", "mllog.txt", "summary.json", "plot.png",
              "checkpoints")
+RUN_DIRS = ("checkpoints",)
 
 
 class RunLockError(RuntimeError):
@@ -87,6 +88,13 @@ def check_writable(directory: str | Path) -> None:
     except OSError as e:
         raise RunDirNotWritable(f"output directory {d} cannot be created ({e.strerror}); "
                                 "choose a writable --out") from None
+    for n in RUN_FILES:  # a directory where a file goes, or the other way round
+        want_dir = n in RUN_DIRS
+        if (d / n).exists() and (d / n).is_dir() != want_dir:
+            raise RunDirNotWritable(
+                f"{d / n} is a {'file' if want_dir else 'directory'}, where the run writes its "
+                f"{'checkpoints (a directory)' if want_dir else 'file ' + n}; move it away or "
+                "choose another --out")
     bad = [d] if not os.access(d, os.W_OK | os.X_OK) else []
     bad += [d / n for n in RUN_FILES if (d / n).exists() and not os.access(d / n, os.W_OK)]
     if bad:

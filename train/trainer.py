@@ -9,6 +9,13 @@ end, and writes metrics.jsonl, mllog.txt (`train.output.mlperf`), TensorBoard ev
 files (`train.output.tensorboard_log`, unless ``train.tensorboard`` is false), plot.png
 and summary.json.
 
+Between two steps every process agrees (`train.preemption.agree`) whether to
+stop: on SIGTERM/SIGINT (status ``'preempted'``) or a damaged batch (status
+``'data_error'``) the state of the last step is checkpointed first, and the same
+command resumes; a checkpoint that could not be written raises
+`train.checkpoint.CheckpointWriteError`. With ``checkpoint.enabled: false`` a
+directory holding another run's outputs is refused (`train.output.previous`).
+
 Everything runs under a (data, fsdp, tensor) mesh with the model's partition
 rules (`models.sharding`); each process feeds its slice of every global batch.
 """
@@ -26,20 +33,26 @@ import numpy as np
 import yaml
 
 from models import sharding as shd
-from train.checkpoint import Checkpointer
+from train import data as datamod
+from train.checkpoint import Checkpointer, CheckpointWriteError
 from train.compat import check_compatible, fingerprint
 from train.config import ConfigError
 from train.diagnostics import numerics
 from train.hooks import Hooks
 from train.output import mlperf
 from train.output.metrics import MetricsWriter, Progress, Tee
+from train.output.previous import check_reuse, relocated
 from train.output.summary import RunSummary, read_summary, summarize
 from train.output.tensorboard_log import TensorBoardWriter
 from train.plan import Plan
+from train.preemption import STOP_DATA_ERROR, STOP_SIGNAL, STOP_WRITE_FAILED, StopSignals, agree
 from train.process import fetch
 from train.run import CompiledRun
 from train.run_lock import RunDirNotWritable
 from train.step import policy_base_key
+
+# Stops after which the same command resumes the run (the MLPerf log stays open).
+RESUMABLE_STOPS = ("preempted", "data_error")
 
 
 class _Null:
@@ -101,6 +114,12 @@ class Trainer:
         if self.verbose and jax.process_index() == 0:
             print(f"[train] {msg}", file=sys.stderr, flush=True)
 
+    def _log_here(self, msg: str) -> None:
+        """A log line from whichever process it concerns (a signal reaches one host)."""
+        if self.verbose:
+            where = f" (process {jax.process_index()})" if jax.process_count() > 1 else ""
+            print(f"[train]{where} {msg}", file=sys.stderr, flush=True)
+
     def evaluate(self, params) -> float:
         return self.compiled.evaluate(params, self.plan.policy, self.policy_base)
 
@@ -123,6 +142,15 @@ class Trainer:
             raise ConfigError(f"checkpoint.enabled is false but {self.out}/checkpoints holds "
                               "checkpoints of an earlier run; use another output directory "
                               "(--out) rather than overwrite it")
+        else:
+            prev = check_reuse(self.out, c.to_dict(), steps=t.steps)
+            if prev is not None:
+                note = "run already complete; nothing to do"
+                msg = prev.message if prev.message.startswith(note) else f"{note} ({prev.message})"
+                return dataclasses.replace(relocated(prev, self.out), message=msg)
+            if (self.out / "metrics.jsonl").exists():
+                self._log(f"starting {self.out} over: the earlier run of this config did not "
+                          "finish and checkpoints are off (checkpoint.enabled: false)")
         state, meta = None, None
         if ckpt is not None and ckpt.latest_step() is not None:
             latest = ckpt.latest_step()
@@ -156,7 +184,8 @@ class Trainer:
             if prev is not None and prev.steps == resumed:
                 note = "run already complete; nothing to do"
                 msg = prev.message if prev.message.startswith(note) else f"{note} ({prev.message})"
-                return dataclasses.replace(prev, message=msg, resumed_from=resumed)
+                return dataclasses.replace(relocated(prev, self.out), message=msg,
+                                           resumed_from=resumed)
             return self._summary(done_status if done_status in ("completed", "target_reached")
                                  else "completed", "run already complete; nothing to do",
                                  resumed, skipped, time_off, None, resumed)
@@ -176,12 +205,12 @@ class Trainer:
             mll.begin_init(mlperf.run_header(c, mlperf.plan_facts(
                 self.plan, train_samples=len(self.train_seqs),
                 config_filename=str(self.out / "config.yaml"))))
-        with shd.use_mesh(self.mesh):
+        with shd.use_mesh(self.mesh), StopSignals(log=self._log_here) as signals:
             if state is None:
                 state = self.compiled.init_state(c.seed)
                 mll.begin_run()
             return self._loop(state, start, resumed, skipped, time_off, t_start, ckpt, writer,
-                              mll)
+                              mll, signals)
 
     def _record(self, step: int, **kw: Any) -> dict[str, Any]:
         rec = {"step": step, "tokens": step * self.tokens_per_step, "loss": None,
@@ -198,7 +227,8 @@ class Trainer:
                 rec.update(more)
         writer.write(rec)
 
-    def _loop(self, state, start, resumed, skipped, time_off, t_start, ckpt, writer, mll):
+    def _loop(self, state, start, resumed, skipped, time_off, t_start, ckpt, writer, mll,
+              signals):
         c, t = self.cfg, self.cfg.train
         prog = Progress(t.steps, mode=t.progress if jax.process_index() == 0 else "off",
                         start=start)
@@ -207,6 +237,7 @@ class Trainer:
         last_good = ckpt.last_good_step() if ckpt is not None else None
         step = start
         steady_t, steady_n = 0.0, 0
+        saved, good = resumed, True  # the step the newest checkpoint holds; state not NaN-streaked
 
         def now() -> float:
             return time_off + time.time() - t_run
@@ -223,9 +254,21 @@ class Trainer:
             prog.update(0, loss=None, tokens_per_s=None, eval_loss=ev)
         try:
             while step < t.steps:
-                mll.train_block(step=step + 1, samples=step * t.global_batch)
                 t0 = time.time()
-                batch = self.batch(step)
+                try:
+                    local, data_error = self.loader.batch(step), None
+                except datamod.DataError as e:
+                    local, data_error = None, e
+                # Every process stops at the same step boundary, or none does.
+                code = agree(max(STOP_SIGNAL if signals.requested else 0,
+                                 STOP_DATA_ERROR if data_error is not None else 0,
+                                 STOP_WRITE_FAILED if ckpt is not None and ckpt.failure() else 0))
+                if code:
+                    status, message = self._stop(code, step, state, ckpt, saved, good,
+                                                 skipped, now(), signals.requested, data_error)
+                    break
+                mll.train_block(step=step + 1, samples=step * t.global_batch)
+                batch = self.compiled.put(local)
                 state, m = self._train_step(state, batch, self.policy_base)
                 m = fetch(m)
                 step += 1
@@ -264,15 +307,15 @@ class Trainer:
                         rec.update({k: np.asarray(v).tolist() for k, v in m["extra"].items()})
                     self._emit(writer, rec)
                 prog.update(step, loss=loss, tokens_per_s=tps, eval_loss=ev)
+                good = int(m["consecutive"]) == 0  # not inside a non-finite streak
                 if status == "nonfinite":
                     break
                 final = stop or step == t.steps
                 if ckpt is not None and (final or (c.checkpoint.every
                                                    and step % c.checkpoint.every == 0)):
                     st = status if final else "running"
-                    good = int(m["consecutive"]) == 0  # not inside a non-finite streak
                     ckpt.save(step, state, self._meta(step, st, skipped, now()), good=good)
-                    last_good = step if good else last_good
+                    saved, last_good = step, step if good else last_good
                 if stop:
                     break
         finally:
@@ -282,11 +325,39 @@ class Trainer:
                 ckpt.close()
         if status == "completed":
             message = f"trained {step} steps ({step * self.tokens_per_step} tokens)"
-        mll.end_run(success=status == "target_reached", step=step,
-                    samples=step * t.global_batch)
+        if status not in RESUMABLE_STOPS:  # a resumed run goes on in the same MLPerf log
+            mll.end_run(success=status == "target_reached", step=step,
+                        samples=step * t.global_batch)
         mll.close()
         tps = self.tokens_per_step * steady_n / steady_t if steady_n else None
         return self._summary(status, message, step, skipped, time.time() - t_start, tps, resumed)
+
+    def _stop(self, code, step, state, ckpt, saved, good, skipped, now, signal_name,
+              data_error) -> tuple[str, str]:
+        """(status, message) of a run stopped before step ``step + 1`` by `code` (see
+        `train.preemption`), after saving the state of ``step`` unless a checkpoint holds it."""
+        if code == STOP_WRITE_FAILED:
+            failure = ckpt.failure() if ckpt is not None else None
+            raise failure or CheckpointWriteError(
+                "a checkpoint could not be written on another process of this run (see its "
+                "error); training stopped. Fix that file system and run the same command again.")
+        status = "data_error" if code == STOP_DATA_ERROR else "preempted"
+        if ckpt is None:
+            kept = "checkpoints are off (checkpoint.enabled: false): nothing to resume from"
+        elif step == 0 and saved is None:
+            kept = "no step was trained: nothing to save"
+        else:
+            if saved != step:
+                ckpt.save(step, state, self._meta(step, status, skipped, now), good=good)
+            kept = f"checkpoint step {step} in {ckpt.directory}"
+        if code == STOP_DATA_ERROR:
+            why = (str(data_error) if data_error is not None
+                   else "a data error on another process of this run (see its log)")
+            return status, (f"stopped after step {step}: {why}. Saved: {kept}; once the data "
+                            "is fixed the same command resumes the run.")
+        why = f"by {signal_name}" if signal_name else "by a signal to another process"
+        return status, (f"preempted {why} after step {step}; {kept}. Run the same command "
+                        "again to resume.")
 
     def _summary(self, status, message, step, skipped, wall, tps, resumed) -> RunSummary:
         return summarize(self.cfg, policy_name=self.plan.policy_name, status=status,

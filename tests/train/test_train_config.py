@@ -223,3 +223,47 @@ def test_fp32_master_weights_with_bf16_compute(tmp_path, cache):
     assert dtypes == {"float32"}
     moments = [x for x in jax.tree.leaves(tr.abs_state["opt"]) if x.ndim > 0]
     assert moments and {str(x.dtype) for x in moments} == {"float32"}
+
+
+@pytest.mark.parametrize("key", ["optim.lr", "optim.eps", "train.target_eval_loss",
+                                 "optim.clip_norm"])
+@pytest.mark.parametrize("text", [".inf", "-.inf", ".nan", "inf", "nan"])
+def test_non_finite_numbers_are_refused_naming_the_key(key, text):
+    # issue 24 item 8: optim.lr=.inf passed --check
+    with pytest.raises(ConfigError, match=rf"{key}: expected a finite number, got"):
+        C.load(None, [f"{key}={text}"])
+
+
+def test_tilde_paths_are_expanded(tmp_path, monkeypatch):
+    # issue 24 item 7: out_dir=~/runs/x made a directory literally named '~'
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = C.load(None, ["out_dir=~/runs/x", "jax_cache_dir=~/jax", "data.cache_dir=~/dc",
+                        "data.tokenizer=~/tok.json", "data.sources=[~/a.txt, 'embedded:austen']",
+                        "data.val_sources=~/v/*.txt"])
+    home = str(tmp_path)
+    assert str(cfg.out_path) == f"{home}/runs/x"
+    assert (cfg.jax_cache_dir, cfg.data.cache_dir, cfg.data.tokenizer) == (
+        f"{home}/jax", f"{home}/dc", f"{home}/tok.json")
+    assert cfg.data.sources == (f"{home}/a.txt", "embedded:austen")
+    assert cfg.data.val_sources == (f"{home}/v/*.txt",)
+    assert C.load(None, []).data.tokenizer == "bpe"
+    (tmp_path / "c.yaml").write_text("name: tilde\n")
+    assert C.load("~/c.yaml").name == "tilde"
+
+
+def test_policy_backend_that_cannot_run_here_is_a_config_error():
+    # issue 24 item 8: backend: triton on CPU passed --check, then crashed at trace time
+    from mxjax import policies
+
+    d = policies.to_dict("mxfp4_all")
+    d["wgrad"]["backend"] = "triton"
+    with pytest.raises(ConfigError, match=r"policy\.wgrad\.backend: backend 'triton' cannot run "
+                                          r"on 'cpu'"):
+        plan_mod.resolve_policy(d)
+    d = policies.to_dict("fp8")
+    d["fprop"]["backend"] = "pallas"
+    with pytest.raises(ConfigError, match=r"policy\.fprop\.backend: .*MXFP4 x MXFP4 only"):
+        plan_mod.resolve_policy(d)
+    d = policies.to_dict("mxfp4_all")
+    d["fprop"]["backend"] = "auto"  # picks what runs here
+    assert plan_mod.resolve_policy(d)[0] is not None

@@ -254,3 +254,12 @@ def test_tiny_config_runs_under_its_policy(tmp_path):
     assert [x["policy"] for x in recs] == ["mxfp4_all_h16"] * 5
     evals = [x["eval_loss"] for x in recs if x["eval_loss"] is not None]
     assert len(evals) == 3 and evals[-1] < evals[0]
+
+
+def test_copied_run_directory_reports_its_own_paths(base, tmp_path, cache):
+    # issue 24 item 12: a finished run copied elsewhere printed the paths it was written with
+    dst, cfg2 = _copy_run(base[0], tmp_path, cache)
+    s = loop.run(cfg2, verbose=False)
+    assert s.status == "completed" and s.resumed_from == 12
+    assert s.out_dir == str(dst) and s.metrics_path == str(dst / "metrics.jsonl")
+    assert s.checkpoint_dir == str(dst / "checkpoints") and s.plot_path == str(dst / "plot.png")

@@ -1,7 +1,9 @@
-"""Kill -9 mid-training, restart with the same command: bit-identical to an uninterrupted run."""
+"""SIGTERM (preemption), then kill -9, mid-training; each time the same command resumes, and the
+result is bit-identical to an uninterrupted run."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -39,12 +41,35 @@ def _final_state(out):
     return step, meta, {k: np.asarray(v) for k, v in dict(state["state"]).items()}
 
 
+def _spawn(out, cache, jcache, policy) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    return subprocess.Popen([sys.executable, "-m", "train", *_args(out, cache, jcache, policy)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _signal_when(proc, out, sig, ready) -> int:
+    """Send `sig` once ``ready(last metrics step, committed checkpoint steps)``; the step."""
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        recs = read_jsonl(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []
+        ckpts = [int(p.name) for p in (out / "checkpoints").glob("*") if p.name.isdigit()] \
+            if recs else []
+        if recs and ready(recs[-1]["step"], ckpts):
+            proc.send_signal(sig)
+            return recs[-1]["step"]
+        time.sleep(0.01)
+    raise AssertionError(f"the run ended before it could be signalled: "
+                         f"{proc.communicate()[1][-2000:]}")
+
+
 @pytest.mark.parametrize("policy", [
     pytest.param("bf16", marks=pytest.mark.long),
     # a randomized policy: its per-step keys must resume too (slower to compile)
     pytest.param("mxfp4_all_sr", marks=pytest.mark.slow),
 ])
-def test_sigkill_and_restart_is_bit_identical(tmp_path, data_cache, policy):
+def test_sigterm_sigkill_and_restart_are_bit_identical(tmp_path, data_cache, policy):
     cache, jcache = data_cache, data_cache / "jax"
     a, b = tmp_path / "a", tmp_path / "b"
     r = run_cli(_args(a, cache, jcache, policy), timeout=400)
@@ -53,27 +78,33 @@ def test_sigkill_and_restart_is_bit_identical(tmp_path, data_cache, policy):
                  f"plot: {a}/plot.png", f"checkpoints: {a}/checkpoints"):
         assert line in r.stdout, r.stdout
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.Popen([sys.executable, "-m", "train", *_args(b, cache, jcache, policy)],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 300
-    killed_at = None
-    while time.time() < deadline and proc.poll() is None:
-        recs = read_jsonl(b / "metrics.jsonl") if (b / "metrics.jsonl").exists() else []
-        ckpts = [p for p in (b / "checkpoints").glob("*") if p.name.isdigit()] if recs else []
-        if recs and recs[-1]["step"] >= 10 and ckpts:
-            # mid-training, after at least one committed checkpoint (others may be in flight)
-            proc.send_signal(signal.SIGKILL)
-            killed_at = recs[-1]["step"]
-            break
-        time.sleep(0.05)
+    # 1. SIGTERM mid-run (a scheduler's preemption): the step finishes, a checkpoint of it is
+    # saved although no checkpoint.every boundary is due, metrics and summary are written
+    # (status preempted), exit code 75.
+    proc = _spawn(b, cache, jcache, policy)
+    stopped_at = _signal_when(proc, b, signal.SIGTERM, lambda step, ckpts: step >= 3)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]
+    assert "status: preempted (preempted by SIGTERM after step " in out, out
+    recs = read_jsonl(b / "metrics.jsonl")
+    k = recs[-1]["step"]
+    assert stopped_at <= k < STEPS
+    with Checkpointer(b / "checkpoints", keep=2) as ck:
+        # saved at the stop, unless the step's regular checkpoint (every 4) already held it
+        assert ck.latest_step() == k
+        assert ck.read_meta(k)["status"] == ("running" if k % 4 == 0 else "preempted")
+    summary = json.loads((b / "summary.json").read_text())
+    assert summary["status"] == "preempted" and summary["steps"] == k
+
+    # 2. the same command resumes from step k; SIGKILL it once a later checkpoint exists
+    proc = _spawn(b, cache, jcache, policy)
+    killed_at = _signal_when(proc, b, signal.SIGKILL,
+                             lambda step, ckpts: step >= 10 and max(ckpts, default=0) > k)
     proc.wait(timeout=60)
-    assert killed_at is not None and killed_at < STEPS, \
-        f"run ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+    assert killed_at < STEPS
     assert proc.returncode == -signal.SIGKILL
     with Checkpointer(b / "checkpoints", keep=2) as ck:
-        assert ck.latest_step() in (4, 8, 12, 16, 20) and ck.latest_step() < killed_at
+        assert ck.latest_step() in (4, 8, 12, 16, 20) and k < ck.latest_step() < killed_at
 
     r = run_cli(_args(b, cache, jcache, policy), timeout=400)  # the same command again
     assert r.returncode == 0, r.stderr[-3000:]

@@ -1,7 +1,8 @@
 """Two real processes on 127.0.0.1 (jax.distributed, gloo CPU collectives, 2 fake CPU devices
-each) train with the CLI's --distributed, write joint checkpoints, are both killed with
-SIGKILL mid-run, resume with the same command, and end bit-identical to one process on
-4 devices with the same (data=2, fsdp=2) mesh.
+each) train with the CLI's --distributed, write joint checkpoints, are preempted by a SIGTERM
+sent to one of them only (both stop at the same step, save it jointly and exit 75), resume
+with the same command, are both killed with SIGKILL mid-run, resume again, and end
+bit-identical to one process on 4 devices with the same (data=2, fsdp=2) mesh.
 
 What is exact and what is bounded:
 * resuming is exact: the steps redone after the kill reproduce, bit for bit, the records
@@ -74,6 +75,37 @@ def _kill(procs: list[subprocess.Popen]) -> None:
             p.communicate(timeout=30)
 
 
+def _sigterm_one(out: Path, tmp: Path) -> int:
+    """Start both processes; SIGTERM process 1 only, mid-run. Both must stop at the same step
+    (a preemption notice reaches one host; the stop flag is agreed on every step), save a
+    joint checkpoint of it and exit 75. Returns that step."""
+    env = _env(2)
+    port = _free_port()
+    procs = [_spawn([*_args(out, tmp, f"mesh.coordinator_address=127.0.0.1:{port}",
+                            "mesh.num_processes=2", f"mesh.process_id={i}"), "--distributed"],
+                    env) for i in range(2)]
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline and all(p.poll() is None for p in procs):
+            recs = read_jsonl(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []
+            if recs and recs[-1]["step"] >= 3:
+                os.kill(procs[1].pid, signal.SIGTERM)
+                break
+            time.sleep(0.01)
+        outs = [p.communicate(timeout=120) for p in procs]
+        assert [p.returncode for p in procs] == [75, 75], [e[-3000:] for _, e in outs]
+        assert "status: preempted (preempted by a signal to another process after step" \
+            in outs[0][0], outs[0][0]
+        step = read_jsonl(out / "metrics.jsonl")[-1]["step"]
+        with Checkpointer(out / "checkpoints", keep=2) as ck:
+            assert ck.latest_step() == step < STEPS
+            # saved at the stop, unless its regular checkpoint (every 2) already held it
+            assert ck.read_meta(step)["status"] == ("running" if step % 2 == 0 else "preempted")
+        return step
+    finally:
+        _kill(procs)
+
+
 def _two_process_run(out: Path, tmp: Path, *, kill_after_checkpoint: bool) -> list[str]:
     """Start both processes; optionally SIGKILL both once a joint checkpoint is committed and
     training has gone past it. Returns process 0's stdout of a run left to finish."""
@@ -131,7 +163,8 @@ def test_two_processes_killed_and_resumed_match_one_process(tmp_path):
     assert ref.returncode == 0, ref.stderr[-3000:]
 
     two = tmp_path / "two"
-    _two_process_run(two, tmp_path, kill_after_checkpoint=True)
+    preempted_at = _sigterm_one(two, tmp_path)
+    _two_process_run(two, tmp_path, kill_after_checkpoint=True)  # resumes, then is killed
     before_kill = read_jsonl(two / "metrics.jsonl")
     with Checkpointer(two / "checkpoints", keep=2) as ck:
         resume_from = ck.latest_step()
@@ -143,7 +176,7 @@ def test_two_processes_killed_and_resumed_match_one_process(tmp_path):
     assert [r["step"] for r in two_recs] == list(range(1, STEPS + 1))
     assert two_meta["step"] == one_meta["step"] == STEPS
     # the kill landed after a checkpoint and at least one step past it
-    assert 0 < resume_from < before_kill[-1]["step"] < STEPS
+    assert 0 < preempted_at <= resume_from < before_kill[-1]["step"] < STEPS
     # resuming is exact: redone steps equal what the killed run wrote for them
     fields = ("step", "loss", "grad_norm", "eval_loss", "lr", "skipped_steps")
     redone = [r for r in before_kill if r["step"] > resume_from]

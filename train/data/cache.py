@@ -7,12 +7,15 @@ for its files); `open_prepared` reads one back as a `PreparedData`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import glob
 import hashlib
 import json
 import os
 import re
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -127,16 +130,99 @@ def _log(msg: str) -> None:
     print(f"[data] {msg}", file=sys.stderr, flush=True)
 
 
+_TMP_INFIX = ".tmp-"
+_LEGACY_TMP_AGE_S = 24 * 3600
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def remove_stale_temporaries(out: Path) -> list[Path]:
+    """Remove the temporary directories that killed preparations of `out` left behind.
+
+    A preparation writes into ``.<name>.tmp-<host>-<pid>-<random>`` and renames it
+    into place when complete; a kill (SIGKILL, or SIGTERM's default action) leaves
+    it. Removed: those of this host whose process is gone, and unattributable ones
+    (from before the name held the pid) older than a day. A live preparation's,
+    and other hosts' (on a shared cache), are left alone. Returns what was removed.
+    """
+    removed = []
+    host = socket.gethostname()
+    prefix = f".{out.name}{_TMP_INFIX}"
+    for p in out.parent.glob(f"{glob.escape(prefix)}*"):
+        m = re.fullmatch(r"(.+)-(\d+)-[^-]+", p.name[len(prefix):])
+        if m is not None:
+            stale = m.group(1) == host and not _pid_alive(int(m.group(2)))
+        else:
+            try:
+                stale = time.time() - p.stat().st_mtime > _LEGACY_TMP_AGE_S
+            except OSError:
+                continue
+        if stale and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+@contextlib.contextmanager
+def _cache_write_errors(cache_dir: Path):
+    """An OSError while writing the cache (full, read-only, a file where a directory should
+    be) becomes one naming the cache and what to do."""
+    try:
+        yield
+    except OSError as e:
+        reason = e.strerror or str(e)
+        raise OSError(e.errno, f"cannot write the prepared data into {cache_dir} ({reason}"
+                      f"{f': {e.filename}' if e.filename else ''}); set data.cache_dir to a "
+                      "writable directory with free space (nothing was left half-written)"
+                      ) from e
+
+
+def _save_tokenizer(raw, path: Path) -> None:
+    """``raw.save(path)``; the tokenizers library reports write errors as a bare
+    Exception ("File too large (os error 27)"): re-raised as the OSError it is."""
+    try:
+        raw.save(str(path))
+    except Exception as e:
+        m = re.search(r"os error (\d+)", str(e))
+        if m is None:
+            raise
+        code = int(m.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from e
+
+
 def prepare(spec: DataSection, *, verbose: bool = True, batch_docs: int = 512) -> PreparedData:
-    """Tokenize the data described by `spec` once; return the cached prepared directory."""
+    """Tokenize the data described by `spec` once; return the cached prepared directory.
+
+    Raises OSError naming ``data.cache_dir`` when it cannot be written (full,
+    read-only); the temporary directory is removed, as are those of earlier
+    preparations that were killed (`remove_stale_temporaries`).
+    """
     check_files(spec)
     fp = fingerprint(spec)
     out = prepared_dir(spec, fp)
     if (out / "meta.json").is_file():
         return open_prepared(out)
+    with _cache_write_errors(Path(spec.cache_dir)):
+        return _prepare(spec, fp, out, verbose=verbose, batch_docs=batch_docs)
+
+
+def _prepare(spec: DataSection, fp: dict[str, Any], out: Path, *, verbose: bool,
+             batch_docs: int) -> PreparedData:
     t0 = time.time()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    for p in remove_stale_temporaries(out):
+        if verbose:
+            _log(f"removed {p}, left by a killed preparation")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}{_TMP_INFIX}{socket.gethostname()}-"
+                                       f"{os.getpid()}-", dir=out.parent))
     try:
         if spec.tokenizer == "bpe":
             # A bad source must fail before the (long) tokenizer training, not after.
@@ -146,7 +232,7 @@ def prepare(spec: DataSection, *, verbose: bool = True, batch_docs: int = 512) -
             if verbose:
                 _log(f"training a {spec.vocab_size}-token byte-level BPE on the training documents")
             raw = train_bpe((doc for s, doc in iter_split(spec) if s == "train"), spec.vocab_size)
-            raw.save(str(tmp / "tokenizer.json"))
+            _save_tokenizer(raw, tmp / "tokenizer.json")
         else:
             shutil.copyfile(spec.tokenizer, tmp / "tokenizer.json")
         try:

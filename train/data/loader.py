@@ -8,6 +8,8 @@ the loader's only state is the step.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from train.config import ConfigError
@@ -19,13 +21,16 @@ class Sequences:
 
     With ``vocab_size``, every batch read is checked on the host: a token id at or
     above it (a damaged ``.bin`` or a model built for a smaller vocabulary) raises
-    DataError naming the sequence, instead of reaching the model.
+    DataError naming the sequence (and ``source``, the file the stream came from),
+    instead of reaching the model.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, *, vocab_size: int | None = None):
+    def __init__(self, tokens: np.ndarray, seq_len: int, *, vocab_size: int | None = None,
+                 source: str | Path | None = None):
         self.tokens = tokens
         self.seq_len = seq_len
         self.vocab_size = vocab_size
+        self.source = source
         self.n = max(0, (len(tokens) - 1) // seq_len)
 
     def __len__(self) -> int:
@@ -40,9 +45,12 @@ class Sequences:
         out = np.asarray(self.tokens[pos])
         if self.vocab_size is not None and out.size and int(out.max()) >= self.vocab_size:
             row, col = (int(v) for v in np.argwhere(out >= self.vocab_size)[0])
-            raise DataError(f"token id {int(out[row, col])} at position {col} of sequence "
-                            f"{int(idx[row])} (stream offset {int(pos[row, col])}) is outside "
-                            f"the vocabulary [0, {self.vocab_size})")
+            where = f"{self.source}: " if self.source is not None else ""
+            fix = (f"; the file is damaged: delete {Path(self.source).parent} and prepare again"
+                   if self.source is not None else "")
+            raise DataError(f"{where}token id {int(out[row, col])} at position {col} of "
+                            f"sequence {int(idx[row])} (stream offset {int(pos[row, col])}) is "
+                            f"outside the vocabulary [0, {self.vocab_size}){fix}")
         return out.astype(np.int32)
 
 

@@ -17,7 +17,9 @@ class RunSummary:
     """Result of `train.loop.run`.
 
     status: 'completed' (all steps), 'target_reached' (eval <= target),
-    'nonfinite' (stopped by the guard). eval_history: [(step, tokens, eval_loss)].
+    'nonfinite' (stopped by the guard), 'preempted' (stopped by SIGTERM/SIGINT after
+    a checkpoint), 'data_error' (a damaged batch; the last good step is saved); the
+    last two resume with the same command. eval_history: [(step, tokens, eval_loss)].
     target_tokens: tokens consumed at the first eval <= target (None if never).
     instability_step/instability_kind: the instability detector's first event over
     the logged gradient norms (``train.diagnostics.dynamics.InstabilityDetector``;
