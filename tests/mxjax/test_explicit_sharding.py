@@ -41,8 +41,11 @@ _SCRIPT = textwrap.dedent(
     def dot(p, **kw):
         return lambda x, w: mxjax.dot_general(x, w, dims, policy=p, key=key, **kw)
 
-    def vg(p, **kw):
-        return jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(dot(p, **kw)(x, w) ** 2), (0, 1)))
+    def vg(p, **kw):  # jitted (x, w) -> ((loss, y), (dx, dw)), loss = sum(y**2)
+        def loss(x, w):
+            y = dot(p, **kw)(x, w)
+            return jnp.sum(y ** 2), y
+        return jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))
 
     def spec(a):
         s = jax.typeof(a).sharding.spec
@@ -56,16 +59,25 @@ _SCRIPT = textwrap.dedent(
     def put(a, *s):
         return jax.device_put(a, NamedSharding(mesh, P(*s)))
 
+    def collectives(compiled):  # (kind, result type) of each collective, sorted
+        out = []
+        for line in compiled.as_text().splitlines():
+            m = re.search(r"= (.*?) ?(all-gather|all-reduce|reduce-scatter|all-to-all|"
+                          r"collective-permute)(-start)?\\(", line)
+            if m:
+                out.append((m.group(2), re.sub(r"\\{[0-9,]*\\}", "", m.group(1))))
+        return sorted(out)
+
     LAYOUTS = {"batch": ((("data", None)), (None, None)),      # data parallel
                "tensor": (("data", None), (None, "model"))}   # + tensor parallel W
-    for p in presets:
-        ref_loss, (ref_dx, ref_dw) = vg(p)(x, w)
-        ref_y = jax.jit(dot(p))(x, w)
+    programs = {}  # (preset, layout) -> compiled program (the collectives check reads them)
+    for p in presets + (["bf16"] if checks else []):
+        (ref_loss, ref_y), (ref_dx, ref_dw) = vg(p)(x, w)
         for name, (xs, ws) in LAYOUTS.items():
             with jax.set_mesh(mesh):
                 xa, wa = put(x, *xs), put(w, *ws)
-                loss, (dx, dw) = vg(p)(xa, wa)
-                y = jax.jit(dot(p))(xa, wa)
+                programs[(p, name)] = vg(p).lower(xa, wa).compile()
+                (loss, y), (dx, dw) = programs[(p, name)](xa, wa)
                 want_y = jax.jit(lambda a, b: lax.dot_general(a, b, dims))(xa, wa)
             where = (p, name)
             # lax.dot_general's result sharding; cotangents sharded as their primals
@@ -86,7 +98,8 @@ _SCRIPT = textwrap.dedent(
             # out_sharding as lax.dot_general's: the result takes it
             y = jax.jit(dot(p, out_sharding=P("data", None)))(xa, wa)
             assert spec(y) == ("data", None), spec(y)
-            close(y, jax.jit(dot(p))(x, w), 2e-6)
+            y_ref = jax.jit(dot(p))(x, w)
+            close(y, y_ref, 2e-6)
             # a sharded contraction: the same error as lax.dot_general without out_sharding,
             # the same sharding with it (partial sums: equal up to f32 summation order)
             xk, wk = put(x, None, "model"), put(w, "model", None)
@@ -99,30 +112,19 @@ _SCRIPT = textwrap.dedent(
                     errs.append((type(e).__name__, str(e).splitlines()[0]))
             assert errs[0] is not None and errs[0] == errs[1], errs
             assert "Contracting dimensions are sharded" in errs[1][1], errs
-            y = jax.jit(dot(p, out_sharding=P("data", None)))(xk, wk)
+            (_, y), (dx, dw) = vg(p, out_sharding=P("data", None))(xk, wk)
             assert spec(y) == ("data", None)
-            close(y, jax.jit(dot(p))(x, w), 1e-6)
-            loss, (dx, dw) = vg(p, out_sharding=P("data", None))(xk, wk)
             assert spec(dx) == (None, "model") and spec(dw) == ("model", None)
+            close(y, y_ref, 1e-6)
             close(dx, vg(p)(x, w)[1][0])
 
-            # Communication: the partitioned program (compiled for the 8 CPU devices) has
+            # Communication: the partitioned programs (compiled for the 8 CPU devices) have
             # lax.dot_general's collectives and no all-gather; per-tensor scales add only
             # scalar u32 all-reduces (the tensor amax).
-            def collectives(f):
-                txt = f.lower(xa, wa).compile().as_text()
-                out = []
-                for line in txt.splitlines():
-                    m = re.search(r"= (.*?) ?(all-gather|all-reduce|reduce-scatter|all-to-all|"
-                                  r"collective-permute)(-start)?\\(", line)
-                    if m:
-                        out.append((m.group(2), re.sub(r"\\{[0-9,]*\\}", "", m.group(1))))
-                return sorted(out)
-
-            plain = collectives(vg("bf16"))
+            plain = collectives(programs[("bf16", "tensor")])
             assert plain and not any(k == "all-gather" for k, _ in plain), plain
-            assert collectives(vg("mxfp4_all_h16")) == plain
-            extra = list(collectives(vg("fp8")))
+            assert collectives(programs[("mxfp4_all_h16", "tensor")]) == plain
+            extra = list(collectives(programs[("fp8", "tensor")]))
             for c in plain:
                 extra.remove(c)
             assert extra and all(k == "all-reduce" and re.fullmatch(r"\\(?(u32\\[\\],? ?)+\\)?", t)

@@ -116,9 +116,9 @@ def _check(out, operands):
         assert math.prod(y.shape) == 0 or name == "K"  # K = 0: an all-zero (not empty) result
 
 
-# The default run covers every scaling scheme, a Hadamard, SR and pass-through GEMMs
-# inside a quantized policy; make test-slow runs every preset.
-DEFAULT = ("nvfp4", "fp8", "mxfp4_all_h16", "tseng", "mxfp4_fprop")
+# The default run covers every scaling scheme and a Hadamard (the formats that failed:
+# NVFP4, per-tensor FP8); make test-slow runs every preset.
+DEFAULT = ("nvfp4", "fp8", "mxfp4_all_h16")
 
 
 @pytest.mark.parametrize("policy", [p if p in DEFAULT else pytest.param(p, marks=pytest.mark.slow)
@@ -129,10 +129,10 @@ def test_dot_general_and_grad_on_zero_size_inputs_jit(policy):
     _check(out, operands)
 
 
-# Eager (op by op) compiles every op anew per shape: NVFP4 with empty M and K in the
-# default run, every preset and case in make test-slow.
-EAGER = [pytest.param(p, cases, marks=() if (p, cases) == ("nvfp4", ("M", "K"))
-                      else pytest.mark.slow, id=f"{p}-{'-'.join(cases)}")
+# Eager (op by op) compiles every op anew per shape (~20 s for one preset): make test-slow
+# only. The default run keeps the same shapes and checks under jit (above) and the eager
+# quantizer (test_quantizer_on_zero_size_inputs[eager-...]), where the failure was raised.
+EAGER = [pytest.param(p, cases, marks=pytest.mark.slow, id=f"{p}-{'-'.join(cases)}")
          for p in mxjax.policies.names() for cases in (("M", "K"), ("N", "batch"))]
 
 
