@@ -25,7 +25,7 @@ under a recipe, per platform), `mxjax.interceptor` (the custom-VJP engine),
 (GEMM statistics and probes). The old module paths `mxjax.quantize`,
 `mxjax.hadamard`, `mxjax.dot_general`, `mxjax.policy` no longer exist as
 modules (they are the functions), and training dynamics moved from
-`mxjax.diagnostics` to `train.dynamics`.
+`mxjax.diagnostics` to `train.diagnostics.dynamics`.
 """
 
 from mxjax import diagnostics, formats, policies

@@ -92,6 +92,11 @@ def to_blocks(x: jax.Array, axis: int, block: int) -> tuple[jax.Array, int]:
     return xm, n
 
 
+def _tensor_amax_bits(abs_bits: jax.Array) -> jax.Array:
+    """uint32 abs bits of a tensor's amax; 0 for an empty tensor (whose scale is then 1)."""
+    return jnp.max(abs_bits) if abs_bits.size else jnp.zeros((), jnp.uint32)
+
+
 def _prescaled(y: jax.Array, prescale: bool) -> jax.Array:
     return y * jnp.float32(SR_PRESCALE) if prescale else y
 
@@ -267,7 +272,7 @@ class E4M3BlocksTensorScale:
 
     def prepare(self, xb, rule, prescale, dtype=jnp.float32):
         abs_bits = _bits.f32_bits(xb) & _bits.ABS_MASK
-        t_bits = jnp.max(abs_bits)
+        t_bits = _tensor_amax_bits(abs_bits)
         t = _tensor_scale(t_bits, self.element.max_normal * self.scale_element.max_normal,
                           self.tensor_floor_exp)
         amax = _bits.bits_f32(jnp.max(abs_bits, axis=-1, keepdims=True))
@@ -339,7 +344,7 @@ class PerTensor:
         return xm
 
     def prepare(self, xb, rule, prescale, dtype=jnp.float32):
-        t_bits = jnp.max(_bits.f32_bits(xb) & _bits.ABS_MASK)
+        t_bits = _tensor_amax_bits(_bits.f32_bits(xb) & _bits.ABS_MASK)
         t = _tensor_scale(t_bits, self.element.max_normal, self.tensor_floor_exp)
         finite = t_bits < _bits.EXP_INF
         y = jnp.where(finite, _bits.exact_div(xb, jnp.where(finite, t, 1.0)), 0.0)

@@ -42,7 +42,8 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     #  - kernels sit above recipes (they take the backend names from mxjax.recipes)
     #    and below mxjax.gemm (one GEMM under a recipe), their only caller, which
     #    imports them lazily so that `import mxjax` stays free of Pallas.
-    #  - the interceptor (the custom_vjp over the three GEMMs) sits above mxjax.gemm.
+    #  - the interceptor (the custom_vjp over the three GEMMs) sits above mxjax.gemm and
+    #    mxjax.gemm_record (the GemmRecord it hands observers of each GEMM).
     #  - policies sit above the interceptor: PrecisionPolicy.dot_general and
     #    mxjax.dot_general run it; the interceptor reads a policy through the
     #    mxjax.recipes.PolicyRecipes protocol and never imports the policy type.
@@ -58,6 +59,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("recipes", "accelerator_tpu"),
         ("kernels", "accelerator"),
         ("gemm",),
+        ("gemm_record",),
         ("interceptor",),
         ("policies",),
         ("diagnostics",),

@@ -10,7 +10,7 @@ Two parts:
   interceptor's one hook (``mxjax.interceptor.observe``).
 
 Training dynamics (per-layer gradient norms, collapse rate, update sizes, the
-instability detector) live in ``train.dynamics``.
+instability detector) live in ``train.diagnostics.dynamics``.
 """
 
 from mxjax.diagnostics.gemm_stats import (

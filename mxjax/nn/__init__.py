@@ -11,19 +11,21 @@
   ``jnp.dot``, ``@``), with ``Rule(path=regex, policy=..., operands=kind)`` per
   module path and operand kind (``'weight'``: the linear layers, the default;
   ``'activation'``: attention; ``'head'``: the output head; ``'any'``). Module
-  names are kept in name stacks; ``wrapped.report()`` says what each matmul got.
+  paths: ``mxjax.nn.paths``; ``wrapped.report(*call_args)`` says what each
+  matmul got (look before training: a rule matching nothing only warns).
 """
 
 from mxjax.nn.frontend import RNG_STREAM
 from mxjax.nn.interpret import transform_call
 from mxjax.nn.linen import LinenDotGeneral, LinenWrapped, linen_dot_general_cls
 from mxjax.nn.nnx import NnxDotGeneral, NnxEinsumOp, NnxWrapped
-from mxjax.nn.rules import HEAD_NAMES, KINDS, Rule, Site, WrapReport
+from mxjax.nn.rules import HEAD_NAMES, KINDS, NOT_GEMM, Rule, Site, WrapReport
 from mxjax.nn.wrap import FunctionWrapped, wrap
 
 __all__ = [
     "HEAD_NAMES",
     "KINDS",
+    "NOT_GEMM",
     "RNG_STREAM",
     "FunctionWrapped",
     "LinenDotGeneral",

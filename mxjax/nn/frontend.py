@@ -1,11 +1,13 @@
 """What the Linen, NNX and function front ends of ``mxjax.nn.wrap`` share.
 
 One place for the RNG stream name, whether a set of rules needs a key, the
-"randomized policy needs a key" error, and ``report()`` / ``last_report``.
+"randomized policy needs a key" error, ``report()`` / ``last_report``, and the
+warning when no rule matched anything.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -13,7 +15,8 @@ import jax
 
 from mxjax.nn.rules import Rule, WrapReport
 
-__all__ = ["RNG_STREAM", "ReportBox", "Reporting", "missing_key_error", "rules_need_key"]
+__all__ = ["RNG_STREAM", "ReportBox", "Reporting", "missing_key_error", "rules_need_key",
+           "unmatched_message"]
 
 # The RNG collection (Linen) / nnx.Rngs stream randomized policies draw from.
 RNG_STREAM = "mxjax"
@@ -29,11 +32,30 @@ def missing_key_error(arg: str, how: str) -> ValueError:
     return ValueError(f"{arg}: a rule's policy is randomized and needs a key; pass {how}")
 
 
+def unmatched_message(report: WrapReport, limit: int = 12) -> str:
+    """The warning when every rule of `report` matched nothing: the rules and the paths seen."""
+    seen: dict[tuple[str, str], int] = {}
+    for s in report.sites:
+        key = (s.path or "(root)", s.kind)
+        seen[key] = seen.get(key, 0) + 1
+    listed = [f"{p!r} ({k}, {n} dot{'s' if n > 1 else ''})" for (p, k), n in seen.items()]
+    more = f" and {len(listed) - limit} more" if len(listed) > limit else ""
+    paths = ", ".join(listed[:limit]) + more if listed else "none (no dot_general was traced)"
+    return (
+        "mxjax.nn.wrap: no rule matched any matmul, so the model runs unchanged. Rules: "
+        + "; ".join(r.describe() for r in report.rules)
+        + f". Module paths and kinds seen: {paths}. A rule's path is a regex matched with "
+        "re.fullmatch against these paths, and its operands must include the kind; "
+        "print(wrapped.report(*call_args)) shows them."
+    )
+
+
 class ReportBox:
     """Mutable holder for the last report (kept outside NNX state and pytrees)."""
 
     def __init__(self):
         self.report: WrapReport | None = None
+        self.warned = False
 
 
 class Reporting:
@@ -52,6 +74,13 @@ class Reporting:
 
     def _trace(self, args: tuple, kwargs: dict, *, abstract_key: bool) -> tuple[Any, WrapReport]:
         raise NotImplementedError
+
+    def _record(self, report: WrapReport) -> None:
+        """Keeps a call's report; warns (once per wrapped model) when no rule matched."""
+        self._box.report = report
+        if not self._box.warned and len(report.unused_rules) == len(report.rules):
+            self._box.warned = True
+            warnings.warn(unmatched_message(report), UserWarning, stacklevel=3)
 
     def report(self, *args, **kwargs) -> WrapReport:
         """The WrapReport: of the last call without arguments, else of a call with these.

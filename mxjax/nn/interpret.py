@@ -1,18 +1,19 @@
 """A function transform that runs every dot_general of a traced function under a policy.
 
-``transform_call(fn, args, kwargs, rules=..., key=...)`` traces ``fn`` to a jaxpr
-(``jax.make_jaxpr``), then evaluates the jaxpr again, replacing each
+``transform_call(fn, args, kwargs, rules=..., key=..., paths=...)`` traces ``fn``
+to a jaxpr (``jax.make_jaxpr``), then evaluates the jaxpr again, replacing each
 ``dot_general`` equation by ``mxjax.dot_general`` with the policy of the first
-rule whose regex matches the equation's module path. Nothing is patched: JAX
-and the model's code are untouched, and matmuls written anywhere (``jnp.einsum``,
+rule whose regex matches the equation's module path and whose kinds include its
+operand kind. Nothing is patched and nothing is added to the traced code: JAX,
+Flax and the model are untouched, and matmuls written anywhere (``jnp.einsum``,
 ``jnp.dot``, ``@``, Flax layers) are reached because they all lower to the
 ``dot_general`` primitive.
 
-Module paths come from the equations' name stacks. The Linen and NNX wrappers
-open a ``jax.named_scope('mxjax[<path>]')`` around every module method call; the
-innermost such scope is the equation's path. Without any marker (a plain
-function) the path is the name stack itself ('/'-joined ``jax.named_scope``
-names).
+Module paths (``mxjax.nn.paths``) are read from the program itself: the name
+stacks Flax's Linen modules put there, and for NNX the data flow from the
+module state. So a reused trace (``jax.jit``/``nn.jit``/``nnx.jit`` caches,
+remat/scan caches) gives the same paths as a fresh one, and a plain call after
+a wrapped one sees nothing of mxjax.
 
 Higher-order primitives whose sub-jaxprs contain a dot_general are re-emitted
 through the public API: ``jit``/``pjit``/``closed_call`` and ``custom_jvp_call``
@@ -27,24 +28,18 @@ other primitive with a dot_general inside raises NotImplementedError.
 Name stacks: everything the interpreter emits for an equation (a re-bound
 equation, the quantized GEMM with its quantizer ops, the re-emitted
 remat/scan/while/cond and inlined jit bodies) runs under the name stack of the
-equation it replaces (``jax.extend.source_info_util.user_context``), without the
-wrappers' ``mxjax[...]`` marker scopes, so ``jax.make_jaxpr``, HLO ``op_name``
-metadata and profiles show the same module paths as the unwrapped model.
+equation it replaces (``jax.extend.source_info_util.user_context``), so
+``jax.make_jaxpr``, HLO ``op_name`` metadata and profiles show the unwrapped
+model's names; a matmul's own ops get the trailing components of its module
+path the name stack lacks (NNX: the whole path), so that their ``op_name`` ends
+with the path the report shows.
 
-Operand kinds: a data-dependence analysis of the jaxpr from its inputs (each
-input is a parameter or data; ``param_args`` says which) finds, for every
-value, whether it is computed from parameters (and constants) alone and from
-which parameters. A dot_general is a ``'weight'`` site when at least one
-operand is computed from parameters alone (a parameter, possibly cast,
-reshaped, transposed or sliced), an ``'activation'`` site when both depend on
-data, and a ``'head'`` site (an output head) when its parameter-only operand
-comes from a parameter the program also reads with a ``gather`` at
-data-dependent indices (an embedding table: a tied head, e.g. ``jnp.dot(x,
-embedding.T)`` or ``nn.Embed.attend``), or when its module path's last
-component, or a component of its parameter's pytree path (e.g.
-``params/lm_head/kernel``), fully matches ``rules.HEAD_NAMES`` (``lm_head``,
-``head``, ...).
-Loops are analysed to a fixed point (a scan carry that mixes in data is data).
+Sites: a dot_general with no contracting dimension, or contracting dimensions of
+total size 1, is no GEMM (``'not_gemm'``: left exact, whatever the rules). A
+GEMM's kind (``'weight'``, ``'head'``, ``'activation'``) comes from
+``mxjax.nn.kinds``, from a data-dependence analysis of the jaxpr
+(``mxjax.nn.analysis``; each input is a parameter or data, ``param_args`` says
+which).
 
 Randomness: the key of a dot_general is ``fold_in(key, crc32(path#index))``
 folded with the enclosing loop counters, then split per GEMM by
@@ -67,74 +62,42 @@ from jax.extend import core as jcore
 from jax.extend import source_info_util as siu
 
 from mxjax.interceptor import dot_general as policy_dot_general
-from mxjax.nn.rules import HEAD_NAMES, Rule, Site, WrapReport
+from mxjax.nn.analysis import (
+    CONST,
+    DATA,
+    Facts,
+    Info,
+    call_jaxpr,
+    eqn_infos,
+    has_dot,
+    not_gemm,
+    open_jaxpr,
+    prepass,
+    read_info,
+    scan_counts,
+    site_origin,
+    sub_jaxprs,
+    weight_origin,
+)
+from mxjax.nn.kinds import classify
+from mxjax.nn.paths import Path, PathSource, as_str, common_prefix, key_name
+from mxjax.nn.rules import HEAD_NAMES, NOT_GEMM, Rule, Site, WrapReport
 
-__all__ = ["MARKER_PREFIX", "marker", "module_path", "transform_call"]
+__all__ = ["transform_call"]
 
-MARKER_PREFIX = "mxjax["
-_MARKER_RE = re.compile(r"mxjax\[([^\]]*)\]")
 _DOT = jcore.primitives.dot_general_p
-
-
-def marker(path: str) -> str:
-    """The named-scope name that tags everything under it with module `path`."""
-    return f"{MARKER_PREFIX}{path}]"
-
-
-def clean_name_stack(name_stack):
-    """`name_stack` (a ``NameStack``) without the wrappers' marker scopes."""
-    return type(name_stack)(tuple(s for s in name_stack.stack
-                                  if not s.name.startswith(MARKER_PREFIX)))
+_FUNCTION_PATHS = PathSource(front_end="function")
 
 
 @contextlib.contextmanager
-def _as(eqn):
-    """Binds what follows as `eqn` was bound: its name stack (no markers) and traceback."""
-    ns = siu.current_name_stack() + clean_name_stack(eqn.source_info.name_stack)
+def _as(eqn, extra: Path = ()):
+    """Binds what follows as `eqn` was bound (its name stack, plus `extra` scopes, and
+    traceback)."""
+    ns = siu.current_name_stack() + eqn.source_info.name_stack
+    for name in extra:
+        ns = ns.extend(name)
     with siu.user_context(eqn.source_info.traceback, name_stack=ns), eqn.ctx.manager:
         yield
-
-
-def module_path(name_stack: str) -> str:
-    """Innermost marked module path in a '/'-joined name stack (else the stack itself)."""
-    found = _MARKER_RE.findall(name_stack)
-    if found:
-        return found[-1]
-    return name_stack.strip("/")
-
-
-# --------------------------------------------------------------------------- #
-# Sub-jaxpr helpers (jax 0.11: ClosedJaxpr + open Jaxpr; jax 0.12: Jaxpr with consts)
-# --------------------------------------------------------------------------- #
-def _open(j) -> tuple[Any, list]:
-    consts = list(getattr(j, "consts", ()) or ())
-    return getattr(j, "jaxpr", j), consts
-
-
-def _is_jaxpr(v) -> bool:
-    return isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr))
-
-
-def _sub_jaxprs(params: dict) -> list:
-    out = []
-    for v in params.values():
-        if _is_jaxpr(v):
-            out.append(v)
-        elif isinstance(v, (tuple, list)):
-            out.extend(x for x in v if _is_jaxpr(x))
-    return out
-
-
-def _has_dot(j, cache: dict) -> bool:
-    """Whether a (sub-)jaxpr contains a dot_general; `cache` lives for one transform."""
-    inner, _ = _open(j)
-    hit = cache.get(id(inner))
-    if hit is not None and hit[0] is inner:
-        return hit[1]
-    found = any(e.primitive is _DOT or any(_has_dot(s, cache) for s in _sub_jaxprs(e.params))
-                for e in inner.eqns)
-    cache[id(inner)] = (inner, found)
-    return found
 
 
 def _bind_params(eqn) -> dict:
@@ -148,116 +111,18 @@ def _bind_params(eqn) -> dict:
 
 
 # --------------------------------------------------------------------------- #
-# Data dependence: None = depends on data; frozenset = the parameters it is computed from
-# --------------------------------------------------------------------------- #
-_CALLS = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-          "custom_vjp_call_jaxpr", "remat", "remat2", "checkpoint")
-_NO_PARAMS: frozenset = frozenset()
-
-
-def _join_all(deps) -> frozenset | None:
-    out = _NO_PARAMS
-    for d in deps:
-        if d is None:
-            return None
-        out = out | d
-    return out
-
-
-def _join2(a, b):
-    return None if a is None or b is None else a | b
-
-
-def _call_jaxpr(p: dict):
-    return p.get("jaxpr", p.get("call_jaxpr", p.get("fun_jaxpr")))
-
-
-def _loop_fixed_point(body, fixed: list, carry: list, rest: list, n_carry: int,
-                      tables: set | None) -> list:
-    """Carry dependences of a loop body run to a fixed point (body(fixed, carry, rest))."""
-    while True:
-        outs = _analyze(body, [*fixed, *carry, *rest], tables)
-        new = [_join2(c, o) for c, o in zip(carry, outs[:n_carry], strict=True)]
-        if new == carry:
-            return carry
-        carry = new
-
-
-def _eqn_deps(eqn, ins: list, tables: set | None) -> tuple[list, list]:
-    """(output dependences, [(sub-jaxpr, its input dependences)]) of one equation.
-
-    `tables` (when not None) collects the parameters read by a ``gather`` at
-    data-dependent indices: embedding tables.
-    """
-    name, p = eqn.primitive.name, eqn.params
-    n_out = len(eqn.outvars)
-    if name == "gather" and tables is not None and ins[0] and ins[1] is None:
-        tables.update(ins[0])
-    if name in _CALLS and _call_jaxpr(p) is not None:
-        sub = _call_jaxpr(p)
-        return _analyze(sub, ins, tables), [(sub, ins)]
-    if name == "scan":
-        n_consts, n_carry = _scan_counts(p)
-        consts, carry = ins[:n_consts], ins[n_consts:n_consts + n_carry]
-        xs = ins[n_consts + n_carry:]
-        carry = _loop_fixed_point(p["jaxpr"], consts, list(carry), xs, n_carry, None)
-        body_in = [*consts, *carry, *xs]
-        outs = _analyze(p["jaxpr"], body_in, tables)
-        return [*carry, *outs[n_carry:]], [(p["jaxpr"], body_in)]
-    if name == "while":
-        cn, bn = p["cond_nconsts"], p["body_nconsts"]
-        cconsts, bconsts, carry = ins[:cn], ins[cn:cn + bn], list(ins[cn + bn:])
-        while True:
-            carry = _loop_fixed_point(p["body_jaxpr"], bconsts, carry, [], len(carry), None)
-            pred = _analyze(p["cond_jaxpr"], [*cconsts, *carry], None)[0]
-            if pred is None and any(c is not None for c in carry):
-                carry = [None] * len(carry)  # how often the body runs depends on data
-                continue
-            break
-        _analyze(p["body_jaxpr"], [*bconsts, *carry], tables)
-        return carry, [(p["cond_jaxpr"], [*cconsts, *carry]), (p["body_jaxpr"], [*bconsts, *carry])]
-    if name == "cond":
-        index, ops = ins[0], ins[1:]
-        outs = None
-        for b in p["branches"]:
-            o = _analyze(b, ops, tables)
-            outs = o if outs is None else [_join2(a, c) for a, c in zip(outs, o, strict=True)]
-        if index is None:
-            outs = [None] * n_out
-        return outs, [(b, ops) for b in p["branches"]]
-    return [_join_all(ins)] * n_out, []
-
-
-def _analyze(j, ins: list, tables: set | None) -> list:
-    """Output dependences of a (sub-)jaxpr given its inputs' dependences."""
-    jaxpr, _ = _open(j)
-    env: dict = {}
-    for v in jaxpr.constvars:
-        env[v] = _NO_PARAMS
-    for v, d in zip(jaxpr.invars, ins, strict=True):
-        env[v] = d
-    for eqn in jaxpr.eqns:
-        outs, _ = _eqn_deps(eqn, [_read_dep(env, v) for v in eqn.invars], tables)
-        for v, d in zip(eqn.outvars, outs, strict=True):
-            env[v] = d
-    return [_read_dep(env, v) for v in jaxpr.outvars]
-
-
-def _read_dep(env: dict, v):
-    return _NO_PARAMS if isinstance(v, jcore.Literal) else env[v]
-
-
-# --------------------------------------------------------------------------- #
 # Interpreter
 # --------------------------------------------------------------------------- #
 class _Ctx:
-    """Trace-time state: rules, the base key, embedding tables, and what was found."""
+    """Trace-time state: rules, the base key, what the prepass found, and the sites."""
 
-    def __init__(self, rules: tuple[Rule, ...], key, tables: frozenset, head_params: frozenset):
+    def __init__(self, rules: tuple[Rule, ...], key, facts: Facts, head_params: frozenset,
+                 paths: PathSource):
         self.rules = rules
         self.key = key
-        self.tables = tables
+        self.facts = facts
         self.head_params = head_params
+        self.paths = paths
         self.sites: list[Site] = []
         self.skipped: list[str] = []
         self._counts: dict[str, int] = {}
@@ -278,37 +143,28 @@ class _Ctx:
         return WrapReport(tuple(self.sites), self.rules, tuple(self.skipped))
 
 
-def _stack_str(eqn) -> str:
-    return str(eqn.source_info.name_stack)
+def _stack_path(ctx: _Ctx, stack) -> str:
+    """The call path a name stack records (for messages; NNX records none)."""
+    try:
+        return as_str(ctx.paths.call_path(stack))
+    except ValueError:
+        return str(stack)
 
 
-def _join(prefix: str, s: str) -> str:
-    return f"{prefix}/{s}" if prefix and s else (prefix or s)
-
-
-def _kind(path: str, lhs_dep, rhs_dep, ctx: _Ctx) -> tuple[str, str]:
-    """(kind, why) of a dot_general from its operands' dependences."""
-    if lhs_dep is None and rhs_dep is None:
-        return "activation", "both operands depend on the inputs"
-    sides = [n for n, d in (("lhs", lhs_dep), ("rhs", rhs_dep)) if d is not None]
-    side = sides[0] if len(sides) == 1 else "lhs and rhs"
-    params = _join_all(d for d in (lhs_dep, rhs_dep) if d is not None)
-    if params & ctx.tables:
-        return "head", f"{side} is the embedding table (a parameter also read by a gather)"
-    if params & ctx.head_params:
-        return "head", f"{side} from a parameter named like an output head"
-    if re.fullmatch(HEAD_NAMES, path.rsplit("/", 1)[-1]):
-        return "head", f"{side} from parameters alone, in a module named like an output head"
-    what = "parameters alone" if params else "constants alone"
-    return "weight", f"{side} computed from {what}"
-
-
-def _dot(eqn, invals, deps, ctx: _Ctx, stack: str, salts: tuple):
+def _dot(eqn, invals, ins: list[Info], ctx: _Ctx, stack, salts: tuple):
     lhs, rhs = invals
-    path = module_path(stack)
-    idx = ctx.next_index(path)
-    kind, why = _kind(path, deps[0], deps[1], ctx)
-    rule, policy = ctx.match(path, kind)
+    call = ctx.paths.call_path(stack)
+    path, extra = ctx.paths.site_path(call, weight_origin(*ins), site_origin(*ins))
+    name = as_str(path)
+    idx = ctx.next_index(name)
+    shapes = (tuple(lhs.shape), tuple(rhs.shape))
+    reason = not_gemm(eqn)
+    if reason is not None:
+        ctx.sites.append(Site(name, idx, None, None, *shapes, kind=NOT_GEMM,
+                              why=f"{reason}: left exact"))
+        return _rebind(eqn, invals, extra)[0]
+    kind, why, head_rule = classify(eqn, ins[0], ins[1], path, ctx.facts, ctx.head_params)
+    rule, policy = ctx.match(name, kind)
     note = ""
     if policy is None:
         why += "; no rule selects this path and kind: unchanged"
@@ -318,56 +174,56 @@ def _dot(eqn, invals, deps, ctx: _Ctx, stack: str, salts: tuple):
                                    and jnp.issubdtype(rhs.dtype, jnp.floating)):
         note, policy = "non-float operands: left unchanged", None
         why += f" ({note})"
-    ctx.sites.append(Site(path, idx, rule, policy, tuple(lhs.shape), tuple(rhs.shape), note,
-                          kind, why))
+    ctx.sites.append(Site(name, idx, rule, policy, *shapes, note, kind, why, head_rule))
     params = eqn.params
     if policy is None or policy.is_passthrough:  # the equation itself: the same program
-        return _rebind(eqn, invals)[0]
+        return _rebind(eqn, invals, extra)[0]
     key = None
     if policy.needs_key:
         if ctx.key is None:
             raise ValueError(
-                f"key: the policy for module path {path!r} ({policy.name or 'custom'}) "
+                f"key: the policy for module path {name!r} ({policy.name or 'custom'}) "
                 "is randomized "
                 "and needs a key: pass rngs={'mxjax': key} (Linen), an nnx.Rngs with an 'mxjax' "
                 "stream (NNX) or mxjax_key= (functions)"
             )
-        key = jax.random.fold_in(ctx.key, zlib.crc32(f"{path}#{idx}".encode()) & 0x7FFFFFFF)
+        key = jax.random.fold_in(ctx.key, zlib.crc32(f"{name}#{idx}".encode()) & 0x7FFFFFFF)
         for s in salts:
             key = jax.random.fold_in(key, s)
-    with _as(eqn):
+    with _as(eqn, extra):
         return policy_dot_general(
             lhs, rhs, params["dimension_numbers"], params.get("precision"),
             params.get("preferred_element_type"), policy=policy, key=key,
             out_sharding=params.get("out_sharding"))
 
 
-def _eval(j, args, deps, ctx: _Ctx, prefix: str, salts: tuple) -> list:
-    jaxpr, consts = _open(j)
+def _eval(j, args, infos, ctx: _Ctx, prefix, salts: tuple) -> list:
+    """Evaluates a (sub-)jaxpr; `prefix`: the name stack of the equations around it."""
+    jaxpr, consts = open_jaxpr(j)
     env: dict = {}
-    denv: dict = {}
+    ienv: dict = {}
 
     def read(v):
         return v.val if isinstance(v, jcore.Literal) else env[v]
 
     for v, x in zip(jaxpr.constvars, consts, strict=True):
-        env[v], denv[v] = x, _NO_PARAMS
-    for v, x, d in zip(jaxpr.invars, args, deps, strict=True):
-        env[v], denv[v] = x, d
+        env[v], ienv[v] = x, CONST
+    for v, x, d in zip(jaxpr.invars, args, infos, strict=True):
+        env[v], ienv[v] = x, d
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        ins = [_read_dep(denv, v) for v in eqn.invars]
-        out_deps, sub_ins = _eqn_deps(eqn, ins, None)
-        stack = _join(prefix, _stack_str(eqn))
+        ins = [read_info(ienv, v) for v in eqn.invars]
+        out_infos, sub_ins = eqn_infos(eqn, ins, None)
+        stack = prefix + eqn.source_info.name_stack
         if eqn.primitive is _DOT:
             outs = [_dot(eqn, invals, ins, ctx, stack, salts)]
-        elif any(_has_dot(s, ctx.has_dot_cache) for s in _sub_jaxprs(eqn.params)):
+        elif any(has_dot(s, ctx.has_dot_cache) for s in sub_jaxprs(eqn.params)):
             with _as(eqn):
                 outs = _higher_order(eqn, invals, [d for _, d in sub_ins], ctx, stack, salts)
         else:
             outs = _rebind(eqn, invals)
-        for v, x, d in zip(eqn.outvars, outs, out_deps, strict=True):
-            env[v], denv[v] = x, d
+        for v, x, d in zip(eqn.outvars, outs, out_infos, strict=True):
+            env[v], ienv[v] = x, d
     return [read(v) for v in jaxpr.outvars]
 
 
@@ -376,39 +232,36 @@ def _bind(eqn, invals) -> list:
     return list(ans) if eqn.primitive.multiple_results else [ans]
 
 
-def _rebind(eqn, invals) -> list:
-    with _as(eqn):
+def _rebind(eqn, invals, extra: Path = ()) -> list:
+    with _as(eqn, extra):
         return _bind(eqn, invals)
 
 
-def _scan_counts(params: dict) -> tuple[int, int]:
-    if "num_consts" in params:  # jax <= 0.11
-        return params["num_consts"], params["num_carry"]
-    consts, carry, _ = params["ft_in"].unpack()  # jax 0.12
-    return len(consts), len(carry)
-
-
-def _higher_order(eqn, invals, sub_deps: list, ctx: _Ctx, stack: str, salts: tuple) -> list:
+def _higher_order(eqn, invals, sub_infos: list, ctx: _Ctx, stack, salts: tuple) -> list:
     """Re-emits a higher-order equation with a dot_general inside; called under ``_as(eqn)``.
 
-    `sub_deps`: the input dependences of each sub-jaxpr, from `_eqn_deps`.
+    `sub_infos`: the input Infos of each sub-jaxpr, from `eqn_infos`.
     """
     name = eqn.primitive.name
     p = eqn.params
     if name in ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call"):
-        return _eval(_call_jaxpr(p), invals, sub_deps[0], ctx, stack, salts)
+        return _eval(call_jaxpr(p), invals, sub_infos[0], ctx, stack, salts)
     if name in ("custom_vjp_call", "custom_vjp_call_jaxpr"):
-        ctx.skipped.append(f"{module_path(stack) or '(root)'}: dot_general inside a custom_vjp "
+        ins = sub_infos[0]
+        weight = common_prefix(i.origin for i in ins if i.params is not None)
+        origin = weight if weight is not None else common_prefix(i.origin for i in ins)
+        where, _ = ctx.paths.site_path(ctx.paths.call_path(stack), weight, origin)
+        ctx.skipped.append(f"{as_str(where) or '(root)'}: dot_general inside a custom_vjp "
                            "(left unchanged)")
         return _bind(eqn, invals)  # already under the equation's name stack
     if name in ("remat", "remat2", "checkpoint"):
         def body(*args):
-            return _eval(p["jaxpr"], list(args), sub_deps[0], ctx, stack, salts)
+            return _eval(p["jaxpr"], list(args), sub_infos[0], ctx, stack, salts)
 
         return list(jax.checkpoint(body, prevent_cse=p.get("prevent_cse", True),
                                    policy=p.get("policy"))(*invals))
     if name == "scan":
-        n_consts, n_carry = _scan_counts(p)
+        n_consts, n_carry = scan_counts(p)
         consts, init, xs = (invals[:n_consts], invals[n_consts:n_consts + n_carry],
                             invals[n_consts + n_carry:])
 
@@ -416,7 +269,7 @@ def _higher_order(eqn, invals, sub_deps: list, ctx: _Ctx, stack: str, salts: tup
 
         def scan_body(carry, x):
             i, c = carry if counted else (None, carry)
-            outs = _eval(p["jaxpr"], [*consts, *c, *x], sub_deps[0], ctx, stack,
+            outs = _eval(p["jaxpr"], [*consts, *c, *x], sub_infos[0], ctx, stack,
                          salts + (i,) if counted else salts)
             new = outs[:n_carry]
             return ((i + 1, new) if counted else new), outs[n_carry:]
@@ -429,20 +282,20 @@ def _higher_order(eqn, invals, sub_deps: list, ctx: _Ctx, stack: str, salts: tup
     if name == "while":
         cn, bn = p["cond_nconsts"], p["body_nconsts"]
         cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
-        if _has_dot(p["cond_jaxpr"], ctx.has_dot_cache):
+        if has_dot(p["cond_jaxpr"], ctx.has_dot_cache):
             raise NotImplementedError("mxjax.nn: a dot_general in a while_loop condition")
 
         counted = ctx.key is not None
 
         def cond_fn(carry):
             c = carry[1] if counted else carry
-            return _eval(p["cond_jaxpr"], [*cconsts, *c], sub_deps[0], ctx, stack, salts)[0]
+            return _eval(p["cond_jaxpr"], [*cconsts, *c], sub_infos[0], ctx, stack, salts)[0]
 
         def body_fn(carry):
             if not counted:
-                return _eval(p["body_jaxpr"], [*bconsts, *carry], sub_deps[1], ctx, stack, salts)
+                return _eval(p["body_jaxpr"], [*bconsts, *carry], sub_infos[1], ctx, stack, salts)
             i, c = carry
-            return i + 1, _eval(p["body_jaxpr"], [*bconsts, *c], sub_deps[1], ctx, stack,
+            return i + 1, _eval(p["body_jaxpr"], [*bconsts, *c], sub_infos[1], ctx, stack,
                                 salts + (i,))
 
         if not counted:
@@ -454,11 +307,11 @@ def _higher_order(eqn, invals, sub_deps: list, ctx: _Ctx, stack: str, salts: tup
         def branch(b, d):
             return lambda *a: _eval(b, list(a), d, ctx, stack, salts)
 
-        branches = [branch(b, d) for b, d in zip(p["branches"], sub_deps, strict=True)]
+        branches = [branch(b, d) for b, d in zip(p["branches"], sub_infos, strict=True)]
         return list(lax.switch(index, branches, *ops))
     raise NotImplementedError(
         f"mxjax.nn: cannot intercept a dot_general inside the {name!r} primitive "
-        f"(module path {module_path(stack)!r}); apply the policy inside it with "
+        f"(module path {_stack_path(ctx, stack)!r}); apply the policy inside it with "
         "policy.dot_general(...) instead"
     )
 
@@ -470,27 +323,28 @@ def _is_dynamic(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def _key_name(k) -> str:
-    """The name of one pytree path entry (dict key, attribute or index)."""
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
 def _mask(tree, value: bool):
     return jax.tree.map(lambda _: value, tree)
 
 
+def _is_float(x) -> bool:
+    return jnp.issubdtype(x.dtype if hasattr(x, "dtype") else np.result_type(x), jnp.inexact)
+
+
 def transform_call(fn: Callable, args: tuple, kwargs: dict, *, rules: tuple[Rule, ...], key,
-                   prefix: str = "", param_args: tuple[int, ...] = ()) -> tuple[Any, WrapReport]:
+                   param_args: tuple[int, ...] = (), paths: PathSource = _FUNCTION_PATHS,
+                   aux_output: bool = False) -> tuple[Any, WrapReport]:
     """Calls ``fn(*args, **kwargs)`` with every dot_general under its rule's policy.
 
     Array leaves of ``(args, kwargs)`` are traced; every other leaf is static.
     The array leaves of the positional arguments listed in `param_args` are the
-    parameters (for operand kinds); all other array leaves are data. Arrays
-    `fn` closes over count as parameters too.
-    Returns ``(output, report)``.
+    parameters (for operand kinds; a floating-point one is owned by the module
+    ``paths.owner`` names); all other array leaves are data. Arrays `fn` closes
+    over count as parameters too. `paths` says where module paths come from (the
+    front end: function, Linen or NNX). With `aux_output`, ``fn`` returns
+    ``(output, aux)`` and only ``output`` is the model's output (e.g. ``aux``:
+    updated state).
+    Returns ``(fn's return value, report)``.
     """
     for i in param_args:
         if not isinstance(i, int) or not 0 <= i < len(args):
@@ -498,7 +352,7 @@ def transform_call(fn: Callable, args: tuple, kwargs: dict, *, rules: tuple[Rule
                              f"(there are {len(args)})")
     is_param = jax.tree_util.tree_leaves(
         (tuple(_mask(a, i in param_args) for i, a in enumerate(args)), _mask(kwargs, False)))
-    paths, _ = jax.tree_util.tree_flatten_with_path((args, kwargs))
+    keypaths, _ = jax.tree_util.tree_flatten_with_path((args, kwargs))
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     if len(is_param) != len(leaves):  # pragma: no cover - tree.map keeps the structure
         raise AssertionError("mxjax.nn: parameter mask does not match the arguments")
@@ -512,12 +366,18 @@ def transform_call(fn: Callable, args: tuple, kwargs: dict, *, rules: tuple[Rule
         return fn(*a, **k)
 
     dyn = [leaves[i] for i in dyn_idx]
-    deps = [frozenset({n}) if is_param[i] else None for n, i in enumerate(dyn_idx)]
-    head_params = frozenset(n for n, i in enumerate(dyn_idx) if is_param[i]
-                            and any(re.fullmatch(HEAD_NAMES, _key_name(k)) for k in paths[i][0]))
+    infos = []
+    for n, i in enumerate(dyn_idx):
+        if not is_param[i]:
+            infos.append(DATA)
+            continue
+        owner = paths.owner(keypaths[i][0][2:]) if _is_float(leaves[i]) else None
+        infos.append(Info(frozenset({n}), owner))
+    head_params = frozenset(
+        n for n, i in enumerate(dyn_idx) if is_param[i]
+        and any(re.fullmatch(HEAD_NAMES, key_name(k)) for k in keypaths[i][0]))
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
-    tables: set = set()
-    _analyze(closed, deps, tables)
-    ctx = _Ctx(rules, key, frozenset(tables), head_params)
-    outs = _eval(closed, dyn, deps, ctx, prefix, ())
+    n_model = len(jax.tree.leaves(out_shape[0] if aux_output else out_shape))
+    ctx = _Ctx(rules, key, prepass(closed, infos, n_model), head_params, paths)
+    outs = _eval(closed, dyn, infos, ctx, siu.NameStack(), ())
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs), ctx.report()

@@ -6,7 +6,6 @@ import functools
 from typing import Any
 
 import flax.linen as nn
-import jax
 
 from mxjax import policies
 from mxjax.interceptor import dot_general
@@ -18,7 +17,8 @@ from mxjax.nn.frontend import (
     placeholder_key,
     rules_need_key,
 )
-from mxjax.nn.interpret import marker, transform_call
+from mxjax.nn.interpret import transform_call
+from mxjax.nn.paths import PathSource
 from mxjax.nn.rules import Rule
 from mxjax.policies import PrecisionPolicy
 
@@ -51,11 +51,18 @@ def linen_dot_general_cls(policy: PrecisionPolicy | str, rng_collection: str = R
                              rng_collection=rng_collection)
 
 
-def _scope_interceptor(next_fun, args, kwargs, context):
-    if context.method_name == "setup":
-        return next_fun(*args, **kwargs)
-    with jax.named_scope(marker("/".join(context.module.path))):
-        return next_fun(*args, **kwargs)
+def _root_scopes(module: nn.Module, method) -> tuple[str, ...]:
+    """The names the scope Flax opens around the applied method may have (() for a function
+    that is not a method): the module's name, else the name of its class or of the class
+    a lifted transform (``nn.jit(Cls)``: ``JitCls``) wraps."""
+    if method is not None and not isinstance(method, str):
+        name = getattr(method, "__name__", None)
+        if name is None or getattr(type(module), name, None) is not method:
+            return ()
+    if module.name is not None:
+        return (module.name,)
+    return tuple(c.__name__ for c in type(module).__mro__
+                 if issubclass(c, nn.Module) and c is not nn.Module)
 
 
 class LinenWrapped(Reporting):
@@ -66,8 +73,10 @@ class LinenWrapped(Reporting):
     dot_general (Dense, DenseGeneral, Einsum, attention, and ``jnp.einsum``/
     ``jnp.dot``/``@`` in the module's code) replaced by the matching rule's
     policy. Randomized policies take their key from ``rngs['mxjax']``.
-    Module paths are the Linen scope paths ('/'-joined, root ``''``); the
-    parameters (for operand kinds) are ``variables``.
+    Module paths are Linen's call paths, read from the scopes Flax opens
+    around each module call ('/'-joined, root ``''``, e.g. ``'Block_0/Dense_1'``;
+    ``mxjax.nn.paths``); the parameters (for operand kinds) are ``variables``.
+    Nothing is intercepted: the module runs exactly as ``module.apply`` does.
     ``report()`` returns the last call's WrapReport (``last_report``);
     ``report(variables, *args, **kwargs)`` traces one abstractly.
     """
@@ -106,16 +115,22 @@ class LinenWrapped(Reporting):
         if self.needs_key and key is None:
             raise missing_key_error("rngs", "rngs={'mxjax': key} (a new key each step) to apply")
 
-        def fn(variables, rest, *args, **kwargs):
-            with nn.intercept_methods(_scope_interceptor):
-                return self.module.apply(variables, *args, rngs=rest, method=method,
-                                         mutable=mutable, **kwargs)
+        returns_state = mutable is not False  # Flax's apply returns (output, variables)
 
-        return transform_call(fn, (variables, rest, *args), kwargs, rules=self.rules, key=key,
-                              param_args=(0,))
+        def fn(variables, rest, *args, **kwargs):
+            out = self.module.apply(variables, *args, rngs=rest, method=method,
+                                    mutable=mutable, **kwargs)
+            return out if returns_state else (out, None)
+
+        paths = PathSource(front_end="linen", roots=_root_scopes(self.module, method))
+        (out, state), report = transform_call(
+            fn, (variables, rest, *args), kwargs, rules=self.rules, key=key, param_args=(0,),
+            paths=paths, aux_output=True)
+        return ((out, state) if returns_state else out), report
 
     def apply(self, variables, *args, rngs=None, method=None, mutable=False, **kwargs):
-        out, self._box.report = self._call(variables, args, kwargs, rngs, method, mutable)
+        out, report = self._call(variables, args, kwargs, rngs, method, mutable)
+        self._record(report)
         return out
 
     def __repr__(self) -> str:

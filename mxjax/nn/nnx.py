@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import inspect
-import types
-
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from mxjax import policies
 from mxjax.interceptor import dot_general
 from mxjax.nn.frontend import RNG_STREAM, ReportBox, Reporting, placeholder_key, rules_need_key
-from mxjax.nn.interpret import marker, transform_call
+from mxjax.nn.interpret import transform_call
+from mxjax.nn.paths import PathSource
 from mxjax.nn.rules import Rule
 from mxjax.policies import PrecisionPolicy
 
@@ -70,63 +65,7 @@ class NnxEinsumOp(nnx.Module):
         return jnp.einsum(subscripts, *operands, _dot_general=self.dot_general, **kwargs)
 
 
-# --------------------------------------------------------------------------- #
-# Scoping module calls by path (on the wrapper's private merged copy only)
-# --------------------------------------------------------------------------- #
-_PATH_ATTR = "_mxjax_path"
-_BASE_NAMES = frozenset(dir(nnx.Module))
-_SKIP_TYPES = tuple(getattr(nnx, n) for n in ("List", "Dict") if hasattr(nnx, n))
-_SCOPED: dict[type, type] = {}
-
-
-def _scoped_method(f):
-    @functools.wraps(f)
-    def method(self, *args, **kwargs):
-        path = self.__dict__.get(_PATH_ATTR)
-        if path is None:
-            return f(self, *args, **kwargs)
-        with jax.named_scope(marker(path)):
-            return f(self, *args, **kwargs)
-
-    method._mxjax_scoped = True
-    return method
-
-
-def _scoped_class(cls: type) -> type:
-    """A subclass of `cls` whose __call__ and public methods open the module's path scope."""
-    if getattr(cls, "_mxjax_scoped_class", False):
-        return cls
-    sub = _SCOPED.get(cls)
-    if sub is None:
-        ns = {"_mxjax_scoped_class": True, "__module__": cls.__module__,
-              "__qualname__": cls.__qualname__}
-        for name in dir(cls):
-            if name != "__call__" and (name.startswith("_") or name in _BASE_NAMES):
-                continue
-            attr = inspect.getattr_static(cls, name, None)
-            if isinstance(attr, types.FunctionType):
-                ns[name] = _scoped_method(attr)
-        sub = type(cls)(cls.__name__, (cls,), ns)
-        _SCOPED[cls] = sub
-    return sub
-
-
-@contextlib.contextmanager
-def _scoped(root: nnx.Module):
-    changed = []
-    try:
-        for path, m in nnx.iter_modules(root):
-            if isinstance(m, _SKIP_TYPES):
-                continue
-            cls = type(m)
-            object.__setattr__(m, "__class__", _scoped_class(cls))
-            m.__dict__[_PATH_ATTR] = "/".join(str(p) for p in path)
-            changed.append((m, cls))
-        yield
-    finally:
-        for m, cls in changed:
-            m.__dict__.pop(_PATH_ATTR, None)
-            object.__setattr__(m, "__class__", cls)
+_NNX_PATHS = PathSource(front_end="nnx")
 
 
 class NnxWrapped(Reporting, nnx.Module):
@@ -136,7 +75,14 @@ class NnxWrapped(Reporting, nnx.Module):
     (``nnx.Linear``, ``nnx.Einsum``, attention, ``jnp.einsum``/``jnp.dot``/``@``
     in the module's own code) under the first matching rule's policy. Module
     paths are NNX graph paths ('/'-joined, e.g. ``'layers/0/mlp/up'``; root
-    ``''``); the parameters (for operand kinds) are the module's state.
+    ``''``) read from the data flow: a weight matmul is at the module owning
+    its weight, a matmul of two activations at the deepest module containing
+    the modules both operands come from (``mxjax.nn.paths``). The parameters
+    (for operand kinds) are the module's state. The call runs on a private
+    copy (``nnx.split``/``nnx.merge`` of the module's state): the user's module
+    objects are never touched, through any NNX transform inside the model
+    (``nnx.scan``/``remat``/``vmap``/``jit``) and bridge modules
+    (``nnx.bridge.ToNNX``).
     Randomized policies draw ``rngs.mxjax()`` once per call (a new key each
     step; per-layer noise is derived from it). State updates of the wrapped
     module (e.g. batch statistics) are written back. ``report()`` returns the
@@ -163,14 +109,14 @@ class NnxWrapped(Reporting, nnx.Module):
 
         def fn(state, *args, **kwargs):
             m = nnx.merge(graphdef, state)
-            with _scoped(m):
-                out = m(*args, **kwargs)
+            out = m(*args, **kwargs)
             return out, nnx.state(m)
 
         return transform_call(fn, (state, *args), kwargs, rules=self.rules, key=key,
-                              param_args=(0,))
+                              param_args=(0,), paths=_NNX_PATHS, aux_output=True)
 
     def __call__(self, *args, **kwargs):
-        (out, new_state), self._box.report = self._trace(args, kwargs, abstract_key=False)
+        (out, new_state), report = self._trace(args, kwargs, abstract_key=False)
+        self._record(report)
         nnx.update(self.module, new_state)
         return out

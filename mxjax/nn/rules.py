@@ -10,14 +10,15 @@ from typing import Any
 from mxjax import policies
 from mxjax.policies import PrecisionPolicy
 
-__all__ = ["HEAD_NAMES", "KINDS", "Rule", "Site", "WrapReport", "as_rules"]
+__all__ = ["HEAD_NAMES", "KINDS", "NOT_GEMM", "Rule", "Site", "WrapReport", "as_rules"]
 
-# What a dot_general's operands are (see `Site.kind`).
+# What a GEMM's operands are (see `Site.kind`); the kinds a Rule selects.
 KINDS = ("weight", "head", "activation")
-# A weight matmul is an output head when its weight comes from a parameter with a
-# path component (e.g. 'params/lm_head/kernel') fully matching this, or sits in a
-# module whose last path component does; and when its weight is a parameter the
-# program also gathers from (the embedding table: a tied head).
+# The kind of a dot_general that is no GEMM (nothing summed): no rule selects it.
+NOT_GEMM = "not_gemm"
+# The name fallback for output heads (mxjax.nn.kinds): a weight matmul whose weight
+# comes from a parameter with a path component (e.g. 'params/lm_head/kernel') fully
+# matching this, or that sits in a module whose last path component does.
 HEAD_NAMES = r"lm_head|head|output_head|unembed|unembedding"
 
 
@@ -28,17 +29,22 @@ class Rule:
     Attributes:
       path: a regular expression matched with ``re.fullmatch`` against the module
         path, '/'-joined from the root (e.g. ``'layers/0/mlp/up'`` for NNX,
-        ``'Block_0/Dense_1'`` for Linen; ``''`` is the root module's own code).
-        ``'.*'`` matches everything.
+        ``'Block_0/Dense_1'`` for Linen; ``''`` is the root module's own code;
+        the format and where it comes from: ``mxjax.nn.paths``). ``'.*'``
+        matches everything. To see the paths of a model:
+        ``print(mxjax.nn.wrap(model, rules).report(*call_args))``.
       policy: a PrecisionPolicy, a preset name, or None to leave the matched
         dot_generals untouched (plain ``lax.dot_general``).
       operands: which dot_generals the rule selects by what their operands are
         (``Site.kind``): ``'weight'`` (default: one operand is computed from
         parameters alone; the linear layers), ``'head'`` (an output head: a
-        weight matmul whose weight is the embedding table, i.e. a tied head,
-        or a parameter or module named like ``lm_head``; see ``HEAD_NAMES``),
-        ``'activation'`` (both operands depend on the inputs: attention
-        scores and values), ``'any'`` (all three), or a tuple of kinds.
+        weight matmul whose weight is the embedding table, i.e. a tied head;
+        or whose result is the model's output with the vocabulary's width; or,
+        as a fallback, a parameter or module named like ``lm_head``; see
+        ``mxjax.nn.kinds``), ``'activation'`` (both operands depend on the
+        inputs: attention scores and values), ``'any'`` (all three), or a
+        tuple of kinds. A dot_general that is no GEMM (``Site.kind ==
+        'not_gemm'``) is never selected.
     Rules are tried in order; the first rule whose path and operands both match
     wins. So by default (a bare policy or preset name is ``Rule(path='.*',
     policy=...)``) only the linear layers are quantized: attention and the
@@ -115,8 +121,13 @@ class Site:
       kind: what the operands are: ``'weight'`` (at least one operand is
         computed from parameters alone, e.g. a parameter cast, reshaped or
         transposed), ``'head'`` (a weight matmul that is an output head),
-        ``'activation'`` (both operands depend on the inputs).
+        ``'activation'`` (both operands depend on the inputs), or
+        ``'not_gemm'`` (no contracting dimension, or contracting dimensions of
+        total size 1: an elementwise or outer product; always left exact).
       why: how the kind was found and why the site was or was not quantized.
+      head_rule: for heads, the rule that decided: ``'tied'`` (the embedding
+        table), ``'structure'`` (the model's output, the vocabulary's width) or
+        ``'name'`` (``HEAD_NAMES``); else ''.
     """
 
     path: str
@@ -128,6 +139,7 @@ class Site:
     note: str = ""
     kind: str = "weight"
     why: str = ""
+    head_rule: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,17 +159,19 @@ class WrapReport:
 
     @property
     def modules(self) -> dict[str, str | None]:
-        """{module path: policy name (None when left unchanged)} for every path with a dot."""
+        """{module path: policy name (None when left unchanged)} for every path with a GEMM."""
         out: dict[str, str | None] = {}
         for s in self.sites:
+            if s.kind == NOT_GEMM:
+                continue
             name = None if s.policy is None else (s.policy.name or "custom")
             out.setdefault(s.path, name)
         return out
 
     def sites_of(self, kind: str) -> tuple[Site, ...]:
-        """The sites whose operands are `kind` ('weight', 'head' or 'activation')."""
-        if kind not in KINDS:
-            raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
+        """The sites whose operands are `kind` ('weight', 'head', 'activation', 'not_gemm')."""
+        if kind not in (*KINDS, NOT_GEMM):
+            raise ValueError(f"kind: expected one of {(*KINDS, NOT_GEMM)}, got {kind!r}")
         return tuple(s for s in self.sites if s.kind == kind)
 
     @property

@@ -27,7 +27,8 @@ class FunctionWrapped(Reporting):
     """A function whose dot_generals run under path rules (from ``mxjax.nn.wrap``).
 
     Call it like the function, plus ``mxjax_key=`` for randomized policies.
-    Paths are the ``jax.named_scope`` names around each matmul ('/'-joined).
+    Paths are the ``jax.named_scope`` names around each matmul ('/'-joined;
+    ``mxjax.nn.paths``).
     The parameters (for operand kinds) are the positional arguments listed in
     ``params_argnums`` and the arrays the function closes over.
     ``report()`` returns the last call's WrapReport (``last_report``);
@@ -52,8 +53,8 @@ class FunctionWrapped(Reporting):
                               param_args=self.params_argnums)
 
     def __call__(self, *args, mxjax_key=None, **kwargs):
-        out, self._box.report = self._trace(args, {**kwargs, "mxjax_key": mxjax_key},
-                                            abstract_key=False)
+        out, report = self._trace(args, {**kwargs, "mxjax_key": mxjax_key}, abstract_key=False)
+        self._record(report)
         return out
 
 
@@ -83,7 +84,15 @@ def wrap(model: Any, policy_or_rules: Any, *, rngs: nnx.Rngs | None = None,
       Function: a ``FunctionWrapped``.
       After each call ``.last_report`` (and ``.report()``) holds the WrapReport:
       each dot_general's module path, operand kind, policy and why, and unused
-      rules. ``.report(*call_args)`` traces a call abstractly instead.
+      rules. ``.report(*call_args)`` traces a call abstractly instead. The
+      first call in which no rule matched anything warns (UserWarning), naming
+      the rules and the paths seen.
+
+    Module paths (``mxjax.nn.paths``) are read from the traced program, so JAX's
+    trace caches do not change them, and ``wrap`` changes nothing on `model`:
+    no class swapped, no attribute written, nothing added to the code a plain
+    call of the model traces (NNX: only the state the call itself updates, e.g.
+    batch statistics or RNG counters, is written back, as a plain call would).
     """
     rules = as_rules(policy_or_rules)
     argnums = (params_argnums,) if isinstance(params_argnums, int) else params_argnums

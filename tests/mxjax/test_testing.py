@@ -76,8 +76,8 @@ def _cuda_program(fn, *args) -> str:
 
 
 def test_wrapping_under_bf16_compiles_to_the_unwrapped_program():
-    from test_wrap_names import Stack
-    from test_wrap_names import X as XS  # remat + scan + einsum attention
+    from tests.mxjax.nn.test_wrap_names import Stack
+    from tests.mxjax.nn.test_wrap_names import X as XS  # remat + scan + einsum attention
 
     m = Stack()
     v = m.init(jax.random.key(0), XS)

@@ -57,8 +57,9 @@ def test_default_quantizes_linear_layers_only_and_the_report_says_why():
     assert _kinds(rep) == [("", "weight", "mxfp4_all"),          # x @ (cast, reshaped) kernel
                            ("", "activation", None), ("", "activation", None),
                            ("mlp", "weight", "mxfp4_all"),
-                           ("", "head", None)]                   # the tied head
+                           ("embed", "head", None)]   # the tied head: at the table's module
     assert "embedding table" in rep.sites[-1].why and "gather" in rep.sites[-1].why
+    assert rep.sites[-1].head_rule == "tied"
     assert "both operands depend on the inputs" in rep.sites[1].why
     text = str(rep)
     assert "kind" in text and "head" in text and "activation" in text
@@ -87,12 +88,22 @@ def test_rules_select_attention_and_the_head_by_operand_kind():
         mnn.Rule(path=".*", policy="bf16", operands="weights")
 
 
-def test_untied_head_by_name_and_nnx_and_functions():
+def test_untied_head_by_structure_or_name_and_nnx_and_functions():
     m = UntiedLM()
     v = m.init(jax.random.key(0), TOKENS)
     rep = mnn.wrap(m, "mxfp4_all").report(v, TOKENS)
     assert _kinds(rep) == [("mlp", "weight", "mxfp4_all"), ("lm_head", "head", None)]
-    assert "named like an output head" in rep.sites[1].why
+    assert rep.sites[1].head_rule == "structure" and "vocabulary" in rep.sites[1].why
+
+    class Classifier(nn.Module):  # no embedding table: the name decides
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(10, name="head")(nn.Dense(D, name="mlp")(x))
+
+    x = jnp.ones((2, D))
+    rep = mnn.wrap(Classifier(), "mxfp4_all").report(Classifier().init(jax.random.key(0), x), x)
+    assert _kinds(rep) == [("mlp", "weight", "mxfp4_all"), ("head", "head", None)]
+    assert rep.sites[1].head_rule == "name" and "named like an output head" in rep.sites[1].why
 
     class NnxTied(nnx.Module):
         def __init__(self, rngs):
@@ -144,5 +155,6 @@ def test_the_projects_llama_wrapped_keeps_its_default_recipe(tied):
     assert len(kinds["head"]) == 1
     head = rep.sites_of("head")[0]
     assert head.policy is None
-    assert ("embedding table" if tied else "parameter named like an output head") in head.why
+    assert head.head_rule == ("tied" if tied else "structure")
+    assert head.path == ("embed_tokens" if tied else "lm_head")
     mt.assert_quantized_weight_matmuls(rep, "mxfp4_all")
