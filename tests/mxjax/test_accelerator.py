@@ -309,7 +309,7 @@ def _both_forms(a, b, dims, recipe, key):
     k_lhs, k_rhs, k_had = dg.split_key(key if recipe.needs_key else None)
     acc = dg._accelerator_form(a, b, dims, recipe, k_lhs, k_rhs, k_had, form="gpu")
     h = None if recipe.hadamard is None else recipe.hadamard.block_size
-    signs = dg._rotation_signs(recipe, k_had)
+    signs = None if recipe.hadamard is None else dg.rotation_signs(recipe.hadamard, k_had)
     (ca, cb), (ba, bb) = dims
     va = _canonical_values(a, ba, ca, recipe.lhs, h, signs, k_lhs)
     vb = _canonical_values(b, bb, cb, recipe.rhs, h, signs, k_rhs)
