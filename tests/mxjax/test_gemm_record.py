@@ -160,9 +160,10 @@ def test_pass_through_gemms_of_a_quantized_policy_are_recorded_too():
 
 
 def test_records_outside_jit_and_without_a_key():
-    """Eager (op by op, so a small 2-D call) and a policy that needs no key."""
-    x = jnp.asarray(np.linspace(-2, 2, 2 * 32, dtype=np.float32).reshape(2, 32))
-    w = jnp.asarray(np.linspace(1, -1, 32 * 2, dtype=np.float32).reshape(32, 2))
+    """Eager (op by op, so a small 2-D call: square, so that each op compiles once for all
+    six operands) and a policy that needs no key."""
+    x = jnp.asarray(np.linspace(-2, 2, 32 * 32, dtype=np.float32).reshape(32, 32))
+    w = jnp.asarray(np.linspace(1, -1, 32 * 32, dtype=np.float32).reshape(32, 32))
     seen = {}
 
     def hook(call):
