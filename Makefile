@@ -30,9 +30,11 @@ $(STAMP): pyproject.toml | $(PY)
 LINT_PATHS := mxjax models train study tests bench scripts
 
 # Lint (ruff, line length 100 enforced), then the default test run (not slow, not gpu).
+# --dist loadfile: each test file runs on one worker, so its module-scoped fixtures (a
+# trained run, a compiled model) are built once; files with a `long` test go first.
 test: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)
-	$(PY) -m pytest -n 2 -q $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile -q $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -n 2 -q -m slow $(PYTEST_ARGS)

@@ -32,7 +32,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.train.train_testutil import ROOT, fast_sets
+from tests.train.train_testutil import ROOT, fast_sets, xla_flags
 from train.checkpoint import Checkpointer
 from train.output.metrics import read_jsonl
 
@@ -47,7 +47,7 @@ def _free_port() -> int:
 
 def _env(devices: int) -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               XLA_FLAGS=xla_flags(devices),
                JAX_PLATFORMS="cpu", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
     return env
 
