@@ -54,7 +54,7 @@ def _env(devices: int) -> dict[str, str]:
 
 def _args(out: Path, tmp: Path, *extra: str) -> list[str]:
     sets = fast_sets(out, tmp / "data", f"train.steps={STEPS}", "train.eval_every=6",
-                     "train.eval_at_start=false", "checkpoint.every=2", "checkpoint.keep=2",
+                     "train.eval_at_start=false", "checkpoint.every=4", "checkpoint.keep=2",
                      "mesh.data=2", "mesh.fsdp=2", "train.plot=false",
                      f"jax_cache_dir={tmp / 'jax'}", *extra)
     return ["--quiet", *[a for s in sets for a in ("--set", s)]]
@@ -99,8 +99,8 @@ def _sigterm_one(out: Path, tmp: Path) -> int:
         step = read_jsonl(out / "metrics.jsonl")[-1]["step"]
         with Checkpointer(out / "checkpoints", keep=2) as ck:
             assert ck.latest_step() == step < STEPS
-            # saved at the stop, unless its regular checkpoint (every 2) already held it
-            assert ck.read_meta(step)["status"] == ("running" if step % 2 == 0 else "preempted")
+            # saved at the stop, unless its regular checkpoint (every 4) already held it
+            assert ck.read_meta(step)["status"] == ("running" if step % 4 == 0 else "preempted")
         return step
     finally:
         _kill(procs)
