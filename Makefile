@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: test test-slow test-triton bench train ladder lint clean-venv
+.PHONY: test test-slow test-triton test-accelerators bench train ladder lint clean-venv
 
 # Python >= 3.12: python3.12 on PATH, else pyenv's 3.12, else a clear error.
 $(PY):
@@ -50,6 +50,22 @@ test-triton: $(TRITON_STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -n 2 -q -m triton_interpret \
 	  tests/mxjax/kernels/test_triton_interpret.py $(PYTEST_ARGS)
 
+# Deviceless GPU/TPU compiles of the emulated GEMM (tests/accelerators, marker
+# `accelerators`): libtpu and XLA's CUDA PJRT plugin (~1.1 GB, extras aot-tpu, aot-gpu).
+# Their own venv: installed into .venv, both plugins would start (and probe for a TPU and
+# a GPU, with warnings) in every process of `make test`.
+AOT_VENV := .venv-aot
+AOT_PY := $(AOT_VENV)/bin/python
+AOT_STAMP := $(AOT_VENV)/.installed-stamp
+$(AOT_STAMP): pyproject.toml | $(PY)
+	test -x $(AOT_PY) || $(PY) -m venv $(AOT_VENV)
+	$(AOT_PY) -m pip install -q --upgrade pip
+	$(AOT_PY) -m pip install -q -e '.[train,dev,aot-tpu,aot-gpu]'
+	touch $(AOT_STAMP)
+
+test-accelerators: $(AOT_STAMP)
+	$(AOT_PY) -m pytest -n 2 -q -m accelerators tests/accelerators $(PYTEST_ARGS)
+
 bench: $(STAMP)
 	@for b in bench/quantize.py bench/dot_general.py bench/model.py bench/train_step.py; do \
 	  if [ -f $$b ]; then echo "== $$b"; $(PY) $$b || exit 1; fi; done
@@ -71,4 +87,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(AOT_VENV)

@@ -10,8 +10,10 @@ targets (issue 10) before the table's last line.
 
     .venv/bin/python bench/export_shape.py [--platforms cpu,cuda,tpu] [--seq 2048]
 
-Targets: cuda and tpu have zero quantized GEMMs with f32 operands at HIGHEST
-and no optimization_barrier for the MXFP4 presets (NVFP4/FP8 keep the
+Targets: cuda and tpu have zero quantized GEMMs with f32 operands at HIGHEST;
+under the MXFP4 presets at most one optimization_barrier per quantized operand on
+cuda (the GPU form's: XLA recomputes the rotation in the rounding pass instead of
+materializing it, mxjax/accelerator.py) and none on tpu (NVFP4/FP8 keep the
 value-guarding barriers of their per-tensor division, see docs/NUMERICS.md).
 CPU keeps f32 HIGHEST with per-stage barriers by design (fastest there,
 bit-identical results).
@@ -83,6 +85,7 @@ class ModuleShape:
     dots: tuple[Dot, ...]
     barriers: int
     amax_reductions: int  # reduce-max over uint32 |x| bits: one per block/tensor amax
+    tpu_kernels: int = 0  # Pallas TPU (Mosaic) custom calls: mxjax's quantize kernels
 
     @property
     def quantized(self) -> tuple[Dot, ...]:
@@ -129,7 +132,7 @@ def analyze(text: str, *, quantized_policy: bool = True) -> ModuleShape:
         m = _FUNC_RE.match(line)
         if m:
             current = m.group(1)
-            own[current] = {"dots": [], "barriers": 0, "amax": 0, "calls": []}
+            own[current] = {"dots": [], "barriers": 0, "amax": 0, "kernels": 0, "calls": []}
             continue
         if current is None:
             continue
@@ -137,6 +140,7 @@ def analyze(text: str, *, quantized_policy: bool = True) -> ModuleShape:
         f["calls"] += _CALL_RE.findall(line)
         f["barriers"] += line.count("stablehlo.optimization_barrier")
         f["amax"] += len(_AMAX_RE.findall(line))
+        f["kernels"] += line.count("@tpu_custom_call")
         if "stablehlo.dot_general" in line:
             d = _DOT_RE.search(line)
             if d is None:
@@ -157,17 +161,19 @@ def analyze(text: str, *, quantized_policy: bool = True) -> ModuleShape:
         if depth > 100:
             raise ValueError("call graph too deep (recursion?)")
         f = own[name]
-        dots, barriers, amax = list(f["dots"]), f["barriers"], f["amax"]
+        dots, barriers, amax, kernels = list(f["dots"]), f["barriers"], f["amax"], f["kernels"]
         for callee in f["calls"]:
-            cd, cb, ca = total(callee, depth + 1)
+            cd, cb, ca, ck = total(callee, depth + 1)
             dots += cd
             barriers += cb
             amax += ca
-        totals[name] = (dots, barriers, amax)
+            kernels += ck
+        totals[name] = (dots, barriers, amax, kernels)
         return totals[name]
 
-    dots, barriers, amax = total("main")
-    return ModuleShape(dots=tuple(dots), barriers=barriers, amax_reductions=amax)
+    dots, barriers, amax, kernels = total("main")
+    return ModuleShape(dots=tuple(dots), barriers=barriers, amax_reductions=amax,
+                       tpu_kernels=kernels)
 
 
 def export_text(fn, args, platform: str) -> str:
@@ -203,7 +209,7 @@ def layer_train_step(config, policy_name: str | None, batch: int, seq: int):
 
 def table(platform: str, shapes: dict[str, ModuleShape]) -> list[str]:
     header = ("policy", "quantized GEMMs", "operands -> out @ precision (count)",
-              "f32@HIGHEST", "barriers", "amax reductions")
+              "f32@HIGHEST", "barriers", "amax reductions", "TPU kernels")
     rows = [header]
     for name, s in shapes.items():
         dots = s.quantized if name != "bf16" else s.dots
@@ -212,7 +218,7 @@ def table(platform: str, shapes: dict[str, ModuleShape]) -> list[str]:
         if name == "bf16":
             sig_text = f"all {len(dots)} dots, none quantized: {sig_text}"
         rows.append((name, str(len(s.quantized)), sig_text, str(s.f32_highest),
-                     str(s.barriers), str(s.amax_reductions)))
+                     str(s.barriers), str(s.amax_reductions), str(s.tpu_kernels)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     out = [f"## {platform}"]
     for j, r in enumerate(rows):
@@ -229,12 +235,14 @@ def verdict(platform: str, shapes: dict[str, ModuleShape]) -> str:
         ok = all(len(s.quantized) == s.f32_highest for s in quantized.values())
         return (f"verdict (cpu): CPU form kept (f32 HIGHEST, per-stage barriers): "
                 f"{'yes' if ok else 'NO'}")
-    mx_barriers = sum(s.barriers for n, s in quantized.items() if n.startswith("mxfp4"))
-    ok = highest == 0 and mx_barriers == 0
+    mx = {n: s for n, s in quantized.items() if n.startswith("mxfp4")}
+    mx_barriers = sum(s.barriers for s in mx.values())
+    allowed = sum(2 * len(s.quantized) for s in mx.values()) if platform == "cuda" else 0
+    ok = highest == 0 and mx_barriers <= allowed
     total = sum(len(s.quantized) for s in quantized.values())
     return (f"verdict ({platform}): {highest} of {total} quantized GEMMs at f32 HIGHEST "
-            f"(target 0), {mx_barriers} barriers under the MXFP4 presets (target 0) -> "
-            f"{'met' if ok else 'NOT met'}")
+            f"(target 0), {mx_barriers} barriers under the MXFP4 presets (target <= "
+            f"{allowed}: one per quantized operand on cuda) -> {'met' if ok else 'NOT met'}")
 
 
 def main(argv=None) -> int:

@@ -9,7 +9,8 @@ Usage, from the repository root on the GPU machine:
     # There (carry .whl):
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site:$PWD
-    PYTHONUNBUFFERED=1 python3 bench/gpu.py [--quick] [--budget-s 330]
+    PYTHONUNBUFFERED=1 python3 bench/gpu.py [--quick] [--budget-s 330] \
+        [--dump-autotune autotune_h200.pbtxt]
 
 Sections (the table is printed last):
   1. pytest -m gpu tests/mxjax/kernels/test_kernels_gpu.py; stops on any failure.
@@ -21,6 +22,13 @@ Sections (the table is printed last):
      (tl.dot_scaled); operands are quantized outside the timed region.
   5. Tokens/s of a ~1B Llama train step (AdamW) under 'bf16' and 'mxfp4_all_h16', the
      latter with the XLA emulation and with the kernels ('auto' backend).
+  6. Calibration of bench/accelerator_cost.py's deviceless estimates: its matmul and
+     decoder-layer programs (bench/programs.py) under 'bf16' and 'mxfp4_all_h16', timed
+     here (ms per step) beside the estimate's inputs. With --dump-autotune FILE, XLA
+     writes the GEMM autotune results of every compile in this run to FILE
+     (xla_gpu_dump_autotune_results_to; .pbtxt text, .pb binary); a deviceless compile
+     then picks the same GEMM configs (bench/accelerator_cost.py --autotune-results FILE,
+     which sets xla_gpu_load_autotune_results_from).
 Targets (issue 7): quantize >= 80% of copy bandwidth; MXFP4 GEMM >= 1.0x bf16 at 8192^3
 (1.5x through the FP8 path as the stretch); the 1B step under mxfp4_all_h16 with kernels
 no slower than under bf16; (issue 10) the 1B step under mxfp4_all_h16 with the XLA emulation
@@ -160,15 +168,16 @@ def quantize_section(table: Table, copy_bw: float, sz: Sizes) -> None:
     r = c = sz.quant
     x = jax.random.normal(jax.random.key(1), (r, c), jnp.bfloat16)
     signs = mxjax.fixed_signs(0, 16)
+    even = mxjax.OperandRecipe(fmt=mxjax.MXFP4, scale_rule="even")
     per_copy = r * c // 2 + r * c // 32
     cases = [
-        ("fused row", {"row": QuantSpec(scale_rule="even")}, 1),
-        ("fused row+col", {"row": QuantSpec(scale_rule="even"),
-                           "col": QuantSpec(scale_rule="even")}, 2),
-        ("fused row H16", {"row": QuantSpec(scale_rule="even", hadamard=16),
+        ("fused row", {"row": QuantSpec(recipe=even)}, 1),
+        ("fused row+col", {"row": QuantSpec(recipe=even),
+                           "col": QuantSpec(recipe=even)}, 2),
+        ("fused row H16", {"row": QuantSpec(recipe=even, hadamard=16),
                            "row_signs": signs}, 1),
-        ("fused row+col H16", {"row": QuantSpec(scale_rule="even", hadamard=16),
-                                   "col": QuantSpec(scale_rule="even", hadamard=16),
+        ("fused row+col H16", {"row": QuantSpec(recipe=even, hadamard=16),
+                                   "col": QuantSpec(recipe=even, hadamard=16),
                                    "row_signs": signs, "col_signs": signs}, 2),
     ]
     for name, kw, copies in cases:
@@ -318,6 +327,37 @@ def train_section(table: Table, sz: Sizes, deadline: float) -> None:
     rows.append(("config", f"{layers} layers of {name}, batch {batch} x seq {seq}", "", ""))
 
 
+CALIBRATION_POLICIES = ("bf16", "mxfp4_all_h16")
+
+
+def calibration_section(table: Table, sz: Sizes, deadline: float) -> None:
+    """Times bench/programs.py's matmul and layer steps (the deviceless estimates' programs)."""
+    from bench import programs
+
+    rows = table.section("accelerator_cost programs, measured (calibrates the deviceless "
+                         "roofline)", ("program", "policy", "ms/step", "vs bf16"))
+    size = {"matmul_size": sz.gemm_ceiling // 2, "seq": sz.train[1]} if sz.tiny_model else {}
+    for prog in programs.PROGRAMS:
+        base = None
+        for name in CALIBRATION_POLICIES:
+            if elapsed() > deadline:
+                rows.append((prog, name, "skipped (time budget)", ""))
+                continue
+            try:
+                fn, args = programs.program(prog, name, **size)
+                t = timeit(jax.jit(fn), *programs.concrete_args(args), iters=5, warmup=2)
+                base = t if name == "bf16" else base
+                rows.append((prog, name, f"{t * 1e3:8.3f}", f"{t / base:5.2f}x" if base else ""))
+                log(f"calibration {prog} {name}: {t * 1e3:.3f} ms")
+            except Exception as e:  # noqa: BLE001 - reported in the table
+                rows.append((prog, name, short_error(e), ""))
+
+
+def _add_xla_flag(flag: str) -> None:
+    """Appends to XLA_FLAGS (read when the first backend starts: call before any jax use)."""
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
@@ -327,8 +367,15 @@ def main(argv=None) -> int:
                     help="skip the correctness tests (only to re-run the table after they passed)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="developer check on CPU: every section at toy sizes, numbers meaningless")
+    ap.add_argument("--dump-autotune", type=Path, default=None, metavar="FILE",
+                    help="write XLA's GPU autotune results to FILE (xla_gpu_dump_autotune_"
+                         "results_to) for bench/accelerator_cost.py --autotune-results")
     args = ap.parse_args(argv)
     sz = SMOKE if args.cpu_smoke else QUICK if args.quick else FULL
+    if args.dump_autotune is not None:
+        args.dump_autotune = args.dump_autotune.resolve()
+        args.dump_autotune.parent.mkdir(parents=True, exist_ok=True)
+        _add_xla_flag(f"--xla_gpu_dump_autotune_results_to={args.dump_autotune}")
 
     if jax.default_backend() != "gpu" and not args.cpu_smoke:
         print(f"bench/gpu.py needs a CUDA GPU; jax.default_backend() is "
@@ -349,7 +396,13 @@ def main(argv=None) -> int:
     copy_bw, _ = ceilings(table, sz)
     quantize_section(table, copy_bw, sz)
     gemm_section(table, sz, deadline=args.budget_s * 0.6)
-    train_section(table, sz, deadline=args.budget_s)
+    train_section(table, sz, deadline=args.budget_s * 0.9)
+    calibration_section(table, sz, deadline=args.budget_s)
+    if args.dump_autotune is not None:
+        written = args.dump_autotune.exists()
+        info.append(("autotune results", f"{args.dump_autotune}" if written else
+                     f"none written to {args.dump_autotune} (no GPU autotuning on "
+                     f"{jax.default_backend()})"))
     info.append(("wall time", f"{elapsed():.0f} s"))
     table.print()
     return 0

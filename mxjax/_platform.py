@@ -5,6 +5,11 @@ platform, not from `jax.default_backend()` at trace time: a program exported on
 this CPU machine with ``jax.export(..., platforms=['cuda'])`` gets the
 accelerator form. Lowering for a single platform keeps only that platform's
 branch (a one-branch ``case`` that XLA inlines).
+
+Three program forms exist: XLA:CPU's, the GPUs' (``cuda``, ``rocm``, and any
+platform not named) and the TPUs'. `per_platform` picks among them; the
+accelerator forms differ only in how the same values are laid out for each
+compiler (docs/NUMERICS.md, "Emulated GEMM").
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ from typing import Any
 
 from jax import lax
 
-__all__ = ["cpu_barrier", "cpu_or_accelerator"]
+__all__ = ["FORMS", "cpu_barrier", "cpu_or_accelerator", "per_platform"]
+
+# The program forms, one per compiler family (`per_platform`).
+FORMS = ("cpu", "gpu", "tpu")
 
 
 def cpu_barrier(x: Any) -> Any:
@@ -31,3 +39,13 @@ def cpu_or_accelerator(*args: Any, cpu: Callable[..., Any],
                        accelerator: Callable[..., Any]) -> Any:
     """``cpu(*args)`` when lowered for CPU, ``accelerator(*args)`` for every other platform."""
     return lax.platform_dependent(*args, cpu=cpu, default=accelerator)
+
+
+def per_platform(*args: Any, cpu: Callable[..., Any], gpu: Callable[..., Any],
+                 tpu: Callable[..., Any]) -> Any:
+    """``cpu(*args)`` lowered for CPU, ``tpu(*args)`` for TPU, ``gpu(*args)`` for the rest.
+
+    The rest is ``cuda`` and ``rocm`` (and any other platform: they are GPU-like
+    compilers, XLA's GPU pipeline).
+    """
+    return lax.platform_dependent(*args, cpu=cpu, tpu=tpu, default=gpu)

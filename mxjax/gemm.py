@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mxjax._platform import cpu_barrier, cpu_or_accelerator
+from mxjax import accelerator
+from mxjax._platform import cpu_barrier, per_platform
 from mxjax.dimensions import Dims, free_axes
 from mxjax.layout import canonical_dimension_numbers
 from mxjax.quantization import fake_quantize_parts_with, fake_quantize_with, quantize_with
@@ -44,8 +45,10 @@ __all__ = [
     "accelerator_operand_dtype",
     "canonical_operands",
     "gemm",
+    "has_explicit_axes",
     "operand_range",
     "quantizer_operands",
+    "rotation_signs",
     "split_key",
 ]
 
@@ -132,17 +135,25 @@ def _rotate(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, k_had):
     if pad:
         widths = [(0, 0)] * (a3.ndim - 1) + [(0, pad)]
         a3, b3 = jnp.pad(a3, widths), jnp.pad(b3, widths)
-    if had.randomized:
-        signs = random_signs(k_had, h)
-    elif had.seed is not None:
-        signs = fixed_signs(had.seed, h)
-    else:
-        signs = None
+    signs = rotation_signs(had, k_had)
     # On CPU the barrier keeps XLA from fusing the butterflies into the
     # quantizer's block reductions, which recomputes them (measured 4x slower).
     # One barrier per operand, so neither operand's program depends on the other.
     return (cpu_barrier(hadamard(a3, h, axis=-1, signs=signs)),
             cpu_barrier(hadamard(b3, h, axis=-1, signs=signs)))
+
+
+def rotation_signs(had, k_had):
+    """The ±1 f32[h] sign vector a GEMM's Hadamard uses, or None (plain H).
+
+    Randomized: drawn from ``k_had`` (the GEMM key's third split); a fixed seed:
+    ``mxjax.rotation.fixed_signs``; otherwise None.
+    """
+    if had.randomized:
+        return random_signs(k_had, had.block_size)
+    if had.seed is not None:
+        return fixed_signs(had.seed, had.block_size)
+    return None
 
 
 def split_key(key):
@@ -204,31 +215,61 @@ def _accelerator_gemm(a3, b3, recipe: GemmRecipe, k_lhs, k_rhs):
     return out
 
 
-def _xla_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key, gemm_name: str) -> jax.Array:
-    """The XLA reference backend on canonical operands.
+def _canonical_cpu_form(a, b, dims: Dims, recipe: GemmRecipe, k_lhs, k_rhs, k_had):
+    a3, b3 = _rotate(*canonical_operands(a, b, dims), recipe, k_had)
+    return _cpu_gemm(a3, b3, recipe, k_lhs, k_rhs)
+
+
+def _in_place_mx(recipe: GemmRecipe) -> bool:
+    """Whether the accelerator form quantizes the operands in place (MX formats, bf16-exact)."""
+    return (recipe.lhs.fmt.scale == "e8m0" and recipe.rhs.fmt.scale == "e8m0"
+            and accelerator_operand_dtype(recipe) == jnp.bfloat16)
+
+
+def _accelerator_form(a, b, dims: Dims, recipe: GemmRecipe, k_lhs, k_rhs, k_had, *,
+                      form: str):
+    """GPU/TPU forms: MX operands in place (`mxjax.accelerator`), others canonical."""
+    if _in_place_mx(recipe):
+        signs = None if recipe.hadamard is None else rotation_signs(recipe.hadamard, k_had)
+        out = accelerator.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs, signs, form=form)
+        (ca, cb), (ba, bb) = dims
+        nb = len(ba)
+        return out.reshape(out.shape[:nb] + (
+            math.prod(a.shape[i] for i in free_axes(a.ndim, ba, ca)),
+            math.prod(b.shape[i] for i in free_axes(b.ndim, bb, cb))))
+    a3, b3 = _rotate(*canonical_operands(a, b, dims), recipe, k_had)
+    return _accelerator_gemm(a3, b3, recipe, k_lhs, k_rhs)
+
+
+def _xla_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key,
+              gemm_name: str) -> jax.Array:
+    """The XLA reference backend.
 
     The program depends on the platform it is lowered for (not on the tracing
-    machine): XLA:CPU gets `_cpu_gemm`, GPUs and TPUs `_accelerator_gemm`
-    (docs/NUMERICS.md, "Emulated GEMM").
+    machine): XLA:CPU gets canonical operands and `_cpu_gemm`, GPUs and TPUs
+    `_accelerator_form` (docs/NUMERICS.md, "Emulated GEMM").
 
     Args:
-      a3: f32 [batch..., Fa, K]; b3: f32 [batch..., Fb, K] (same batch shape).
+      a, b: the GEMM's operands (any float dtype) and its dimension numbers.
       recipe: the GEMM's recipe.
       key: the GEMM's key (None when the recipe needs none); split into (lhs
         rounding, rhs rounding, Hadamard signs).
       gemm_name: 'fprop', 'dgrad' or 'wgrad' (for backends' error messages).
     Returns:
-      f32 [batch..., Fa, Fb].
+      f32 [batch..., Fa, Fb] (free axes flattened, as `canonical_operands`).
     """
-    a3, b3, k_lhs, k_rhs = quantizer_operands(a3, b3, recipe, key)
-    return cpu_or_accelerator(
-        a3, b3,
-        cpu=functools.partial(_cpu_gemm, recipe=recipe, k_lhs=k_lhs, k_rhs=k_rhs),
-        accelerator=functools.partial(_accelerator_gemm, recipe=recipe, k_lhs=k_lhs,
-                                      k_rhs=k_rhs))
+    k_lhs, k_rhs, k_had = split_key(key if recipe.needs_key else None)
+    form = functools.partial(_accelerator_form, dims=dims, recipe=recipe, k_lhs=k_lhs,
+                             k_rhs=k_rhs, k_had=k_had)
+    return per_platform(
+        a, b,
+        cpu=functools.partial(_canonical_cpu_form, dims=dims, recipe=recipe, k_lhs=k_lhs,
+                              k_rhs=k_rhs, k_had=k_had),
+        gpu=functools.partial(form, form="gpu"),
+        tpu=functools.partial(form, form="tpu"))
 
 
-def _kernel_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key,
+def _kernel_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key,
                  gemm_name: str) -> jax.Array:
     """Kernel backends ('pallas', 'pallas_fp8', 'triton', 'auto'): packed operands + mx_dot.
 
@@ -242,8 +283,8 @@ def _kernel_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key,
     backend = kernels.backend_for_formats(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt,
                                           where=gemm_name)
     if backend == "xla":
-        return _xla_gemm(a3, b3, recipe, key, gemm_name)
-    a3, b3, k_lhs, k_rhs = quantizer_operands(a3, b3, recipe, key)
+        return _xla_gemm(a, b, dims, recipe, key, gemm_name)
+    a3, b3, k_lhs, k_rhs = quantizer_operands(*canonical_operands(a, b, dims), recipe, key)
 
     def q(x, op, k):
         return quantize_with(x, op, -1, key=k)
@@ -251,7 +292,7 @@ def _kernel_gemm(a3: jax.Array, b3: jax.Array, recipe: GemmRecipe, key,
     return kernels.mx_dot(q(a3, recipe.lhs, k_lhs), q(b3, recipe.rhs, k_rhs), backend=backend)
 
 
-# Backend name (mxjax.recipes.BACKENDS) -> function(a3, b3, recipe, key, gemm_name)
+# Backend name (mxjax.recipes.BACKENDS) -> function(a, b, dims, recipe, key, gemm_name)
 # -> f32 [batch..., Fa, Fb]. Every name but 'xla' runs through mxjax.kernels.
 _BACKEND_FNS: dict[str, Callable[..., jax.Array]] = {
     "xla": _xla_gemm,
@@ -270,6 +311,17 @@ def _backend_fn(recipe: GemmRecipe) -> Callable[..., jax.Array]:
         ) from None
 
 
+def has_explicit_axes(*xs: jax.Array) -> bool:
+    """Whether any of the arrays' types carries a mesh with explicit axes (``jax.set_mesh``
+    of a mesh made with ``AxisType.Explicit``, ``jax.make_mesh``'s default in jax 0.12)."""
+    return any(jax.typeof(x).sharding.mesh.explicit_axes for x in xs)
+
+
+def _abstract(x: jax.Array, sharded: bool) -> jax.ShapeDtypeStruct:
+    sharding = jax.typeof(x).sharding if sharded else None
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
 def gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key, *,
          precision=None, preferred_element_type=None, gemm_name: str = "gemm",
          out_sharding=None) -> jax.Array:
@@ -277,27 +329,39 @@ def gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key, *,
 
     Pass-through recipes call ``lax.dot_general(a, b, dims, precision,
     preferred_element_type, out_sharding=...)`` unchanged. Otherwise the result
-    is computed in f32 (see the module docstring), cast to ``lax.dot_general``'s
-    result dtype and, given ``out_sharding``, resharded to it with
-    ``jax.sharding.reshard`` (which, like ``lax.dot_general``'s argument, binds
-    explicit mesh axes and leaves auto axes to the partitioner).
+    is computed in f32 (see the module docstring) and cast to ``lax.dot_general``'s
+    result dtype. Sharding follows ``lax.dot_general``: under a mesh with explicit
+    axes the result gets the sharding ``lax.dot_general(a, b, dims,
+    out_sharding=out_sharding)`` would give it (and the same error where that
+    is ambiguous: sharded contracting dims without ``out_sharding``), and the
+    emulation inside runs with those axes made auto (``jax.sharding.auto_axes``:
+    the partitioner places its reshapes, block reductions and collectives).
+    Otherwise, given ``out_sharding``, the result is resharded to it with
+    ``jax.sharding.reshard``.
     """
     if recipe.is_passthrough:
         extra = {} if out_sharding is None else {"out_sharding": out_sharding}
         return lax.dot_general(a, b, dims.as_lax(), precision=precision,
                                preferred_element_type=preferred_element_type, **extra)
-    out_dtype = jax.eval_shape(
+    explicit = has_explicit_axes(a, b)
+    extra = {"out_sharding": out_sharding} if explicit and out_sharding is not None else {}
+    out_type = jax.eval_shape(
         functools.partial(lax.dot_general, dimension_numbers=dims.as_lax(),
-                          preferred_element_type=preferred_element_type),
-        jax.ShapeDtypeStruct(a.shape, a.dtype), jax.ShapeDtypeStruct(b.shape, b.dtype),
-    ).dtype
-    (ca, cb), (ba, bb) = dims
-    a3, b3 = canonical_operands(a, b, dims)
-    out = _backend_fn(recipe)(a3, b3, recipe, key if recipe.needs_key else None, gemm_name)
-    fa = [a.shape[i] for i in free_axes(a.ndim, ba, ca)]
-    fb = [b.shape[i] for i in free_axes(b.ndim, bb, cb)]
-    out = out.reshape(tuple(a.shape[i] for i in ba) + tuple(fa) + tuple(fb)).astype(out_dtype)
+                          preferred_element_type=preferred_element_type, **extra),
+        _abstract(a, explicit), _abstract(b, explicit))
+
+    def emulated(a, b, key):
+        (ca, cb), (ba, bb) = dims
+        out = _backend_fn(recipe)(a, b, dims, recipe, key if recipe.needs_key else None,
+                                  gemm_name)
+        fa = [a.shape[i] for i in free_axes(a.ndim, ba, ca)]
+        fb = [b.shape[i] for i in free_axes(b.ndim, bb, cb)]
+        out = out.reshape(tuple(a.shape[i] for i in ba) + tuple(fa) + tuple(fb))
+        return out.astype(out_type.dtype)
+
+    if explicit:
+        return jax.sharding.auto_axes(emulated, out_sharding=out_type.sharding)(a, b, key)
+    out = emulated(a, b, key)
     if out_sharding is not None:
         out = jax.sharding.reshard(out, out_sharding)
     return out
-

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import operator
 from collections.abc import Callable
@@ -39,25 +40,25 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jax.interpreters.ad import JVPTracer
 
 from mxjax.dimensions import Dims, backward_dimension_numbers, normalize_dimension_numbers
-from mxjax.gemm import gemm, split_key
+from mxjax.gemm import gemm, has_explicit_axes, split_key
+from mxjax.gemm_record import GemmRecord
 from mxjax.quantization import FLOAT_DTYPES
 from mxjax.recipes import GemmRecipe, PolicyRecipes, check_policy_recipes
 
-__all__ = ["dot_general", "observe"]
+__all__ = ["DotGeneralCall", "GemmRecord", "dot_general", "observe"]
 
 
 # --------------------------------------------------------------------------- #
 # The observer hook
 # --------------------------------------------------------------------------- #
-# hook(call, lhs, rhs, key, dims, policy) -> call(lhs, rhs, key). `call` is the
-# quantized dot_general with its custom VJP (it closes over static values only);
-# `dims` are the normalized dimension numbers, `key` the call's key (None when
-# the policy needs none). Context-local: set only inside `observe`.
+# hook(call: DotGeneralCall) -> call(call.lhs, call.rhs, call.key, on_gemm=...).
+# Context-local: set only inside `observe`.
 _HOOK: contextvars.ContextVar[Callable[..., jax.Array] | None] = contextvars.ContextVar(
     "mxjax_interceptor_hook", default=None)
 
@@ -67,11 +68,17 @@ def observe(hook: Callable[..., jax.Array]):
     """Routes every quantized ``dot_general`` traced inside the block through `hook`.
 
     The one extension point of the interceptor (``mxjax.diagnostics`` uses it to
-    collect GEMM statistics). Once per quantized call, at trace time, the
-    interceptor calls ``hook(call, lhs, rhs, key, dims, policy)`` instead of
-    ``call(lhs, rhs, key)``; the hook must return that value (it may wrap
-    ``call`` in its own custom VJP to see the cotangent). Pass-through policies
-    never reach it. Outside the block nothing is added to the traced program.
+    collect GEMM statistics, the study's probe to capture GEMMs). Once per
+    quantized call, at trace time, the interceptor calls ``hook(call)`` instead
+    of running the call; ``call`` is a :class:`DotGeneralCall` (``call.lhs``,
+    ``call.rhs``, ``call.key``, ``call.dims``, ``call.policy``). The hook must
+    return ``call(call.lhs, call.rhs, call.key, on_gemm=...)``: it may wrap that
+    in its own custom VJP (passing the arrays through, to see the cotangent), and
+    ``on_gemm(record)`` receives a :class:`mxjax.gemm_record.GemmRecord` for each
+    of the call's three GEMMs as it runs: fprop in the forward pass, then dgrad
+    and wgrad, in that order, in the backward pass.
+    Pass-through policies never reach the hook. Outside the block nothing is
+    added to the traced program.
     """
     if not callable(hook):
         raise TypeError(f"hook: expected a callable, got {hook!r}")
@@ -92,9 +99,11 @@ class _Static(NamedTuple):
     policy: PolicyRecipes
     out_sharding: Any = None  # of the forward result, as for lax.dot_general
     # Quantized GEMMs inside the custom_vjp get the straight-through rule for higher
-    # derivatives. Off while mxjax.diagnostics collects (first-order only): a custom_jvp
-    # traces its body apart, where the GEMM's recorded stats could not get out.
+    # derivatives. Off while an observer watches (first-order only): a custom_jvp
+    # traces its body apart, where the GEMM's records could not get out.
     straight_through: bool = True
+    # An observer's on_gemm(GemmRecord), called as each of the three GEMMs runs.
+    on_gemm: Callable[[GemmRecord], None] | None = None
 
 
 class _GemmSpec(NamedTuple):
@@ -105,6 +114,7 @@ class _GemmSpec(NamedTuple):
     precision: Any
     preferred_element_type: Any
     gemm_name: str
+    out_sharding: Any = None  # as lax.dot_general's (set under a mesh with explicit axes)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
@@ -119,7 +129,8 @@ def _ste_gemm(a, b, key, spec: _GemmSpec):
     products) a defined meaning where rounding's own derivative is zero.
     """
     return gemm(a, b, spec.dims, spec.recipe, key, precision=spec.precision,
-                preferred_element_type=spec.preferred_element_type, gemm_name=spec.gemm_name)
+                preferred_element_type=spec.preferred_element_type, gemm_name=spec.gemm_name,
+                out_sharding=spec.out_sharding)
 
 
 @functools.partial(_ste_gemm.defjvp, symbolic_zeros=True)
@@ -128,6 +139,8 @@ def _ste_gemm_jvp(spec: _GemmSpec, primals, tangents):
     ta, tb, _ = tangents
     out = _ste_gemm(a, b, key, spec)
     kw = {"precision": spec.precision, "preferred_element_type": spec.preferred_element_type}
+    if spec.out_sharding is not None:
+        kw["out_sharding"] = spec.out_sharding
     dims = spec.dims.as_lax()
     parts = []
     if type(ta) is not SymbolicZero:
@@ -145,18 +158,45 @@ def _differentiable_gemm(a, b, key, spec: _GemmSpec, straight_through: bool = Tr
     if spec.recipe.is_passthrough or not straight_through:
         return gemm(a, b, spec.dims, spec.recipe, key, precision=spec.precision,
                     preferred_element_type=spec.preferred_element_type,
-                    gemm_name=spec.gemm_name)
+                    gemm_name=spec.gemm_name, out_sharding=spec.out_sharding)
     return _ste_gemm(a, b, key if spec.recipe.needs_key else None, spec)
+
+
+def _observed(st: _Static, spec: _GemmSpec, a, b, key, out, perm) -> None:
+    """Hands one GEMM's record to the observer's on_gemm (nothing without one)."""
+    if st.on_gemm is None:
+        return
+    st.on_gemm(GemmRecord(name=spec.gemm_name, recipe=spec.recipe, lhs=a, rhs=b, dims=spec.dims,
+                          call_dims=st.dims, out_perm=perm, key=key, out=out,
+                          precision=spec.precision,
+                          preferred_element_type=spec.preferred_element_type))
 
 
 def _fprop(lhs, rhs, key, st: _Static):
     kf, _, _ = split_key(key)
+    # Under a mesh with explicit axes the GEMM itself takes the result's sharding
+    # (lax.dot_general's semantics); otherwise the result is resharded afterwards.
+    explicit = has_explicit_axes(lhs, rhs)
     spec = _GemmSpec(st.dims, st.policy.fprop, st.precision, st.preferred_element_type,
-                     "fprop")
+                     "fprop", st.out_sharding if explicit else None)
     out = _differentiable_gemm(lhs, rhs, kf, spec, st.straight_through)
-    if st.out_sharding is not None:
+    _observed(st, spec, lhs, rhs, kf, out, tuple(range(out.ndim)))
+    if st.out_sharding is not None and not explicit:
         out = jax.sharding.reshard(out, st.out_sharding)
     return out
+
+
+def _cotangent_sharding(primal: jax.Array, perm: tuple[int, ...]):
+    """A backward GEMM's out_sharding, as JAX's transpose rule for dot_general gives it:
+    the primal's sharding in the GEMM's output layout (the cotangent is the output
+    transposed by `perm`). None unless the primal's mesh has explicit axes."""
+    if not has_explicit_axes(primal):
+        return None
+    sharding = jax.typeof(primal).sharding
+    spec = tuple(sharding.spec) + (None,) * (primal.ndim - len(sharding.spec))
+    inverse = np.argsort(np.asarray(perm, dtype=int))
+    return sharding.update(spec=sharding.spec.update(
+        partitions=tuple(spec[int(i)] for i in inverse)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -173,16 +213,49 @@ def _policy_dot_bwd(st: _Static, res, g):
     _, kd, kw = split_key(key)
     (d_dims, d_perm), (w_dims, w_perm) = backward_dimension_numbers(st.dims, lhs.ndim, rhs.ndim)
     pet = st.preferred_element_type
-    dspec = _GemmSpec(d_dims, st.policy.dgrad, st.precision, pet, "dgrad")
+    dspec = _GemmSpec(d_dims, st.policy.dgrad, st.precision, pet, "dgrad",
+                      _cotangent_sharding(lhs, d_perm))
     dlhs = _differentiable_gemm(g, rhs, kd, dspec, st.straight_through)
+    _observed(st, dspec, g, rhs, kd, dlhs, d_perm)
     dlhs = jnp.transpose(dlhs, d_perm).astype(lhs.dtype)
-    wspec = _GemmSpec(w_dims, st.policy.wgrad, st.precision, pet, "wgrad")
+    wspec = _GemmSpec(w_dims, st.policy.wgrad, st.precision, pet, "wgrad",
+                      _cotangent_sharding(rhs, w_perm))
     drhs = _differentiable_gemm(g, lhs, kw, wspec, st.straight_through)
+    _observed(st, wspec, g, lhs, kw, drhs, w_perm)
     drhs = jnp.transpose(drhs, w_perm).astype(rhs.dtype)
     return dlhs, drhs, None
 
 
 _policy_dot.defvjp(_policy_dot_fwd, _policy_dot_bwd)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class DotGeneralCall:
+    """One intercepted quantized ``dot_general`` call, as an observer's hook gets it.
+
+    Attributes:
+      lhs, rhs: the call's operands (float arrays, any rank).
+      key: the call's PRNG key, or None when the policy needs none.
+      dims: the normalized dimension numbers (``mxjax.dimensions.Dims``).
+      policy: the policy (its ``fprop``, ``dgrad``, ``wgrad`` GemmRecipes).
+
+    ``call(lhs, rhs, key, on_gemm=None)`` runs it: the quantized dot_general with
+    its custom VJP, closed over static values only (so a hook may put it under
+    its own custom VJP, passing the arrays through); ``on_gemm(record)`` gets a
+    :class:`~mxjax.gemm_record.GemmRecord` per GEMM as it runs.
+    """
+
+    lhs: jax.Array
+    rhs: jax.Array
+    key: jax.Array | None
+    dims: Dims
+    policy: PolicyRecipes
+    static: _Static = dataclasses.field(repr=False)  # the custom_vjp's static arguments
+
+    def __call__(self, lhs, rhs, key, *, on_gemm: Callable[[GemmRecord], None] | None = None):
+        if on_gemm is not None and not callable(on_gemm):
+            raise TypeError(f"on_gemm: expected a callable or None, got {on_gemm!r}")
+        return _policy_dot(lhs, rhs, key, self.static._replace(on_gemm=on_gemm))
 
 
 def _check_operand(x: Any, name: str) -> jax.Array:
@@ -221,9 +294,13 @@ def dot_general(
         name and resolves it before calling this).
       key: PRNG key; required when ``policy.needs_key``. Split per GEMM.
       **kwargs: ``out_sharding`` (the only sharding argument ``lax.dot_general``
-        takes in jax 0.11.2 and 0.12) is kept: forwarded to ``lax.dot_general``
-        by pass-through GEMMs, applied to the result with
-        ``jax.sharding.reshard`` by quantized ones. Others are ignored.
+        takes in jax 0.11.2 and 0.12) is kept, with ``lax.dot_general``'s
+        semantics: forwarded to it by pass-through GEMMs; quantized GEMMs under a
+        mesh with explicit axes (``jax.set_mesh``) give the result the sharding
+        ``lax.dot_general`` would (and raise its error where that is ambiguous),
+        and the backward GEMMs give each cotangent its primal's sharding, as
+        JAX's transpose rule does; without explicit axes the result is resharded
+        with ``jax.sharding.reshard``. Others are ignored.
     Returns:
       Array with ``lax.dot_general``'s shape and dtype. Its cotangents have the
       primals' dtypes.
@@ -267,8 +344,9 @@ def dot_general(
     hook = _HOOK.get()  # None unless an observer (mxjax.diagnostics) is active
     try:
         if hook is not None:
-            st = st._replace(straight_through=False)
-            out = hook(lambda a, b, k: _policy_dot(a, b, k, st), lhs, rhs, key, dims, policy)
+            call = DotGeneralCall(lhs=lhs, rhs=rhs, key=key, dims=dims, policy=policy,
+                                  static=st._replace(straight_through=False))
+            out = hook(call)
         else:
             out = _policy_dot(lhs, rhs, key, st)
     except TypeError as e:  # JAX's own message, raised here when jvp runs eagerly

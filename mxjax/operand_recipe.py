@@ -87,16 +87,6 @@ class OperandRecipe:
         """The format's scaling scheme (``mxjax.scaling``); None for pass-through."""
         return None if self.is_passthrough else scheme_for(self.fmt)
 
-    def quantizer_kwargs(self, key: Any = None) -> dict[str, Any]:
-        """Keyword arguments of ``mxjax.quantize`` / ``fake_quantize`` for this operand.
-
-        ``key`` is kept only when the rounding is STOCHASTIC (None otherwise).
-        Prefer ``mxjax.quantization.quantize_with(x, recipe, ...)``, which takes
-        the recipe itself.
-        """
-        return {"scale_rule": self.scale_rule, "rounding": self.rounding,
-                "key": key if self.needs_key else None, "sr_prescale": self.sr_prescale}
-
     def describe(self) -> str:
         """Short text, e.g. ``'mxfp4 even/nearest_even'`` or ``'bf16 (pass-through)'``."""
         if self.is_passthrough:

@@ -1,17 +1,32 @@
-"""Block-diagonal Walsh–Hadamard rotations (fast transform, log2(h) butterfly stages)."""
+"""Block-diagonal Walsh–Hadamard rotations (fast transform, log2(h) butterfly stages).
+
+Two formulations of the same butterflies (the same f32 adds and subtracts, so
+the same values bit for bit), chosen per lowering platform:
+
+* XLA:CPU: each stage pairs element i with i ^ s by a reversal of each pair plus a
+  select, materialized per stage (XLA:CPU would otherwise recompute every earlier
+  stage per element);
+* GPUs and TPUs: the block index's bits as axes of size 2 (`bit_view`), one stage
+  per bit axis as ``a + sign * b`` of its two halves (`hadamard_bit_view`), no
+  reversal and no barrier, so that the compiler fuses all stages with the
+  quantizer that follows.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from mxjax._platform import cpu_barrier
+from mxjax._platform import cpu_barrier, cpu_or_accelerator
 
-__all__ = ["HADAMARD_SIZES", "fixed_signs", "hadamard", "random_signs"]
+__all__ = ["HADAMARD_SIZES", "bit_view", "fixed_signs", "hadamard", "hadamard_bit_view",
+           "random_signs"]
 
 HADAMARD_SIZES = (16, 32, 64, 128)
 
@@ -53,6 +68,57 @@ def _fwht_last(xb: jnp.ndarray) -> jnp.ndarray:
     return xb
 
 
+def bit_view(x: jnp.ndarray, axis: int, n_bits: int) -> jnp.ndarray:
+    """`x` with `axis` (length n, a multiple of 2**n_bits) split into (n >> n_bits, 2, ..., 2).
+
+    The n_bits axes of size 2 are the low bits of the index along `axis`, the
+    highest first (a row-major reshape, free in XLA). Element j of a block of
+    2**n_bits is at bits (j >> (n_bits - 1) & 1, ..., j & 1).
+    """
+    n = x.shape[axis]
+    if n % (1 << n_bits):
+        raise ValueError(f"x: length {n} along axis {axis} is not a multiple of 2**{n_bits}")
+    return x.reshape(x.shape[:axis] + (n >> n_bits,) + (2,) * n_bits + x.shape[axis + 1:])
+
+
+def hadamard_bit_view(z: jnp.ndarray, block_size: int, low_bit_axis: int,
+                      signs: jnp.ndarray | None = None) -> jnp.ndarray:
+    """The normalized H_h of `hadamard` on blocks laid out as bit axes (`bit_view`), f32.
+
+    Args:
+      z: float array whose block index bits are the log2(h) axes of size 2 ending
+        at `low_bit_axis` (the lowest bit; higher bits before it).
+      block_size: h, one of HADAMARD_SIZES.
+      low_bit_axis: non-negative axis of the lowest bit.
+      signs: optional ±1 vector of length h (applied before the transform).
+    Returns:
+      f32 array of z's shape: the same values as `hadamard` on the flat layout.
+      Stage t (stride 2^t) combines the two halves a, b of bit axis
+      ``low_bit_axis - t`` into ``a + b`` (bit 0) and ``a + (-1) * b == a - b``
+      (bit 1): the butterfly's adds and subtracts in the butterfly's order.
+    """
+    h = _check_block_size(block_size)
+    k = h.bit_length() - 1
+    first = low_bit_axis - k + 1
+    if first < 0 or z.shape[first: low_bit_axis + 1] != (2,) * k:
+        raise ValueError(f"z: expected {k} bit axes of size 2 ending at axis {low_bit_axis}, "
+                         f"got shape {z.shape}")
+    z = z.astype(jnp.float32)
+    trailing = (1,) * (z.ndim - low_bit_axis - 1)
+    if signs is not None:
+        signs = jnp.asarray(signs, jnp.float32)
+        if signs.shape != (h,):
+            raise ValueError(f"signs: expected shape ({h},), got {signs.shape}")
+        z = z * signs.reshape((2,) * k + trailing)
+    plus_minus = jnp.asarray([1.0, -1.0], jnp.float32)
+    for t in range(k):
+        ax = low_bit_axis - t
+        a = lax.index_in_dim(z, 0, ax, keepdims=True)
+        b = lax.index_in_dim(z, 1, ax, keepdims=True)
+        z = a + plus_minus.reshape((2,) + (1,) * (z.ndim - ax - 1)) * b
+    return z * jnp.float32(1.0 / math.sqrt(h))
+
+
 def hadamard(
     x: jnp.ndarray, block_size: int = 16, axis: int = -1, signs: jnp.ndarray | None = None
 ) -> jnp.ndarray:
@@ -84,15 +150,30 @@ def hadamard(
             "(pad with zeros first; mxjax.dot_general does this for GEMMs)"
         )
     xm = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
-    lead = xm.shape[:-1]
-    xb = xm.reshape(lead + (n // h, h))
     if signs is not None:
         signs = jnp.asarray(signs, jnp.float32)
         if signs.shape != (h,):
             raise ValueError(f"signs: expected shape ({h},), got {signs.shape}")
+    args = (xm,) if signs is None else (xm, signs)
+    ym = cpu_or_accelerator(*args, cpu=functools.partial(_hadamard_flat, h=h),
+                            accelerator=functools.partial(_hadamard_bits, h=h))
+    return jnp.moveaxis(ym, -1, axis).astype(x.dtype)
+
+
+def _hadamard_flat(xm: jnp.ndarray, signs: jnp.ndarray | None = None, *, h: int) -> jnp.ndarray:
+    """XLA:CPU form of `hadamard` on the last axis (f32, a multiple of h long)."""
+    lead = xm.shape[:-1]
+    xb = xm.reshape(lead + (xm.shape[-1] // h, h))
+    if signs is not None:
         xb = xb * signs
     yb = _fwht_last(xb) * jnp.float32(1.0 / math.sqrt(h))
-    return jnp.moveaxis(yb.reshape(lead + (n,)), -1, axis).astype(x.dtype)
+    return yb.reshape(xm.shape)
+
+
+def _hadamard_bits(xm: jnp.ndarray, signs: jnp.ndarray | None = None, *, h: int) -> jnp.ndarray:
+    """GPU/TPU form of `hadamard` on the last axis: the bit view, no reversals."""
+    z = bit_view(xm, xm.ndim - 1, h.bit_length() - 1)
+    return hadamard_bit_view(z, h, z.ndim - 1, signs).reshape(xm.shape)
 
 
 def fixed_signs(seed: int, block_size: int = 16) -> jnp.ndarray:

@@ -92,6 +92,11 @@ def to_blocks(x: jax.Array, axis: int, block: int) -> tuple[jax.Array, int]:
     return xm, n
 
 
+def _tensor_amax_bits(abs_bits: jax.Array) -> jax.Array:
+    """uint32 abs bits of a tensor's amax; 0 for an empty tensor (whose scale is then 1)."""
+    return jnp.max(abs_bits) if abs_bits.size else jnp.zeros((), jnp.uint32)
+
+
 def _prescaled(y: jax.Array, prescale: bool) -> jax.Array:
     return y * jnp.float32(SR_PRESCALE) if prescale else y
 
@@ -184,16 +189,21 @@ class E8M0Blocks:
     def split(self, xm):
         return xm.reshape(xm.shape[:-1] + (xm.shape[-1] // self.block_size, self.block_size))
 
+    def exponents(self, amax_bits, rule, prescale, dtype=jnp.float32) -> E8M0Scales:
+        """The blocks' scales from the abs bits (uint32) of their amax, any layout.
+
+        Also the scale rule of mxjax.accelerator's in-place forms (blocks anywhere).
+        """
+        s = jnp.minimum(e8m0_exponent(amax_bits, self.element, rule),
+                        max_scale_exponent(dtype, self.element, prescale))
+        return E8M0Scales(jnp.where(amax_bits == 0, 0, s), amax_bits >= _bits.EXP_INF)
+
     def prepare(self, xb, rule, prescale, dtype=jnp.float32):
-        elem = self.element
         abs_bits = _bits.f32_bits(xb) & _bits.ABS_MASK
-        amax_bits = jnp.max(abs_bits, axis=-1, keepdims=True)
-        nonfinite = amax_bits >= _bits.EXP_INF
-        s = jnp.minimum(e8m0_exponent(amax_bits, elem, rule),
-                        max_scale_exponent(dtype, elem, prescale))
-        s = jnp.where(amax_bits == 0, 0, s)
-        y = _prescaled(_bits.ldexp(xb, -s), prescale)
-        return jnp.where(nonfinite, 0.0, y), E8M0Scales(s, nonfinite)
+        scales = self.exponents(jnp.max(abs_bits, axis=-1, keepdims=True), rule, prescale,
+                                dtype)
+        y = _prescaled(_bits.ldexp(xb, -scales.exponent), prescale)
+        return jnp.where(scales.nonfinite, 0.0, y), scales
 
     def stored(self, scales):
         s, nonfinite = scales
@@ -262,7 +272,7 @@ class E4M3BlocksTensorScale:
 
     def prepare(self, xb, rule, prescale, dtype=jnp.float32):
         abs_bits = _bits.f32_bits(xb) & _bits.ABS_MASK
-        t_bits = jnp.max(abs_bits)
+        t_bits = _tensor_amax_bits(abs_bits)
         t = _tensor_scale(t_bits, self.element.max_normal * self.scale_element.max_normal,
                           self.tensor_floor_exp)
         amax = _bits.bits_f32(jnp.max(abs_bits, axis=-1, keepdims=True))
@@ -334,7 +344,7 @@ class PerTensor:
         return xm
 
     def prepare(self, xb, rule, prescale, dtype=jnp.float32):
-        t_bits = jnp.max(_bits.f32_bits(xb) & _bits.ABS_MASK)
+        t_bits = _tensor_amax_bits(_bits.f32_bits(xb) & _bits.ABS_MASK)
         t = _tensor_scale(t_bits, self.element.max_normal, self.tensor_floor_exp)
         finite = t_bits < _bits.EXP_INF
         y = jnp.where(finite, _bits.exact_div(xb, jnp.where(finite, t, 1.0)), 0.0)

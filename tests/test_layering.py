@@ -36,10 +36,14 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     #  - the quantizer is built bottom up: element grids (elements), the scaling
     #    schemes (scaling), the validated OperandRecipe the quantizer takes
     #    (operand_recipe; mxjax.recipes re-exports it), then quantization.
+    #  - the emulated GEMM's accelerator forms: their f32-scaled MX values
+    #    (accelerator_values), the TPU kernel (accelerator_tpu), then the in-place
+    #    operands and GEMM (accelerator), which mxjax.gemm calls.
     #  - kernels sit above recipes (they take the backend names from mxjax.recipes)
     #    and below mxjax.gemm (one GEMM under a recipe), their only caller, which
     #    imports them lazily so that `import mxjax` stays free of Pallas.
-    #  - the interceptor (the custom_vjp over the three GEMMs) sits above mxjax.gemm.
+    #  - the interceptor (the custom_vjp over the three GEMMs) sits above mxjax.gemm and
+    #    mxjax.gemm_record (the GemmRecord it hands observers of each GEMM).
     #  - policies sit above the interceptor: PrecisionPolicy.dot_general and
     #    mxjax.dot_general run it; the interceptor reads a policy through the
     #    mxjax.recipes.PolicyRecipes protocol and never imports the policy type.
@@ -51,10 +55,11 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("elements",),
         ("scaling",),
         ("operand_recipe",),
-        ("quantization", "rotation"),
-        ("recipes",),
-        ("kernels",),
+        ("quantization", "rotation", "accelerator_values"),
+        ("recipes", "accelerator_tpu"),
+        ("kernels", "accelerator"),
         ("gemm",),
+        ("gemm_record",),
         ("interceptor",),
         ("policies",),
         ("diagnostics",),

@@ -18,14 +18,14 @@ diagnostics on.
 
 Plugging into the interceptor: :func:`collect` installs one hook
 (``mxjax.interceptor.observe``) for the duration of the trace. The interceptor
-calls it once per quantized ``dot_general`` call with the GEMM (its custom
-VJP), the operands, the key, the dimension numbers and the policy; the hook
-takes the next probe slot and wraps the GEMM in :func:`probed_call` with a
-custom VJP that records the three GEMMs' operands via
-``mxjax.gemm.canonical_operands`` / ``quantizer_operands`` (the
-interceptor's own functions, so the recorded operands are the quantizer's).
-The interceptor never imports this module, and with diagnostics off it
-traces exactly the plain program.
+calls it once per quantized ``dot_general`` call with the call (a
+``mxjax.interceptor.DotGeneralCall``); the hook takes the next probe slot and
+runs the call inside :func:`probed_call`, asking the interceptor for a
+``mxjax.gemm_record.GemmRecord`` of each GEMM as it runs. A record's
+``quantizer_inputs()`` and ``keys`` are the operands and keys the GEMM hands
+its quantizer, so the stats are those of the GEMM's own quantization. The
+interceptor never imports this module, and with diagnostics off it traces
+exactly the plain program.
 
 Protocol for other GEMMs: the caller wraps its loss function with
 :func:`instrument` (or uses :func:`value_and_grad_with_stats`), which makes a
@@ -51,8 +51,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mxjax import dimensions, gemm, interceptor
+from mxjax import interceptor
 from mxjax.diagnostics.gemm_stats import GEMM_FIELDS, N_GEMM_FIELDS, gemm_stats
+from mxjax.gemm_record import GemmRecord
+from mxjax.interceptor import DotGeneralCall
 from mxjax.recipes import GEMMS
 
 __all__ = [
@@ -344,43 +346,19 @@ def summarize_probes(stats: Any, labels: Sequence[str] | None = None, *,
 # --------------------------------------------------------------------------- #
 # The interceptor's hook
 # --------------------------------------------------------------------------- #
-def _record_policy_gemm(gemm_name: str, a: jax.Array, b: jax.Array, dims: dimensions.Dims,
-                        recipe: Any, key: jax.Array | None) -> None:
-    """Records one GEMM ``dot_general(a, b, dims)`` under `recipe` as the interceptor runs it."""
-    if recipe.is_passthrough:  # the interceptor calls lax.dot_general: nothing quantized
-        return
-    a3, b3 = gemm.canonical_operands(a, b, dims)
-    a3, b3, k_lhs, k_rhs = gemm.quantizer_operands(a3, b3, recipe, key)
-    record_gemm(gemm_name, a3, b3, recipe, k_lhs, k_rhs)
+def _record_gemm_record(record: GemmRecord) -> None:
+    """The interceptor's on_gemm: one GEMM's stats into the probed call being traced."""
+    if record.recipe.is_passthrough or _SINK.get() is None:
+        return  # nothing quantized (lax.dot_general), or no probed call being traced
+    a, b = record.quantizer_inputs()
+    keys = record.keys
+    record_gemm(record.name, a, b, record.recipe, keys.lhs, keys.rhs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _recorded(call, dims, policy, lhs, rhs, key):
-    return call(lhs, rhs, key)
-
-
-def _recorded_fwd(call, dims, policy, lhs, rhs, key):
-    kf, _, _ = gemm.split_key(key)
-    _record_policy_gemm("fprop", lhs, rhs, dims, policy.fprop, kf)
-    y, vjp = jax.vjp(call, lhs, rhs, key)
-    return y, (vjp, lhs, rhs, key)
-
-
-def _recorded_bwd(call, dims, policy, res, g):
-    vjp, lhs, rhs, key = res
-    _, kd, kw = gemm.split_key(key)
-    (d_dims, _), (w_dims, _) = dimensions.backward_dimension_numbers(dims, lhs.ndim, rhs.ndim)
-    _record_policy_gemm("dgrad", g, rhs, d_dims, policy.dgrad, kd)
-    _record_policy_gemm("wgrad", g, lhs, w_dims, policy.wgrad, kw)
-    return vjp(g)
-
-
-_recorded.defvjp(_recorded_fwd, _recorded_bwd)
-
-
-def _observe_dot_general(call, lhs, rhs, key, dims, policy):
+def _observe_dot_general(call: DotGeneralCall):
     """The hook :func:`collect` installs in the interceptor (``mxjax.interceptor.observe``)."""
     slot = next_probe()
     if slot is None:  # an inner trace outside this recorder's reach
-        return call(lhs, rhs, key)
-    return probed_call(functools.partial(_recorded, call, dims, policy), slot, lhs, rhs, key)
+        return call(call.lhs, call.rhs, call.key)
+    return probed_call(functools.partial(call, on_gemm=_record_gemm_record), slot,
+                       call.lhs, call.rhs, call.key)

@@ -11,12 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mxjax import gemm as mxgemm
-from mxjax.dimensions import Dims
-from mxjax.formats import BF16
-from mxjax.quantization import fake_quantize
-from mxjax.recipes import GemmRecipe, Hadamard, OperandRecipe
-from mxjax.rotation import fixed_signs, random_signs
+from mxjax.quantization import fake_quantize_with
+from mxjax.recipes import Hadamard, OperandRecipe
 from study.probe.capture import GemmCapture
 
 __all__ = ["COMMON_BLOCK", "analyze_gemm", "operand_treatment", "sylvester"]
@@ -32,15 +28,6 @@ def sylvester(h: int) -> np.ndarray:
     while mat.shape[0] < h:
         mat = np.kron(np.array([[1.0, 1.0], [1.0, -1.0]]), mat)
     return mat
-
-
-def _signs(had: Hadamard, key) -> np.ndarray | None:
-    if had.randomized:
-        _, _, k_had = mxgemm.split_key(key)
-        return np.asarray(random_signs(k_had, had.block_size), np.float64)
-    if had.seed is not None:
-        return np.asarray(fixed_signs(had.seed, had.block_size), np.float64)
-    return None
 
 
 def _pad_k(x: np.ndarray, mult: int) -> np.ndarray:
@@ -66,7 +53,7 @@ def _rotate(x: np.ndarray, h: int, signs: np.ndarray | None, inverse: bool = Fal
 @functools.lru_cache(maxsize=64)
 def _fq_fn(op: OperandRecipe):
     def f(x, key):
-        return fake_quantize(x, op.fmt, -1, **op.quantizer_kwargs(key))
+        return fake_quantize_with(x, op, -1, key=key)
 
     return jax.jit(f)
 
@@ -77,18 +64,6 @@ def _lib_rotate_fn(h: int, has_signs: bool):
 
     def f(x, signs):
         return hadamard(x, h, axis=-1, signs=signs if has_signs else None)
-
-    return jax.jit(f)
-
-
-@functools.lru_cache(maxsize=64)
-def _rot_only_fn(had: Hadamard, n_batch: int):
-    recipe = GemmRecipe(lhs=OperandRecipe(fmt=BF16), rhs=OperandRecipe(fmt=BF16), hadamard=had)
-    batch = tuple(range(n_batch))
-    dims = Dims(((n_batch + 1,), (n_batch + 1,)), (batch, batch))
-
-    def f(a, b, key):
-        return mxgemm.gemm(a, b, dims, recipe, key if recipe.needs_key else None)
 
     return jax.jit(f)
 
@@ -153,8 +128,8 @@ def analyze_gemm(cap: GemmCapture, *, impl_check: bool = True,
     s = {"s_exact2": float(np.sum(exact * exact)), "s_err2": float(np.sum(err * err)),
          "s_out_exact": float(np.sum(out * exact)), "s_err_exact": float(np.sum(err * exact))}
     had = r.hadamard
-    signs = _signs(had, cap.key) if had is not None else None
-    k_lhs, k_rhs, _ = mxgemm.split_key(cap.key)
+    signs = None if had is None or cap.signs is None else np.asarray(cap.signs, np.float64)
+    k_lhs, k_rhs = cap.lhs_key, cap.rhs_key
     treated = {}
     for side, x, op, k in (("lhs", a, r.lhs, k_lhs), ("rhs", b, r.rhs, k_rhs)):
         t = operand_treatment(x, op, had, signs, k if op.needs_key else None)
@@ -185,10 +160,8 @@ def analyze_gemm(cap: GemmCapture, *, impl_check: bool = True,
         ref = _mm(treated["lhs"]["q"], treated["rhs"]["q"])
         res["ref_dev"] = _maxdev(out, ref)
         if had is not None:
-            n_batch = a.ndim - 2
-            rot = _rot_only_fn(had, n_batch)(jnp.asarray(cap.a, jnp.float32),
-                                             jnp.asarray(cap.b, jnp.float32), cap.key)
-            res["rot_only_dev"] = _maxdev(np.asarray(rot, np.float64), exact)
+            if cap.rot_only is not None:  # the GEMM's Hadamard without quantization
+                res["rot_only_dev"] = _maxdev(np.asarray(cap.rot_only, np.float64), exact)
             # The same reference from the fp32 rotation the GEMM itself quantizes: it
             # separates a fault from an element that sits within an fp32 ulp of a rounding
             # or scale boundary, which the float64 rotation may put on the other side.

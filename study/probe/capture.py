@@ -1,22 +1,24 @@
-"""Capture every quantized GEMM of the model's loss and gradient, on the host.
+"""Capture every GEMM of the model's loss and gradient, on the host.
 
 The loss (mean token cross-entropy, as ``train.step``) and its gradient run
-jitted with an observer (``mxjax.interceptor.observe``) that wraps every
-quantized ``dot_general`` in a custom VJP; ``jax.debug.callback`` sends its
-operands, the forward cotangent and the policy's three GEMM results to the
-host (`Sink`), where `capture_gemms` lays them out canonically as one
-`GemmCapture` per call site and GEMM. Labels follow
-``train.diagnostics.numerics.llama_slot_labels``; a call site inside the layer
-scan runs once per layer and each execution is labelled with its layer
-(``L0.q_proj``, found by matching W against the stacked kernels).
+jitted with an observer (``mxjax.interceptor.observe``) that asks the
+interceptor for the record of each of a quantized call's three GEMMs
+(``mxjax.gemm_record.GemmRecord``: recipe, canonical operands, keys already
+split, result) and sends it to the host with ``jax.debug.callback`` (`Sink`),
+together with what the analysis needs from the trace: the Hadamard's sign
+vector and the same GEMM with the policy's Hadamard and no quantization
+(``record.run``). `capture_gemms` turns them into one `GemmCapture` per call
+site and GEMM. Labels follow ``train.diagnostics.numerics.llama_slot_labels``;
+a call site inside the layer scan runs once per layer and each execution is
+labelled with its layer (``L0.q_proj``, found by matching W against the
+stacked kernels).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -26,9 +28,9 @@ import optax
 from flax import nnx
 
 from models.llama import Llama, LlamaConfig
-from mxjax import gemm as mxgemm
 from mxjax import interceptor
-from mxjax.dimensions import Dims, backward_dimension_numbers
+from mxjax.formats import BF16
+from mxjax.gemm_record import GemmRecord
 from mxjax.policies import PrecisionPolicy
 from mxjax.recipes import GEMMS, GemmRecipe
 from train.diagnostics.numerics import llama_slot_labels
@@ -38,11 +40,15 @@ __all__ = ["GemmCapture", "Sink", "capture_gemms", "loss_and_grad", "probe_confi
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GemmCapture:
-    """One GEMM of one call site, canonical layout (``mxjax.layout``), float32 host arrays.
+    """One GEMM of one call site, canonical layout (``mxjax.layout``), host arrays.
 
-    ``a``: [batch..., Fa, K], ``b``: [batch..., Fb, K] (contraction last, flattened
-    in the GEMM's own order), ``out``: the policy's result [batch..., Fa, Fb];
-    ``recipe``: its GemmRecipe; ``key``: the GEMM's PRNG key (None if unused).
+    ``a``: f32 [batch..., Fa, K], ``b``: f32 [batch..., Fb, K] (contraction last,
+    flattened in the GEMM's own order), ``out``: the policy's result [batch...,
+    Fa, Fb] (its dtype); ``recipe``: its GemmRecipe; ``lhs_key``/``rhs_key``: the
+    keys of the two roundings (None unless that operand's rounding is
+    STOCHASTIC); ``signs``: the Hadamard's ±1 sign vector (None without signs);
+    ``rot_only``: the same GEMM with the recipe's Hadamard and no quantization
+    (f32 [batch..., Fa, Fb]; None without a Hadamard).
     """
 
     label: str
@@ -51,63 +57,84 @@ class GemmCapture:
     b: np.ndarray
     out: np.ndarray
     recipe: GemmRecipe
-    key: Any
+    lhs_key: Any = None
+    rhs_key: Any = None
+    signs: np.ndarray | None = None
+    rot_only: np.ndarray | None = None
 
 
 class Sink:
     """Host side of the observer: per call site, the static metadata and the arrays.
 
-    ``meta[slot] = (dims, policy, (has_key, key_impl))`` is filled at trace time;
-    ``data[(slot, part)]`` lists the arrays of every execution (one per layer when
-    the call site sits inside a scan).
+    ``meta[slot] = (policy, key_impl)`` is filled at trace time; ``data[(slot,
+    part)]`` lists the arrays of every execution (one per layer when the call
+    site sits inside a scan): part 'fwd' holds the fprop record, 'bwd' the dgrad
+    and wgrad records, each with W (to pair a backward with its forward).
     """
 
     def __init__(self):
-        self.meta: list[tuple[Dims, PrecisionPolicy, Any]] = []
-        self.data: dict[tuple[int, str], list[tuple[np.ndarray, ...]]] = {}
+        self.meta: list[tuple[PrecisionPolicy, Any]] = []
+        self.data: dict[tuple[int, str], list[dict[str, Any]]] = {}
 
-    def put(self, slot: int, part: str, *arrays):
-        self.data.setdefault((slot, part), []).append(tuple(np.asarray(a) for a in arrays))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _captured(call, sink, slot, lhs, rhs, key):
-    return call(lhs, rhs, key)
+    def put(self, slot: int, part: str, tree: dict[str, Any]):
+        self.data.setdefault((slot, part), []).append(jax.tree.map(np.asarray, tree))
 
 
 def _key_data(key):
-    if key is None:
-        return ()
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        return (jax.random.key_data(key),)
-    return (key,)
+        return jax.random.key_data(key)
+    return key
 
 
-def _captured_fwd(call, sink, slot, lhs, rhs, key):
-    y, vjp = jax.vjp(call, lhs, rhs, key)
-    jax.debug.callback(functools.partial(sink.put, slot, "fwd"), lhs, rhs, y, *_key_data(key))
-    return y, (vjp, rhs)
+def _record_arrays(r: GemmRecord) -> dict[str, jax.Array]:
+    """What the host analysis needs of one GEMM record (traced)."""
+    a, b = r.operands
+    arrays = {"a": a, "b": b, "out": r.out_canonical}
+    keys = r.keys
+    if r.recipe.lhs.needs_key:
+        arrays["lhs_key"] = _key_data(keys.lhs)
+    if r.recipe.rhs.needs_key:
+        arrays["rhs_key"] = _key_data(keys.rhs)
+    had = r.recipe.hadamard
+    if had is not None:
+        signs = r.hadamard_signs()
+        if signs is not None:
+            arrays["signs"] = signs
+        arrays["rot_only"] = r.run(GemmRecipe(lhs=BF16, rhs=BF16, hadamard=had))
+    return arrays
 
 
-def _captured_bwd(call, sink, slot, res, g):
-    vjp, rhs = res
-    cts = vjp(g)
-    # rhs again: pairs this backward with its forward when the site runs once per layer
-    jax.debug.callback(functools.partial(sink.put, slot, "bwd"), g, cts[0], cts[1], rhs)
-    return cts
+class _CallSite:
+    """The observer's on_gemm for one call site: sends its records to the sink.
 
+    The interceptor hands over fprop in the forward pass and dgrad then wgrad in
+    the backward pass; the two backward records go out in one callback.
+    """
 
-_captured.defvjp(_captured_fwd, _captured_bwd)
+    def __init__(self, sink: Sink, slot: int):
+        self.sink, self.slot = sink, slot
+        self.dgrad: GemmRecord | None = None
+
+    def __call__(self, r: GemmRecord) -> None:
+        if r.name == "fprop":
+            tree = {"w": r.rhs, "fprop": _record_arrays(r)}
+            jax.debug.callback(functools.partial(self.sink.put, self.slot, "fwd"), tree)
+        elif r.name == "dgrad":
+            self.dgrad = r
+        else:
+            d, self.dgrad = self.dgrad, None
+            tree = {"w": d.rhs, "dgrad": _record_arrays(d), "wgrad": _record_arrays(r)}
+            jax.debug.callback(functools.partial(self.sink.put, self.slot, "bwd"), tree)
 
 
 def _hook_for(sink: Sink):
-    def hook(call, lhs, rhs, key, dims, policy):
+    def hook(call):
         slot = len(sink.meta)
         impl = None
-        if key is not None and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-            impl = jax.random.key_impl(key)
-        sink.meta.append((dims, policy, (key is not None, impl)))
-        return _captured(call, sink, slot, lhs, rhs, key)
+        if call.key is not None and jnp.issubdtype(call.key.dtype, jax.dtypes.prng_key):
+            impl = jax.random.key_impl(call.key)
+        sink.meta.append((call.policy, impl))
+        return call(call.lhs, call.rhs, call.key, on_gemm=_CallSite(sink, slot))
 
     return hook
 
@@ -144,26 +171,8 @@ def loss_and_grad(model_config: LlamaConfig, policy: PrecisionPolicy, sink: Sink
     return jax.jit(traced)
 
 
-def _np_canonical(x: np.ndarray, batch: Sequence[int], contract: Sequence[int]) -> np.ndarray:
-    """x -> [batch..., prod(free), prod(contract)] (numpy; contraction flattened in order)."""
-    free = [i for i in range(x.ndim) if i not in set(batch) | set(contract)]
-    xt = np.transpose(x, tuple(batch) + tuple(free) + tuple(contract))
-    nb = len(batch)
-    f = math.prod(xt.shape[nb:nb + len(free)])
-    return xt.reshape(xt.shape[:nb] + (f, math.prod(xt.shape[nb + len(free):])))
-
-
-def _np_out_canonical(out_lax: np.ndarray, dims: Dims, a_shape) -> np.ndarray:
-    """``lax.dot_general(a, b, dims)``-layout result -> [batch..., Fa, Fb]."""
-    (ca, _), (ba, _) = dims
-    fa = math.prod(a_shape[i] for i in range(len(a_shape)) if i not in set(ca) | set(ba))
-    bshape = tuple(a_shape[i] for i in ba)
-    return out_lax.reshape(bshape + (fa, -1))
-
-
-def _wrap_key(data, has_key_impl):
-    has_key, impl = has_key_impl
-    if not has_key:
+def _wrap_key(data, impl):
+    if data is None:
         return None
     if impl is None:
         return jnp.asarray(data)
@@ -215,38 +224,28 @@ def capture_gemms(model_config: LlamaConfig, params: dict, tokens: np.ndarray,
     if len(labels) != len(sink.meta):
         labels = [f"gemm{i}" for i in range(len(sink.meta))]
     caps = []
-    for slot, (dims, pol, key_info) in enumerate(sink.meta):
+    for slot, (pol, impl) in enumerate(sink.meta):
         fwds, bwds = sink.data.get((slot, "fwd"), []), sink.data.get((slot, "bwd"), [])
         if not fwds or len(fwds) != len(bwds):
             raise RuntimeError(f"probe: call site {slot} ({labels[slot]}) ran {len(fwds)} "
                                f"forward and {len(bwds)} backward GEMM sets")
         execs = []
         for j, fwd in enumerate(fwds):
-            match = [bw for bw in bwds if bw[3].shape == fwd[1].shape
-                     and np.array_equal(bw[3], fwd[1])]
+            match = [bw for bw in bwds if bw["w"].shape == fwd["w"].shape
+                     and np.array_equal(bw["w"], fwd["w"])]
             bwd = match[0] if len(match) == 1 else bwds[len(bwds) - 1 - j]  # scan runs back
             label, layer = labels[slot], 0
             if len(fwds) > 1:
-                layer = _layer_of(label, fwd[1], params, j)
+                layer = _layer_of(label, fwd["w"], params, j)
                 label = label.replace("L*.", f"L{layer}.", 1) if label.startswith("L*.") \
                     else f"{label}#{layer}"
             execs.append((layer, label, fwd, bwd))
         for _, label, fwd, bwd in sorted(execs, key=lambda e: e[0]):
-            lhs, rhs, y = fwd[:3]
-            g, dlhs, drhs = bwd[:3]
-            call_key = _wrap_key(fwd[3], key_info) if len(fwd) > 3 else None
-            gkeys = dict(zip(GEMMS, mxgemm.split_key(call_key)))
-            (d_dims, d_perm), (w_dims, w_perm) = backward_dimension_numbers(dims, lhs.ndim,
-                                                                            rhs.ndim)
-            out_d = np.transpose(dlhs, np.argsort(d_perm))
-            out_w = np.transpose(drhs, np.argsort(w_perm))
-            for kind, a, b, dd, out in (("fprop", lhs, rhs, dims, y),
-                                        ("dgrad", g, rhs, d_dims, out_d),
-                                        ("wgrad", g, lhs, w_dims, out_w)):
-                (ca, cb), (ba, bb) = dd
-                recipe = getattr(pol, kind)
+            for kind in GEMMS:
+                rec = (fwd if kind == "fprop" else bwd)[kind]
                 caps.append(GemmCapture(
-                    label=label, kind=kind, a=_np_canonical(a, ba, ca),
-                    b=_np_canonical(b, bb, cb), out=_np_out_canonical(out, dd, a.shape),
-                    recipe=recipe, key=gkeys[kind] if recipe.needs_key else None))
+                    label=label, kind=kind, a=rec["a"], b=rec["b"], out=rec["out"],
+                    recipe=getattr(pol, kind), lhs_key=_wrap_key(rec.get("lhs_key"), impl),
+                    rhs_key=_wrap_key(rec.get("rhs_key"), impl), signs=rec.get("signs"),
+                    rot_only=rec.get("rot_only")))
     return loss, caps

@@ -464,9 +464,9 @@ def test_without_an_observer_the_interceptor_traces_the_plain_program():
 def test_observe_sees_each_quantized_call_once_and_keeps_values():
     seen = []
 
-    def hook(call, lhs, rhs, key, dims, policy):
-        seen.append((dims, policy.name))
-        return call(lhs, rhs, key)
+    def hook(call):
+        seen.append((call.dims, call.policy.name))
+        return call(call.lhs, call.rhs, call.key)
 
     x = jax.random.normal(jax.random.key(0), (4, 32), jnp.float32)
     w = jax.random.normal(jax.random.key(1), (32, 8), jnp.float32)

@@ -208,25 +208,28 @@ def test_decisions_per_format():
 
 @pytest.mark.parametrize("name", ["mxfp4_all_h16", "mxfp4_all", "nvfp4", "fp8"])
 def test_accelerator_form_computes_the_same_gemm(name, np_rng):
-    """`_accelerator_gemm` (bf16 operands, factors on the result) vs `_cpu_gemm`, run here.
+    """`_accelerator_form` (bf16 operands, factors on the result) vs the CPU form, run here.
 
-    MX: the same exact products, summed in f32; with these magnitudes every partial
-    sum is exact, so the results are equal bit for bit. NVFP4/FP8: the tensor scales
-    move from each operand to the result, so the two differ by rounding only: within
-    4 ulp(f32) of sum |a_k b_k| times the scales.
+    MX: operands quantized in place (mxjax.accelerator), the same exact products,
+    summed in f32; with these magnitudes every partial sum is exact, so the results
+    are equal bit for bit. NVFP4/FP8 (canonical operands, `_accelerator_gemm`): the
+    tensor scales move from each operand to the result, so the two differ by
+    rounding only: within 4 ulp(f32) of sum |a_k b_k| times the scales.
     """
     recipe = policies.get(name).fprop
-    a3 = jnp.asarray(np_rng.standard_normal((M, K)), jnp.float32)
-    b3 = jnp.asarray(np_rng.standard_normal((N, K)), jnp.float32)
-    k_lhs, k_rhs = (jax.random.key(1), jax.random.key(2)) if recipe.needs_key else (None, None)
-    a3, b3 = jax.jit(lambda a, b: dg._rotate(a, b, recipe, None))(a3, b3)
-    acc = jax.jit(lambda a, b: dg._accelerator_gemm(a, b, recipe, k_lhs, k_rhs))(a3, b3)
-    cpu = jax.jit(lambda a, b: dg._cpu_gemm(a, b, recipe, k_lhs, k_rhs))(a3, b3)
+    a = jnp.asarray(np_rng.standard_normal((M, K)), jnp.float32)
+    b = jnp.asarray(np_rng.standard_normal((K, N)), jnp.float32)
+    dims = (((1,), (0,)), ((), ()))
+    keys = (jax.random.key(1), jax.random.key(2), None) if recipe.needs_key else (None,) * 3
+    acc = jax.jit(lambda a, b: dg._accelerator_form(a, b, dims, recipe, *keys, form="gpu"))(a, b)
+    cpu = jax.jit(lambda a, b: dg._canonical_cpu_form(a, b, dims, recipe, *keys))(a, b)
     if recipe.lhs.fmt.scale == "e8m0":
         chex.assert_trees_all_equal(acc, cpu)
         return
-    qa, qb = jax.jit(lambda a, b: (dg._prepare_operand(a, recipe.lhs, k_lhs),
-                                   dg._prepare_operand(b, recipe.rhs, k_rhs)))(a3, b3)
+    a3, b3 = jax.jit(lambda a, b: dg._rotate(*dg.canonical_operands(a, b, dims), recipe, None))(
+        a, b)
+    qa, qb = jax.jit(lambda a, b: (dg._prepare_operand(a, recipe.lhs, keys[0]),
+                                   dg._prepare_operand(b, recipe.rhs, keys[1])))(a3, b3)
     bound = 4 * 2.0**-23 * np.abs(np.asarray(qa, np.float64)) @ np.abs(np.asarray(qb, np.float64)).T
     assert (np.abs(np.asarray(acc, np.float64) - np.asarray(cpu, np.float64)) <= bound).all()
     assert not np.array_equal(np.asarray(acc), np.zeros_like(acc))

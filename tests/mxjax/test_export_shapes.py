@@ -12,11 +12,15 @@ layer are exported under four presets and their StableHLO is read with
   one read of the operand; the rest (Hadamard butterflies, rounding, scaling,
   bf16 convert) is elementwise on that read and fuses, so a quantized operand
   costs at most (reductions + 1) passes before the GEMM reads it;
-* optimization barriers: none for MXFP4 (its quantizer is integer/bit ops);
-  NVFP4 3 and FP8 2, the value guards of the per-tensor division (a traced
-  tensor-scale divisor, and materialized divisors so XLA cannot rewrite
+* optimization barriers: MXFP4 on GPUs 1, the input of the rounding pass, so that
+  XLA recomputes the rotation there instead of materializing the f32 rotated
+  operand between the amax pass and the rounding pass (mxjax/accelerator.py), none
+  on TPUs; NVFP4 3 and FP8 2, the value guards of the per-tensor division (a
+  traced tensor-scale divisor, and materialized divisors so XLA cannot rewrite
   ``x / d`` as ``x * (1/d)``; docs/NUMERICS.md). The CPU-only barriers (per
-  Hadamard stage, per operand, code packing) are absent.
+  Hadamard stage, per operand, code packing) are absent;
+* no ``reverse`` (the CPU form's butterflies); MXFP4 operands that tile go through
+  one TPU kernel each (a ``tpu_custom_call``, its amax inside).
 """
 
 from __future__ import annotations
@@ -34,8 +38,11 @@ from mxjax import policies
 
 POLICIES = ("mxfp4_all_h16", "mxfp4_all", "nvfp4", "fp8")
 PLATFORMS = ("cuda", "tpu")
-# Upper bounds per quantized operand (see the module docstring).
-BARRIERS_PER_OPERAND = {"mxfp4_all_h16": 0, "mxfp4_all": 0, "nvfp4": 3, "fp8": 2}
+# Upper bounds per quantized operand and platform (see the module docstring).
+BARRIERS_PER_OPERAND = {
+    "cuda": {"mxfp4_all_h16": 1, "mxfp4_all": 1, "nvfp4": 3, "fp8": 2},
+    "tpu": {"mxfp4_all_h16": 0, "mxfp4_all": 0, "nvfp4": 3, "fp8": 2},
+}
 AMAX_PER_OPERAND = {"mxfp4_all_h16": 1, "mxfp4_all": 1, "nvfp4": 2, "fp8": 1}
 
 
@@ -100,9 +107,14 @@ def test_accelerator_export_shape(kind, gemms, policy_name):
         assert {(d.lhs, d.rhs, d.out, d.precision) for d in q} == {
             ("bf16", "bf16", "f32", "DEFAULT")}, platform
         operands = 2 * gemms
-        assert s.barriers <= BARRIERS_PER_OPERAND[policy_name] * operands, (platform, s.barriers)
-        assert s.amax_reductions == AMAX_PER_OPERAND[policy_name] * operands, (
-            platform, s.amax_reductions)
+        assert s.barriers <= BARRIERS_PER_OPERAND[platform][policy_name] * operands, (
+            platform, s.barriers)
+        assert "stablehlo.reverse" not in _text(kind, policy_name, platform), platform
+        # An MXFP4 operand that tiles into the TPU kernel has its amax inside it.
+        assert s.amax_reductions + s.tpu_kernels == AMAX_PER_OPERAND[policy_name] * operands, (
+            platform, s.amax_reductions, s.tpu_kernels)
+        if platform == "cuda" or not policy_name.startswith("mxfp4"):
+            assert s.tpu_kernels == 0, platform
         if kind == "layer":  # no dot anywhere at HIGHEST (attention stays pass-through bf16)
             assert all(d.precision != "HIGHEST" for d in s.dots), platform
 
@@ -127,7 +139,7 @@ def test_auto_backend_exported_for_cuda_from_cpu_is_the_xla_emulation():
     auto = _shape("dot", "mxfp4_all_h16", "cuda", backend="auto")
     xla = _shape("dot", "mxfp4_all_h16", "cuda", backend="xla")
     assert auto == xla
-    assert auto.f32_highest == 0 and auto.barriers == 0
+    assert auto.f32_highest == 0 and auto.barriers == 3 * 2  # the GPU form's, one per operand
 
 
 def test_analyzer_counts_calls_and_reads_precision():
@@ -171,3 +183,23 @@ def test_cpu_barriers_hold_one_operand_each():
     operand_lists = re.findall(r"stablehlo\.optimization_barrier ([^:]*) :", text)
     assert len(operand_lists) == 3 * 2 * 6
     assert all("," not in ops for ops in operand_lists), operand_lists
+
+
+def test_tpu_mxfp4_operands_that_tile_are_one_kernel_each():
+    """fwd+bwd of a [256, 256] x [256, 128] dot under mxfp4_all_h16 exported for TPU: six
+    quantized operands, six Mosaic kernels (no amax reduction, barrier or reversal
+    outside them), three bf16 GEMMs."""
+    policy = policies.get("mxfp4_all_h16")
+
+    def f(a, b):
+        return jax.value_and_grad(lambda a, b: jnp.sum(jnp.square(es_dot(
+            a, b, policy, None).astype(jnp.float32))), argnums=(0, 1))(a, b)
+
+    args = (jax.ShapeDtypeStruct((256, 256), jnp.bfloat16),
+            jax.ShapeDtypeStruct((256, 128), jnp.bfloat16))
+    text = es.export_text(f, args, "tpu")
+    s = es.analyze(text)
+    assert len(s.quantized) == 3 and s.f32_highest == 0
+    assert s.tpu_kernels == 6
+    assert s.amax_reductions == 0 and s.barriers == 0
+    assert "stablehlo.reverse" not in text

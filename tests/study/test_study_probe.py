@@ -27,7 +27,7 @@ from mxjax import policies
 from mxjax.formats import MXFP4, ScaleRule
 from mxjax.recipes import GemmRecipe, Hadamard, OperandRecipe
 from study import probe as S
-from study.probe import analysis, capture
+from study.probe import capture
 from tests import reference as ref
 
 U32 = 2.0 ** -24  # fp32 unit roundoff
@@ -106,7 +106,8 @@ def test_h16_every_gemm_equals_an_independent_reference(h16_capture):
     _, caps, _ = h16_capture
     flips = total = 0
     for c in caps:
-        assert c.recipe.hadamard == Hadamard(block_size=16) and c.key is None
+        assert c.recipe.hadamard == Hadamard(block_size=16)
+        assert c.lhs_key is None and c.rhs_key is None and c.signs is None
         a, b = (_pad16(np.asarray(x, np.float32)) for x in (c.a, c.b))
         k = a.shape[-1]
         ra64, rb64 = ref.hadamard(a, 16), ref.hadamard(b, 16)  # float64, dense Sylvester
@@ -138,12 +139,12 @@ def test_h16_every_gemm_equals_an_independent_reference(h16_capture):
 
 
 def test_h16_rotation_only_gemms_equal_the_exact_product(h16_capture):
-    """BF16 operands + the policy's H16 through mxjax's GEMM: the rotation cancels."""
+    """BF16 operands + the policy's H16 through mxjax's GEMM (the record's run of that
+    variant on the same operands): the rotation cancels."""
     _, caps, _ = h16_capture
-    rot = analysis._rot_only_fn(Hadamard(block_size=16), 0)
     for c in caps:
         a, b = np.asarray(c.a, np.float64), np.asarray(c.b, np.float64)
-        got = np.asarray(rot(jnp.asarray(c.a), jnp.asarray(c.b), None), np.float64)
+        got = np.asarray(c.rot_only, np.float64)
         k = _pad16(c.a).shape[-1]
         # rotation (a few ulp per block norm) + K-term fp32 accumulation, Cauchy-Schwarz
         bound = (k + 32) * U32 * np.outer(np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1))
@@ -161,7 +162,7 @@ def test_analyze_gemm_checks_can_fail(h16_capture):
     c = caps[0]
     plain = GemmRecipe(lhs=c.recipe.lhs, rhs=c.recipe.rhs)  # claims no rotation
     wrong = S.analyze_gemm(S.GemmCapture(label=c.label, kind=c.kind, a=c.a, b=c.b, out=c.out,
-                                         recipe=plain, key=None))
+                                         recipe=plain))
     assert wrong["ref_dev"] > 1e-3
     assert wrong["ref32_dev"] is None  # no rotation claimed: no fp32-rotation route
 
@@ -170,7 +171,7 @@ def test_analyze_gemm_checks_can_fail(h16_capture):
 def _cap(a, b, out, recipe):
     return S.GemmCapture(label="t", kind="fprop", a=np.asarray(a, np.float32),
                          b=np.asarray(b, np.float32), out=np.asarray(out, np.float32),
-                         recipe=recipe, key=None)
+                         recipe=recipe)
 
 
 MX = OperandRecipe(fmt=MXFP4, scale_rule=ScaleRule.EVEN)

@@ -54,8 +54,8 @@ def _deps(jaxpr, ins: list, positional_barrier: bool, dots: list | None = None) 
 def _quantized_gemm_operand_deps(jaxpr, positional_barrier: bool) -> list:
     """For each quantized GEMM (a custom_vjp_call): deps of its inner dots' (lhs, rhs).
 
-    The forward GEMM has one dot per lowering platform (the CPU and the GPU/TPU
-    form, `lax.platform_dependent`), so each quantized GEMM contributes two."""
+    The forward GEMM has one dot per lowering platform (the CPU, GPU and TPU forms,
+    `lax.platform_dependent`), so each quantized GEMM contributes three."""
     found: list = []
     for eqn in jaxpr.jaxpr.eqns:
         if eqn.primitive.name != "custom_vjp_call":
@@ -86,7 +86,7 @@ def test_weight_quantization_is_computed_apart_from_the_barriers(policy):
     # weight side (rhs) is quantized from the weight alone. Guards the analysis
     # below (it finds both GEMMs) and everything but the barriers.
     found = _quantized_gemm_operand_deps(_wrapped_jaxpr(policy), positional_barrier=True)
-    assert len(found) == 2 * 2  # two layers x (CPU, accelerator) forms
+    assert len(found) == 2 * 3  # two layers x (CPU, GPU, TPU) forms
     for lhs, rhs in found:
         assert "lhs" in lhs and "rhs" not in lhs
         assert "rhs" in rhs and "lhs" not in rhs
@@ -95,6 +95,6 @@ def test_weight_quantization_is_computed_apart_from_the_barriers(policy):
 @pytest.mark.parametrize("policy", ["mxfp4_all", "mxfp4_all_h16"])
 def test_weight_quantization_depends_on_parameters_alone(policy):
     found = _quantized_gemm_operand_deps(_wrapped_jaxpr(policy), positional_barrier=False)
-    assert len(found) == 2 * 2  # two layers x (CPU, accelerator) forms
+    assert len(found) == 2 * 3  # two layers x (CPU, GPU, TPU) forms
     for lhs, rhs in found:
         assert "lhs" not in rhs, "the weight's quantization waits for the activation"

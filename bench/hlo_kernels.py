@@ -1,0 +1,307 @@
+"""The kernels of an optimized (scheduled) HLO module, read from its text.
+
+``kernels(text)`` lists what the program launches, in schedule order: each
+instruction of the entry computation (and of computations it runs through
+``while``/``call``/``conditional``, once each) that does work on the device,
+with its category, the bytes it reads and writes (the sizes of its operands
+and results), GEMM flops, and the number of elementwise operations inside it.
+Free instructions (parameters, constants, tuples, bitcasts, the ``-done``
+halves of async pairs, optimization barriers) are not kernels.
+
+The parser reads the text form that ``jax.stages.Compiled.as_text()`` prints
+(XLA's HloModule::ToString). Layout suffixes, TPU tiling (``{1,0:T(8,128)}``)
+and memory-space annotations are ignored: bytes are logical sizes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+
+__all__ = ["Instruction", "Kernel", "kernels", "parse_module", "shape_bytes",
+           "shape_elements"]
+
+# Bits per element of each HLO primitive type that can appear in a shape.
+_BITS = {
+    "pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16,
+    "s32": 32, "u32": 32, "s64": 64, "u64": 64, "f16": 16, "bf16": 16, "f32": 32, "f64": 64,
+    "c64": 64, "c128": 128, "f4e2m1fn": 4, "f8e8m0fnu": 8, "f8e4m3fn": 8, "f8e5m2": 8,
+    "f8e4m3": 8, "f8e3m4": 8, "f8e4m3fnuz": 8, "f8e5m2fnuz": 8, "f8e4m3b11fnuz": 8,
+    "token": 0,
+}
+_ARRAY_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_HEADER_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_NAME_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+_OPERAND_RE = re.compile(r"%([\w.\-]+)")
+_CALLS_RE = re.compile(r"\b(?:calls|body|condition|to_apply)=%?([\w.\-]+)")
+_BRANCHES_RE = re.compile(r"branch_computations=\{([^}]*)\}")
+_TARGET_RE = re.compile(r'custom_call_target="([^"]+)"')
+_KIND_RE = re.compile(r"\bkind=(\w+)")
+_DIMS_RE = {k: re.compile(rf"\b{k}=\{{([0-9,]*)\}}") for k in (
+    "lhs_contracting_dims", "lhs_batch_dims")}
+_DIM_LABELS_RE = re.compile(r"\bdim_labels=([\w]+)_([\w]+)->([\w]+)")
+_GEMM_CONFIG_RE = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+
+# Instructions that launch nothing (views, bookkeeping, the second half of async pairs).
+FREE_OPCODES = frozenset({
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier",
+    "after-all", "add-dependency", "partition-id", "replica-id", "copy-done", "slice-done",
+    "all-reduce-done", "all-gather-done", "collective-permute-done", "send-done", "recv-done",
+    "async-done", "async-update", "domain",
+})
+# Opcodes that only move data (kernels of category 'copy').
+COPY_OPCODES = frozenset({"copy", "copy-start", "transpose", "slice-start", "dynamic-slice",
+                          "dynamic-update-slice", "concatenate", "pad", "slice", "reshape"})
+# Fused ops that cost no arithmetic (index changes and plumbing).
+_NO_ALU = frozenset({"parameter", "constant", "bitcast", "broadcast", "reshape", "slice",
+                     "transpose", "tuple", "get-tuple-element", "concatenate", "pad", "iota",
+                     "copy", "dynamic-slice", "dynamic-update-slice", "reverse"})
+# Custom-call targets that are GEMMs (cuBLAS, cuBLASLt, cuDNN GEMMs).
+_GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cudnn$", "__cublas$lt$matmul$f8")
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+    """('TYPE', 'remainder') from 'TYPE opcode(...)...' (TYPE may be a nested tuple)."""
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                return rest[: i + 1], rest[i + 1:].lstrip()
+        raise ValueError(f"unbalanced tuple type: {rest[:80]!r}")
+    # A layout may hold parentheses ({1,0:T(8,128)(2,1)}): the type ends at the first
+    # space outside braces.
+    depth = 0
+    for i, ch in enumerate(rest):
+        depth += ch == "{"
+        depth -= ch == "}"
+        if ch == " " and depth == 0:
+            return rest[:i], rest[i + 1:]
+    return rest, ""
+
+
+def _split_call(rest: str) -> tuple[str, str, str]:
+    """('opcode', 'operands', 'attributes') from 'opcode(operands), attributes'."""
+    i = rest.index("(")
+    opcode = rest[:i]
+    depth = 0
+    for j in range(i, len(rest)):
+        depth += rest[j] == "("
+        depth -= rest[j] == ")"
+        if depth == 0:
+            return opcode, rest[i + 1: j], rest[j + 1:]
+    raise ValueError(f"unbalanced operand list: {rest[:80]!r}")
+
+
+def shape_elements(shape: str) -> list[tuple[str, int]]:
+    """(dtype, element count) of every array in an HLO shape string (tuples flattened)."""
+    out = []
+    for dtype, dims in _ARRAY_RE.findall(shape):
+        if dtype not in _BITS:
+            continue
+        out.append((dtype, math.prod(int(d) for d in dims.split(",") if d)))
+    return out
+
+
+def shape_bytes(shape: str) -> int:
+    """Logical bytes of an HLO shape string (sub-byte types rounded up per array)."""
+    return sum(-(-n * _BITS[dtype] // 8) for dtype, n in shape_elements(shape))
+
+
+def _dims(shape: str) -> tuple[int, ...]:
+    m = _ARRAY_RE.search(shape)
+    return tuple(int(d) for d in m.group(2).split(",") if d) if m else ()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Instruction:
+    name: str
+    shape: str
+    opcode: str
+    operands: tuple[str, ...]
+    attributes: str
+    is_root: bool
+
+    @property
+    def called(self) -> tuple[str, ...]:
+        names = _CALLS_RE.findall(self.attributes)
+        for group in _BRANCHES_RE.findall(self.attributes):
+            names += [n.strip().lstrip("%") for n in group.split(",") if n.strip()]
+        return tuple(names)
+
+    @property
+    def custom_call_target(self) -> str:
+        m = _TARGET_RE.search(self.attributes)
+        return m.group(1) if m else ""
+
+    @property
+    def fusion_kind(self) -> str:
+        m = _KIND_RE.search(self.attributes)
+        return m.group(1) if m else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Module:
+    computations: dict[str, list[Instruction]]
+    entry: str
+
+    def shapes(self, computation: str) -> dict[str, str]:
+        return {i.name: i.shape for i in self.computations[computation]}
+
+
+def parse_module(text: str) -> Module:
+    """The computations of an HLO module's text, each a list of instructions in order."""
+    computations: dict[str, list[Instruction]] = {}
+    entry, current = None, None
+    for line in text.splitlines():
+        if current is None:
+            m = _HEADER_RE.match(line)
+            if m and "=" not in line.split("(")[0]:
+                current = m.group(2)
+                computations[current] = []
+                if m.group(1):
+                    entry = current
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        m = _NAME_RE.match(line)
+        if not m:
+            continue
+        shape, rest = _split_type(line[m.end():])
+        opcode, operands, attributes = _split_call(rest)
+        computations[current].append(Instruction(
+            name=m.group(1), shape=shape, opcode=opcode,
+            operands=tuple(_OPERAND_RE.findall(operands)), attributes=attributes,
+            is_root=line.lstrip().startswith("ROOT")))
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return Module(computations, entry)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Kernel:
+    """One kernel (or async copy/DMA) of the program.
+
+    ``category``: 'gemm' (a dot/convolution fusion, a cuBLAS/cuDNN call or a bare
+    dot), 'custom-call' (any other custom call: Pallas/Triton kernels, TPU custom
+    calls), 'fusion' (other fusions), 'copy' (data movement only) or 'other'.
+    ``alu_ops``: elementwise operations inside (sum over the fused instructions that
+    compute something of their element counts; data movement and indexing free).
+    """
+
+    name: str
+    opcode: str
+    category: str
+    target: str
+    bytes_read: int
+    bytes_written: int
+    gemm_flops: int
+    alu_ops: int
+    shape: str
+    fusion_kind: str = ""  # kLoop, kInput, kOutput, kCustom (fusions only)
+
+    @property
+    def bytes(self) -> int:
+        return self.bytes_read + self.bytes_written
+
+
+def _dot_flops(inst: Instruction, shapes: dict[str, str]) -> int:
+    out = math.prod(_dims(inst.shape))  # the first array: a GEMM call's result, not workspace
+    lhs = _dims(shapes.get(inst.operands[0], "")) if inst.operands else ()
+    if inst.opcode == "custom-call":  # cuBLAS: dimension numbers in the backend config
+        m = _GEMM_CONFIG_RE.search(inst.attributes)
+        contract = [int(d.strip().strip('"')) for d in m.group(1).split(",") if d.strip()] if (
+            m) else []
+        return 2 * out * math.prod(lhs[d] for d in contract if d < len(lhs))
+    if inst.opcode == "dot":
+        m = _DIMS_RE["lhs_contracting_dims"].search(inst.attributes)
+        contract = [int(d) for d in m.group(1).split(",") if d] if m else []
+        return 2 * out * math.prod(lhs[d] for d in contract if d < len(lhs))
+    m = _DIM_LABELS_RE.search(inst.attributes)  # convolution: 2 * out * lhs feature size
+    if not m or not lhs:
+        return 0
+    labels = m.group(1)
+    f = labels.index("f") if "f" in labels else None
+    window = [lhs[i] for i, c in enumerate(labels) if c.isdigit() and i < len(lhs)]
+    return 2 * out * (lhs[f] if f is not None and f < len(lhs) else 1) * (
+        math.prod(window) if window and "window=" in inst.attributes else 1)
+
+
+def _fused_cost(module: Module, name: str, seen: frozenset = frozenset()) -> tuple[int, int]:
+    """(GEMM flops, elementwise ops) of a fused/called computation, nested fusions included."""
+    if name not in module.computations or name in seen:
+        return 0, 0
+    shapes = module.shapes(name)
+    flops = alu = 0
+    for inst in module.computations[name]:
+        if inst.opcode in ("dot", "convolution"):
+            flops += _dot_flops(inst, shapes)
+        elif inst.opcode in ("fusion", "call", "map"):
+            for sub in inst.called:
+                f, a = _fused_cost(module, sub, seen | {name})
+                flops, alu = flops + f, alu + a
+        elif inst.opcode not in _NO_ALU:
+            alu += sum(n for _, n in shape_elements(inst.shape))
+    return flops, alu
+
+
+def _category(inst: Instruction, flops: int) -> str:
+    if inst.opcode == "custom-call":
+        target = inst.custom_call_target
+        return "gemm" if target.startswith(_GEMM_TARGETS) else "custom-call"
+    if inst.opcode in ("dot", "convolution") or (inst.opcode == "fusion" and flops):
+        return "gemm"
+    if inst.opcode == "fusion":
+        return "fusion"
+    if inst.opcode in COPY_OPCODES:
+        return "copy"
+    return "other"
+
+
+def kernels(text: str) -> list[Kernel]:
+    """The kernels of an optimized HLO module's text, in schedule order (see module doc)."""
+    module = parse_module(text)
+    out: list[Kernel] = []
+
+    def walk(computation: str, depth: int) -> None:
+        if depth > 20:
+            raise ValueError("control flow nested too deeply")
+        shapes = module.shapes(computation)
+        for inst in module.computations[computation]:
+            if inst.opcode in ("while", "call", "conditional"):
+                for sub in inst.called:
+                    walk(sub, depth + 1)
+                continue
+            if inst.opcode in FREE_OPCODES or inst.opcode.endswith("-done"):
+                continue
+            if inst.opcode == "fusion":
+                flops, alu = _fused_cost(module, inst.called[0]) if inst.called else (0, 0)
+            elif inst.opcode in ("dot", "convolution") or (
+                    inst.opcode == "custom-call" and inst.custom_call_target.startswith(
+                        _GEMM_TARGETS)):
+                flops, alu = _dot_flops(inst, shapes), 0
+            else:
+                flops, alu = 0, 0
+            read = sum(shape_bytes(shapes.get(o, "")) for o in dict.fromkeys(inst.operands))
+            written = shape_bytes(inst.shape)
+            if flops and inst.opcode == "custom-call" and inst.shape.startswith("("):
+                written = shape_bytes(_ARRAY_RE.search(inst.shape).group(0))  # not workspace
+            if inst.opcode.endswith("-start"):  # (operand, result, context): count one copy
+                written = shape_bytes(shapes.get(inst.operands[0], "")) if inst.operands else 0
+            out.append(Kernel(name=inst.name, opcode=inst.opcode,
+                              category=_category(inst, flops), target=inst.custom_call_target,
+                              bytes_read=read, bytes_written=written, gemm_flops=flops,
+                              alu_ops=alu, shape=inst.shape, fusion_kind=inst.fusion_kind))
+
+    walk(module.entry, 0)
+    return out
+
+
+def count_by_category(ks: list[Kernel]) -> dict[str, int]:
+    """Kernel counts per category (every category present, zeros included)."""
+    counts = collections.Counter(k.category for k in ks)
+    return {c: counts.get(c, 0) for c in ("fusion", "gemm", "custom-call", "copy", "other")}

@@ -1,0 +1,230 @@
+"""mxjax's native MXFP4 GEMM kernels, and XLA's block-scaled dot, compiled deviceless for GPUs.
+
+For each GPU target (default: b200, sm_100a, native block-scaled FP4 MMA; h200,
+sm_90a, FP8 tensor cores only) and path, one 4096^3 MXFP4 GEMM from packed
+operands (E2M1 codes two per byte, E8M0 scales) is compiled and reported: whether
+it lowers (a failure is a finding, with its first line), the kernels of the
+optimized program, and which matrix instructions the kernel's PTX holds where
+the PTX is available:
+
+* ``pallas``: ``mxjax.kernels.pallas_gemm`` (Pallas-Triton, codes upcast to bf16 dots);
+* ``pallas_fp8``: ``mxjax.kernels.fp8_gemm`` (E2M1 x 2^d re-encoded exactly as E4M3, FP8 dots);
+* ``triton``: the 'triton' backend's ``tl.dot_scaled`` kernel
+  (``mxjax.kernels.triton_dot_scaled``) compiled by Triton for the target's compute
+  capability, as jax-triton would (PTX inspected);
+* ``triton_jax``: the same kernel lowered through jax-triton (``jt.triton_call``);
+* ``xla_scaled_dot``: ``jax.nn.scaled_dot_general`` with the 'mxfp4' config (XLA/cuDNN's own
+  block-scaled path), from bf16 operands;
+* ``xla_scaled_matmul``: ``jax.nn.scaled_matmul`` on float4_e2m1fn operands and E8M0 scales.
+
+    pip install -e '.[aot-gpu,gpu]' 'triton==3.9.0'
+    python bench/native_fp4.py [--targets b200,h200] [--paths ...] [--size 4096]
+
+XLA's deviceless GPU compile writes no PTX (``xla_dump_to`` has the HLO and the
+thunk sequence; the executable keeps the cubin compressed), so the PTX columns
+are for the ``triton`` path. Counted: ``tcgen05.mma`` (Blackwell's 5th-generation
+tensor cores) and its ``kind::mxf4 ... block_scale`` form, ``wgmma.mma_async``
+(Hopper), ``mma.sync`` (older MMA), E2M1 converts and E4M3 operands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import aot
+from bench import hlo_kernels as hk
+
+aot.use_cpu_host()
+
+import jax
+import jax.numpy as jnp
+
+PATHS = ("pallas", "pallas_fp8", "triton", "triton_jax", "xla_scaled_dot", "xla_scaled_matmul")
+DEFAULT_TARGETS = ("b200", "h200")
+# PTX patterns: (label, regex).
+INSTRUCTIONS = (
+    ("tcgen05.mma", r"\btcgen05\.mma\b"),
+    ("tcgen05 block-scaled", r"tcgen05\.mma[^\n;]*(block_scale|mxf4|mxf8f6f4)"),
+    ("kind::mxf4*", r"kind::mxf4"),
+    ("kind::mxf8f6f4", r"kind::mxf8f6f4"),
+    ("wgmma.mma_async", r"\bwgmma\.mma_async\b"),
+    ("mma.sync", r"\bmma\.sync\b"),
+    ("cvt e2m1", r"\bcvt\.[^\n;]*e2m1"),
+    ("e4m3 operands", r"\.e4m3\b"),
+)
+_COMPUTE_CAPABILITY = {"b200": 100, "h200": 90, "h100": 90}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Result:
+    target: str
+    path: str
+    ok: bool
+    error: str
+    kernels: tuple[str, ...]  # custom-call targets / GEMM categories of the optimized program
+    instructions: dict[str, int] | None  # None: no PTX to read
+
+
+def _packed(m: int, n: int, k: int):
+    u8 = jnp.uint8
+    return (jax.ShapeDtypeStruct((m, k // 2), u8), jax.ShapeDtypeStruct((m, k // 32), u8),
+            jax.ShapeDtypeStruct((k // 2, n), u8), jax.ShapeDtypeStruct((k // 32, n), u8))
+
+
+def _program(path: str, size: int, target: str):
+    """(fn, abstract args) of one GEMM along `path`."""
+    m = n = k = size
+    if path == "pallas":
+        from mxjax.kernels.pallas_gemm import mxfp4_matmul_pallas
+
+        return (lambda *a: mxfp4_matmul_pallas(*a, m=m, n=n, interpret=False)), _packed(m, n, k)
+    if path == "pallas_fp8":
+        from mxjax.kernels.fp8_gemm import mxfp4_matmul_fp8
+
+        return (lambda *a: mxfp4_matmul_fp8(*a, m=m, n=n, interpret=False)), _packed(m, n, k)
+    if path == "triton_jax":
+        import jax_triton as jt
+
+        from mxjax.kernels import triton_gemm
+
+        def fn(*a):
+            plan = triton_gemm.launch_plan(*a)
+            out = jt.triton_call(*plan.args, kernel=triton_gemm._kernel(),
+                                 out_type=jax.ShapeDtypeStruct(plan.out_shape, jnp.float32),
+                                 grid=plan.grid, num_warps=8, num_stages=3,
+                                 compute_capability=_COMPUTE_CAPABILITY[target],
+                                 **plan.constants)
+            return out[:m, :n]
+
+        return fn, _packed(m, n, k)
+    if path == "xla_scaled_dot":
+        configs = [jax.nn.get_scaled_dot_general_config("mxfp4")] * 2
+
+        def fn(a, b):
+            return jax.nn.scaled_dot_general(a, b, (((1,), (0,)), ((), ())), configs=configs)
+
+        bf = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+        return fn, (bf, jax.ShapeDtypeStruct((k, n), jnp.bfloat16))
+    if path == "xla_scaled_matmul":
+        def fn(a, b, sa, sb):
+            return jax.nn.scaled_matmul(a, b, sa, sb, preferred_element_type=jnp.float32)
+
+        f4, e8 = jnp.float4_e2m1fn, jnp.float8_e8m0fnu
+        return fn, (jax.ShapeDtypeStruct((1, m, k), f4), jax.ShapeDtypeStruct((1, n, k), f4),
+                    jax.ShapeDtypeStruct((1, m, k // 32), e8),
+                    jax.ShapeDtypeStruct((1, n, k // 32), e8))
+    raise ValueError(f"path: unknown {path!r}; expected one of {PATHS}")
+
+
+def count_instructions(ptx: str) -> dict[str, int]:
+    return {label: len(re.findall(rx, ptx)) for label, rx in INSTRUCTIONS}
+
+
+def _short(e: BaseException) -> str:
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[0][:160] if lines else ''}"
+
+
+def triton_ptx(target: str, size: int) -> str:
+    """PTX of the 'triton' backend's kernel for `target`, compiled by Triton itself."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mxjax.kernels import triton_gemm
+
+    plan = triton_gemm.launch_plan(*[jnp.zeros(s.shape, s.dtype)
+                                     for s in _packed(size, size, size)])
+    signature = {"a_ptr": "*u8", "sa_ptr": "*u8", "b_ptr": "*u8", "sb_ptr": "*u8",
+                 "c_ptr": "*fp32", **{name: "constexpr" for name in plan.constants}}
+    src = ASTSource(fn=triton_gemm._kernel(), signature=signature, constexprs=plan.constants)
+    compiled = triton.compile(src, target=GPUTarget("cuda", _COMPUTE_CAPABILITY[target], 32),
+                              options={"num_warps": 8, "num_stages": 3})
+    return compiled.asm["ptx"]
+
+
+def _kernel_names(compiled) -> tuple[str, ...]:
+    """GEMM and custom-call kernels: their targets, or category:name (fusion kind for GEMMs)."""
+    out = []
+    for k in hk.kernels(compiled.as_text()):
+        if k.category == "custom-call":
+            out.append(k.target)
+        elif k.category == "gemm":
+            loop = " (kLoop: XLA's elemental dot, no GEMM library)" if (
+                k.fusion_kind == "kLoop") else ""
+            out.append(k.target or f"gemm {k.name}{loop}")
+    n_other = sum(1 for k in hk.kernels(compiled.as_text())
+                  if k.category not in ("gemm", "custom-call"))
+    return tuple(out) + ((f"+{n_other} other kernels",) if n_other else ())
+
+
+def compile_path(target: str, path: str, size: int) -> Result:
+    try:
+        if path == "triton":
+            ptx = triton_ptx(target, size)
+            return Result(target=target, path=path, ok=True, error="",
+                          kernels=("triton (own compile)",),
+                          instructions=count_instructions(ptx))
+        fn, args = _program(path, size, target)
+        compiled = aot.compile_for(fn, args, target)
+    except Exception as e:  # noqa: BLE001 - a path that does not lower is a finding
+        return Result(target=target, path=path, ok=False, error=_short(e), kernels=(),
+                      instructions=None)
+    return Result(target=target, path=path, ok=True, error="", kernels=_kernel_names(compiled),
+                  instructions=None)
+
+
+def table(results: list[Result]) -> list[str]:
+    labels = [label for label, _ in INSTRUCTIONS]
+    header = ("target", "path", "lowers", "GEMM kernels") + tuple(labels)
+    rows = [header]
+    for r in results:
+        if not r.ok:
+            rows.append((r.target, r.path, "NO: " + r.error, "") + ("",) * len(labels))
+            continue
+        names = ", ".join(dict.fromkeys(r.kernels)) or "-"
+        counts = ("-",) * len(labels) if r.instructions is None else tuple(
+            str(r.instructions.get(label, 0)) for label in labels)
+        rows.append((r.target, r.path, "yes", names) + counts)
+    widths = [min(max(len(row[i]) for row in rows), 90) for i in range(len(header))]
+    out = []
+    for j, row in enumerate(rows):
+        out.append("  " + "  ".join(c[:90].ljust(w) for c, w in zip(row, widths)))
+        if j == 0:
+            out.append("  " + "  ".join("-" * w for w in widths))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--targets", default=",".join(DEFAULT_TARGETS))
+    ap.add_argument("--paths", default=",".join(PATHS))
+    ap.add_argument("--size", type=int, default=4096)
+    args = ap.parse_args(argv)
+    results = []
+    for target in [t.strip() for t in args.targets.split(",") if t.strip()]:
+        if aot.TARGETS[target].kind != "gpu":
+            raise SystemExit(f"--targets: {target!r} is not a GPU target")
+        why = aot.unavailable_reason(aot.TARGETS[target])
+        if why:
+            raise SystemExit(f"{target}: {why}")
+        for path in [p.strip() for p in args.paths.split(",") if p.strip()]:
+            r = compile_path(target, path, args.size)
+            results.append(r)
+            print(f"  {target} {path}: {'ok' if r.ok else r.error}", flush=True)
+    print(f"\n## native MXFP4 GEMM paths, {args.size}^3, deviceless (jax {jax.__version__})")
+    for line in table(results):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""The two programs bench/accelerator_cost.py compiles (and bench/gpu.py times on a device).
+
+* ``matmul``: value_and_grad of ``mean((x @ w)^2)`` for bf16 ``x, w [n, n]`` through
+  ``mxjax.dot_general`` under a policy (fprop, dgrad and wgrad GEMMs);
+* ``layer``: the Llama-3.2-1B decoder layer's train step of ``bench/export_shape.py``
+  (loss and gradients w.r.t. the layer's parameters and input).
+
+Each builder returns ``(fn, abstract args)``: ShapeDtypeStructs (a PRNG key where
+the policy needs one, else None). No backend is touched here.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["PROGRAMS", "concrete_args", "layer_program", "matmul_program", "program"]
+
+PROGRAMS = ("matmul", "layer")
+
+
+def matmul_program(policy_name: str, n: int = 4096):
+    """(fn, abstract args): value_and_grad of mean((x @ w)^2) for bf16 x, w [n, n] (and a key)."""
+    import mxjax
+    from mxjax import policies
+
+    policy = policies.get(policy_name)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype) if policy.needs_key else None
+
+    def step(x, w, k):
+        def loss(x, w):
+            y = mxjax.dot_general(x, w, (((1,), (0,)), ((), ())), policy=policy, key=k)
+            return jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+        return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+
+    a = jax.ShapeDtypeStruct((n, n), jnp.bfloat16)
+    return step, (a, a, key)
+
+
+def layer_program(policy_name: str, batch: int = 1, seq: int = 2048):
+    """(fn, abstract args): bench/export_shape.py's decoder-layer train step."""
+    from bench import export_shape
+    from models.llama import LlamaConfig
+
+    config = LlamaConfig.llama3_1b(n_layers=1, dtype="bfloat16", param_dtype="float32")
+    return export_shape.layer_train_step(config, policy_name, batch, seq)
+
+
+def program(name: str, policy: str, *, matmul_size: int = 4096, batch: int = 1,
+            seq: int = 2048) -> tuple:
+    """(fn, abstract args) of program `name` (one of PROGRAMS) under `policy`."""
+    if name == "matmul":
+        return matmul_program(policy, matmul_size)
+    if name == "layer":
+        return layer_program(policy, batch, seq)
+    raise ValueError(f"program: unknown {name!r}; expected one of {PROGRAMS}")
+
+
+def concrete_args(args, seed: int = 0):
+    """Random arrays (normal, scaled 0.02) for the abstract args; keys from `seed`."""
+    leaves, treedef = jax.tree.flatten(args)
+    keys = jax.random.split(jax.random.key(seed), max(1, len(leaves)))
+    out = []
+    for k, a in zip(keys, leaves):
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            out.append(jax.random.key(seed))
+        else:
+            out.append((0.02 * jax.random.normal(k, a.shape, jnp.float32)).astype(a.dtype))
+    return jax.tree.unflatten(treedef, out)

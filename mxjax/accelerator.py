@@ -1,0 +1,233 @@
+"""The emulated MXFP4 GEMM on GPUs and TPUs: operands quantized in place, in fusible passes.
+
+On an accelerator an MX-quantized GEMM operand costs, at best, one read of the
+high-precision operand and one write of its bf16 values before the GEMM reads
+them (the values are exact in bf16, docs/NUMERICS.md). This module builds that
+program for XLA's GPU and TPU compilers:
+
+* **in place**: each operand keeps its own layout. Its contracting axes are merged
+  (a free reshape when they are adjacent and in order, else one transpose) and
+  the MX blocks run along that axis wherever it is, so no operand is transposed
+  into the canonical ``[batch..., F, K]`` and the GEMM reads its operands in the
+  layout a bf16 GEMM would (XLA keeps its transpose folding and GEMM merges);
+* **bit view** (GPU): the contraction axis is split into (blocks, 2, 2, 2, 2, 2),
+  so the Hadamard butterflies (`mxjax.rotation.hadamard_bit_view`) and the block
+  amax are plain elementwise ops and a reduction over size-2 axes: XLA fuses the
+  convert, the rotation and the amax into one reduction pass, and the rotation
+  (recomputed), the rounding and the bf16 convert into one elementwise pass; a
+  barrier on the input of the second pass keeps XLA from materializing the f32
+  rotated operand between the two instead;
+* **cheap scaling**: the power-of-two scalings are f32 multiplies
+  (`mxjax.accelerator_values`, which says where the values agree).
+
+Values equal `mxjax.quantization.fake_quantize_parts` of the canonical operand bit
+for bit (stochastic rounding draws its uniforms in the canonical shape and
+transposes them here). Only MX (E8M0-scaled) formats take this path;
+`mxjax.gemm` keeps NVFP4, per-tensor FP8 and the f32 fallback on canonical
+operands.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mxjax import _bits
+from mxjax.accelerator_values import values_from_amax
+from mxjax.dimensions import free_axes
+from mxjax.formats import Rounding
+from mxjax.rotation import bit_view, hadamard_bit_view
+from mxjax.scaling import SR_UNSCALE
+
+__all__ = [
+    "ContractionView",
+    "contraction_view",
+    "mx_gemm",
+    "mx_operand_values",
+    "mx_operand_values_tpu",
+]
+
+MX_BLOCK = 32
+_MX_BITS = 5  # log2(MX_BLOCK)
+
+
+class ContractionView(NamedTuple):
+    """An operand with its contracting axes merged into one (`contraction_view`).
+
+    ``x``: the operand, contracting axes merged into axis ``axis`` (their
+    row-major flattening in the dimension numbers' order). ``batch``: the
+    positions of the dimension numbers' batch axes in ``x``, in their order.
+    ``canonical_perm``: for each axis of ``x`` but ``axis``, its position in the
+    canonical order (batch axes in the dimension numbers' order, then the free
+    axes in order), used to lay out canonical-shaped arrays (the uniforms of
+    stochastic rounding) like ``x``.
+    """
+
+    x: jax.Array
+    axis: int
+    batch: tuple[int, ...]
+    canonical_perm: tuple[int, ...]
+
+
+def contraction_view(x: jax.Array, batch: Sequence[int],
+                     contract: Sequence[int]) -> ContractionView:
+    """`x` with its contracting axes merged: free if they are adjacent and in order.
+
+    Otherwise the contracting axes are moved after the others (one transpose).
+    Free and batch axes keep their relative order.
+    """
+    batch, contract = tuple(batch), tuple(contract)
+    kept = [i for i in range(x.ndim) if i not in contract]
+    k = math.prod(x.shape[i] for i in contract)
+    if contract and contract == tuple(range(contract[0], contract[0] + len(contract))):
+        p = contract[0]
+        x2 = x.reshape(x.shape[:p] + (k,) + x.shape[p + len(contract):])
+    else:
+        p = len(kept)
+        x2 = jnp.transpose(x, tuple(kept) + contract).reshape(
+            tuple(x.shape[i] for i in kept) + (k,))
+    # Position in x2 of each original non-contracting axis (kept in original order).
+    pos = {ax: (j if j < p else j + 1) for j, ax in enumerate(kept)}
+    canonical = tuple(batch) + tuple(free_axes(x.ndim, batch, contract))
+    canonical_perm = tuple(canonical.index(ax) for ax in kept)
+    return ContractionView(x2, p, tuple(pos[ax] for ax in batch), canonical_perm)
+
+
+def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
+    pad = size - x.shape[axis]
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def _uniforms_like(key: jax.Array, view: ContractionView, k_pad: int) -> jax.Array:
+    """The uniforms `fake_quantize_parts` draws for the canonical operand, laid out like view.x.
+
+    Canonical shape: (batch..., free..., K padded), i.e. the canonical operand's
+    ``[batch..., F, K]`` with F unflattened (the same draws: JAX's uniforms depend
+    on the flat index only). Transposed so that axis `view.axis` is K.
+    """
+    x = view.x
+    kept_shape = [x.shape[j] for j in range(x.ndim) if j != view.axis]
+    canonical_shape = [0] * len(kept_shape)
+    for size, c in zip(kept_shape, view.canonical_perm):
+        canonical_shape[c] = size
+    u = jax.random.uniform(key, tuple(canonical_shape) + (k_pad,), jnp.float32)
+    perm = list(view.canonical_perm) + [len(kept_shape)]
+    perm.insert(view.axis, perm.pop())
+    return jnp.transpose(u, perm)
+
+
+def _padded_length(k: int, hadamard_size: int | None) -> tuple[int, int]:
+    """(bits of the bit view, the contraction padded to a whole number of blocks)."""
+    h_bits = 0 if hadamard_size is None else hadamard_size.bit_length() - 1
+    n_bits = max(_MX_BITS, h_bits)
+    return n_bits, -(-k // (1 << n_bits)) << n_bits
+
+
+def mx_operand_values(view: ContractionView, op, *, k_out: int, hadamard_size: int | None,
+                      signs: jax.Array | None, key: jax.Array | None,
+                      recompute: bool = True) -> jax.Array:
+    """Fake-quantized MX values of one operand, in place, as bf16 (per-tensor factors left out).
+
+    The GPU form (the bit view, module docstring).
+
+    Args:
+      view: the operand with its contraction merged (`contraction_view`).
+      op: its OperandRecipe (an E8M0 format with bf16-exact values).
+      k_out: the contraction length the GEMM contracts over (the operand's,
+        zero-padded to a multiple of the Hadamard size when there is one).
+      hadamard_size: h, or None for no rotation.
+      signs: the rotation's ±1 vector or None.
+      key: the rounding key (stochastic rounding) or None.
+      recompute: recompute the rotation in the rounding pass (behind a barrier)
+        instead of letting XLA materialize it between the passes.
+    Returns:
+      bf16, view.x's shape with k_out along view.axis: the values of
+      ``fake_quantize_parts(canonical operand rotated, fmt, axis=-1)`` there.
+    """
+    p = view.axis
+    n_bits, k_pad = _padded_length(view.x.shape[p], hadamard_size)
+    z = bit_view(_pad_axis(view.x, p, k_pad), p, n_bits)
+    low = p + n_bits  # the lowest bit axis
+    block_axes = tuple(range(low - _MX_BITS + 1, low + 1))
+
+    def rotated(v):
+        if hadamard_size is None:
+            return v.astype(jnp.float32)
+        return hadamard_bit_view(v, hadamard_size, low, signs)
+
+    r = rotated(z)
+    amax_bits = jnp.max(_bits.f32_bits(r) & _bits.ABS_MASK, axis=block_axes, keepdims=True)
+    if recompute:
+        r = rotated(lax.optimization_barrier(z))
+    u = None
+    if op.rounding is Rounding.STOCHASTIC:
+        u = bit_view(_uniforms_like(key, view, k_pad), p, n_bits)
+    v = values_from_amax(r, amax_bits, op, u)
+    v = v.reshape(z.shape[:p] + (k_pad,) + z.shape[low + 1:])
+    return lax.slice_in_dim(v, 0, k_out, axis=p).astype(jnp.bfloat16)
+
+
+def mx_operand_values_tpu(view: ContractionView, op, *, k_out: int,
+                          hadamard_size: int | None, signs: jax.Array | None,
+                          key: jax.Array | None, interpret: bool = False) -> jax.Array:
+    """`mx_operand_values` by the TPU kernel (`mxjax.accelerator_tpu`), same values.
+
+    Operands whose shape does not tile into the kernel take `mx_operand_values`.
+    """
+    from mxjax import accelerator_tpu
+
+    p = view.axis
+    _, k_pad = _padded_length(view.x.shape[p], hadamard_size)
+    x2 = _pad_axis(view.x, p, k_pad)
+    a, b = math.prod(x2.shape[:p]), math.prod(x2.shape[p + 1:])
+    u = None
+    if op.rounding is Rounding.STOCHASTIC:
+        u = _uniforms_like(key, view, k_pad).reshape(a, k_pad, b)
+    v = accelerator_tpu.mx_values_tpu(x2.reshape(a, k_pad, b), op, hadamard_size=hadamard_size,
+                                      signs=signs, u=u, interpret=interpret)
+    if v is None:
+        return mx_operand_values(view, op, k_out=k_out, hadamard_size=hadamard_size,
+                                 signs=signs, key=key, recompute=False)
+    return lax.slice_in_dim(v.reshape(x2.shape), 0, k_out, axis=p)
+
+
+def mx_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
+            form: str = "gpu", interpret: bool = False) -> jax.Array:
+    """``dot_general(a, b, dims)`` under an MX recipe, operands in place: f32, lax's layout.
+
+    Both operands' formats must be E8M0-scaled with bf16-exact values (MXFP4). The
+    result is ``[batch..., lhs free..., rhs free...]`` like ``lax.dot_general``'s,
+    times the SR 3/4 unscale of each operand that has it. ``form``: 'gpu' (the
+    bit view, `mx_operand_values`) or 'tpu' (the kernel, `mx_operand_values_tpu`;
+    ``interpret`` runs it in the Pallas interpreter).
+    """
+    if form not in ("gpu", "tpu"):
+        raise ValueError(f"form: expected 'gpu' or 'tpu', got {form!r}")
+    (ca, cb), (ba, bb) = dims
+    va, vb = contraction_view(a, ba, ca), contraction_view(b, bb, cb)
+    k = va.x.shape[va.axis]
+    h = None if recipe.hadamard is None else recipe.hadamard.block_size
+    k_out = k if h is None else -(-k // h) * h
+    if form == "tpu":
+        values = functools.partial(mx_operand_values_tpu, interpret=interpret)
+    else:
+        values = mx_operand_values
+    kw = {"k_out": k_out, "hadamard_size": h, "signs": signs}
+    av = values(va, recipe.lhs, key=k_lhs, **kw)
+    bv = values(vb, recipe.rhs, key=k_rhs, **kw)
+    out = lax.dot_general(av, bv, (((va.axis,), (vb.axis,)), (va.batch, vb.batch)),
+                          precision=lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
+    for op in (recipe.lhs, recipe.rhs):
+        if op.sr_prescale:
+            out = out * jnp.float32(SR_UNSCALE)
+    return out

@@ -1,0 +1,191 @@
+"""The TPU form of the in-place MX operand: one Mosaic (Pallas TPU) kernel per operand.
+
+XLA's TPU compiler does not fuse the bit view of `mxjax.accelerator` (axes of
+size 2 break its (8, 128) tiling: relayout copies), nor block reductions along
+the lane axis. This kernel reads the operand once and writes its bf16 values
+once, with the MX blocks along the sublane (row) axis of each tile, where the
+Hadamard butterflies are sublane rotations plus selects and the block amax is
+an elementwise max over rows: an operand whose contraction is its minor (lane)
+axis is transposed tile by tile inside the kernel and back.
+
+The arithmetic is `mxjax.accelerator.mx_operand_values`' (the same f32 ops on
+the same elements), so the values are the same; see that module for what they
+equal. Pallas is imported when a program is traced, not with `mxjax`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mxjax import _bits
+from mxjax.accelerator_values import values_from_amax
+
+__all__ = ["KernelSpec", "mx_values_tpu", "record_kernels", "tiles"]
+
+_MX_BLOCK = 32
+_SUBLANES = 8  # rows of an f32 vreg
+# Tile edges tried, largest first: rows (the block axis) and columns (the other).
+_ROW_TILES = (256, 128, 64, 32)
+_COL_TILES = (512, 256, 128)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelSpec:
+    """One traced kernel: operand [a, k, b] of `dtype`, its recipe, rotation, extra inputs."""
+
+    a: int
+    k: int
+    b: int
+    dtype: str
+    op: object  # OperandRecipe
+    hadamard_size: int | None
+    has_signs: bool
+    has_uniforms: bool
+
+
+# Context-local list that `mx_values_tpu` appends to (set only inside `record_kernels`).
+_RECORDING: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "mxjax_tpu_kernels", default=None)
+
+
+@contextlib.contextmanager
+def record_kernels():
+    """Collects the `KernelSpec` of every kernel traced inside (for cost tools, e.g. bench/)."""
+    specs: list[KernelSpec] = []
+    token = _RECORDING.set(specs)
+    try:
+        yield specs
+    finally:
+        _RECORDING.reset(token)
+
+
+def _divisor(n: int, options) -> int | None:
+    return next((t for t in options if n % t == 0), None)
+
+
+def tiles(a: int, k: int, b: int, h: int) -> tuple[int, int] | None:
+    """(rows, columns) of the kernel's tiles for an operand [a, k, b] (blocks along k), or None.
+
+    ``b == 1`` is the lane case (tiles [columns of a, rows of k], transposed in the
+    kernel); otherwise tiles are [rows of k, columns of b]. Rows are a multiple of
+    max(32, h); None when the operand does not tile (the caller falls back).
+    """
+    unit = max(_MX_BLOCK, h)
+    rows = _divisor(k, tuple(t for t in _ROW_TILES if t % unit == 0) or (unit,))
+    if rows is None or rows % unit:
+        return None
+    other = a if b == 1 else b
+    cols = _divisor(other, _COL_TILES)
+    if cols is None:
+        return None
+    if b == 1 and rows % 128:  # the lane case transposes [cols, rows]: both lane-aligned
+        rows = _divisor(k, (512, 256, 128))
+        if rows is None or rows % unit:
+            return None
+    return rows, cols
+
+
+def _rotate_rows(x, h: int, sign_col):
+    """Butterflies along axis 0 (blocks of h rows): `hadamard`'s ops, by sublane rotation."""
+    n = x.shape[0]
+    from jax.experimental.pallas import tpu as pltpu
+
+    if sign_col is not None:
+        x = x * sign_col
+    row = lax.broadcasted_iota(jnp.int32, x.shape, 0)
+    c = x.shape[1]
+    s = 1
+    while s < h:
+        if s < _SUBLANES:  # partners in the same vreg: sublane rotations and a select
+            nxt = pltpu.roll(x, n - s, 0)  # x[i + s]
+            prv = pltpu.roll(x, s, 0)  # x[i - s]
+            x = jnp.where((row & s) != 0, prv - x, x + nxt)
+        else:  # partners in other vregs: whole-vreg adds, no data movement
+            z = x.reshape(n // (2 * s), 2, s, c)
+            a, b = z[:, 0], z[:, 1]
+            x = jnp.stack([a + b, a - b], axis=1).reshape(n, c)
+        s *= 2
+    return x * jnp.float32(1.0 / math.sqrt(h))
+
+
+def _values_rows(x, op, h, sign_col, u):
+    """The MX values of a [rows, cols] f32 tile with blocks of 32 along rows."""
+    if h:
+        x = _rotate_rows(x, h, sign_col)
+    r, c = x.shape
+    xb = x.reshape(r // _MX_BLOCK, _MX_BLOCK, c)
+    abs_bits = (_bits.f32_bits(xb) & _bits.ABS_MASK).astype(jnp.int32)  # Mosaic: signed max
+    amax_bits = jnp.max(abs_bits, axis=1, keepdims=True).astype(jnp.uint32)
+    v = values_from_amax(xb, amax_bits, op, None if u is None else u.reshape(xb.shape))
+    return v.reshape(r, c)
+
+
+def _kernel(*refs, op, h, lanes, has_signs, has_u):
+    refs = list(refs)
+    x_ref = refs.pop(0)
+    sign_ref = refs.pop(0) if has_signs else None
+    u_ref = refs.pop(0) if has_u else None
+    (o_ref,) = refs
+    x = x_ref[...].astype(jnp.float32)
+    u = None if u_ref is None else u_ref[...]
+    if lanes:
+        x = x.T
+        u = None if u is None else u.T
+    v = _values_rows(x, op, h, None if sign_ref is None else sign_ref[...], u)
+    o_ref[...] = (v.T if lanes else v).astype(o_ref.dtype)
+
+
+def mx_values_tpu(x3: jax.Array, op, *, hadamard_size: int | None, signs, u,
+                  interpret: bool = False) -> jax.Array | None:
+    """bf16 MX values of x3 [a, k, b] (blocks along k, k a multiple of max(32, h)), or None.
+
+    ``u``: the uniforms of stochastic rounding in x3's layout (f32) or None.
+    None is returned (nothing traced) when the shape does not tile (`tiles`).
+    """
+    from jax.experimental import pallas as pl
+
+    a, k, b = x3.shape
+    h = hadamard_size or 0
+    t = tiles(a, k, b, h)
+    if t is None:
+        return None
+    rows, cols = t
+    recording = _RECORDING.get()
+    if recording is not None:
+        recording.append(KernelSpec(a=a, k=k, b=b, dtype=jnp.dtype(x3.dtype).name, op=op,
+                                    hadamard_size=hadamard_size, has_signs=signs is not None,
+                                    has_uniforms=u is not None))
+    lanes = b == 1
+    if lanes:
+        x = x3.reshape(a, k)
+        grid = (a // cols, k // rows)
+        block = (cols, rows)
+        spec = pl.BlockSpec(block, lambda i, j: (i, j))
+    else:
+        x = x3
+        grid = (a, k // rows, b // cols)
+        block = (None, rows, cols)
+        spec = pl.BlockSpec(block, lambda n, i, j: (n, i, j))
+    operands, in_specs = [x], [spec]
+    if signs is not None:
+        sign_col = jnp.tile(jnp.asarray(signs, jnp.float32), rows // h).reshape(rows, 1)
+        operands.append(sign_col)
+        in_specs.append(pl.BlockSpec((rows, 1), lambda *_: (0, 0)))
+    if u is not None:
+        operands.append(u.reshape(x.shape))
+        in_specs.append(spec)
+    kernel = functools.partial(_kernel, op=op, h=h, lanes=lanes, has_signs=signs is not None,
+                               has_u=u is not None)
+    out = pl.pallas_call(
+        kernel, grid=grid, in_specs=in_specs, out_specs=spec,
+        out_shape=jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), interpret=interpret,
+    )(*operands)
+    return out.reshape(x3.shape)

@@ -1,0 +1,81 @@
+"""MX (E8M0) block values with f32 power-of-two scalings: the arithmetic of the accelerator forms.
+
+`mxjax.scaling.E8M0Blocks` scales by integer ``ldexp`` so that XLA:CPU's
+denormals-are-zero cannot lose a subnormal. On GPUs and TPUs the emulated GEMM
+(`mxjax.accelerator`) scales with f32 multiplies by 2^-s and 2^s instead: far
+fewer operations, which lets XLA fuse the rotation, the amax and the rounding
+into two passes, and the same values wherever f32 arithmetic keeps subnormals
+(GPUs; tested against exact ``ldexp`` in numpy). Where it flushes them (TPUs,
+XLA:CPU) only blocks whose values are f32 subnormals differ (block amax below
+2^-121, docs/NUMERICS.md). The scales themselves are the scheme's
+(`E8M0Blocks.exponents`), for blocks in any layout.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mxjax import _bits
+from mxjax.elements import round_to_value
+from mxjax.formats import ElementFormat, Rounding
+from mxjax.scaling import SR_PRESCALE
+
+__all__ = ["round_nearest_even", "values_from_amax"]
+
+_MIN_NORMAL = 2.0 ** -126
+
+
+def round_nearest_even(y: jax.Array, elem: ElementFormat) -> jax.Array:
+    """`round_to_value(y, elem, NEAREST_EVEN)` in fewer operations, the same values.
+
+    For |y| finite and zero or at least 2^-126 (smaller values round to zero here
+    too): with E = clip(floor(log2|y|), emin, emax) the grid step is q = 2^(E -
+    mbits), and ``(|y| + C) - C`` with C = q * 2^23 is |y| rounded to a multiple of
+    q, ties to even, by the f32 addition itself (|y| < C, so the sum's last
+    significand bit is worth q; the subtraction is exact). Then saturated to
+    max_normal; the sign is y's (-0 stays -0). Non-finite y gives NaN (no trap).
+    """
+    bits = _bits.f32_bits(y)
+    a = _bits.bits_f32(bits & _bits.ABS_MASK)
+    e = ((bits >> 23) & 0xFF).astype(jnp.int32) - 127
+    big_e = jnp.clip(e, elem.emin, elem.emax)
+    c = _bits.bits_f32(((big_e - elem.mbits + 23 + 127) << 23).astype(jnp.uint32))
+    mag = jnp.minimum((a + c) - c, jnp.float32(elem.max_normal))
+    return _bits.bits_f32(_bits.f32_bits(mag) | ((bits >> 31) << 31))
+
+
+def values_from_amax(r: jax.Array, amax_bits: jax.Array, op, u: jax.Array | None) -> jax.Array:
+    """f32 MX values (per-tensor factors left out) of f32 elements `r` of blocks.
+
+    Args:
+      r: f32 elements (rotated, if the GEMM rotates), any layout.
+      amax_bits: uint32 abs bits of each element's block amax, broadcastable to r.
+      op: the OperandRecipe (an E8M0 format).
+      u: f32 uniforms like r for stochastic rounding, else None.
+    Returns:
+      f32 like r: ``fake_quantize_parts``' values of these blocks (dtype f32).
+    """
+    elem = op.fmt.element
+    s, nonfinite = op.scheme.exponents(amax_bits, op.scale_rule, op.sr_prescale)
+    # r * 2^-s: exact (2^-s is normal for s in [-127, 125]) wherever the result is
+    # normal. A smaller result rounds to zero on every element grid, except under
+    # stochastic rounding (a draw of exactly 0 rounds it up): there it is made zero,
+    # as XLA:CPU's denormals-are-zero makes the integer ldexp's subnormal result.
+    # A non-finite block's elements are rounded too (no trap) and replaced by NaN.
+    y = r * _bits.pow2(-s)
+    if op.sr_prescale:
+        y = y * jnp.float32(SR_PRESCALE)
+    if op.rounding is Rounding.STOCHASTIC:
+        tiny = jnp.abs(y) < jnp.float32(_MIN_NORMAL)
+        y = jnp.where(tiny | nonfinite, jnp.copysign(jnp.float32(0.0), y), y)
+        q = round_to_value(y, elem, op.rounding, u)
+    elif op.rounding is Rounding.NEAREST_EVEN:
+        q = round_nearest_even(y, elem)
+    else:
+        q = round_to_value(y, elem, op.rounding, None)
+    # q * 2^s: exact wherever representable (q has at most 4 significant bits); 2^-127
+    # is not a normal f32, so s = -127 is a halving of q and then 2^-126.
+    half = jnp.where(s < -126, jnp.float32(0.5), jnp.float32(1.0))
+    v = (q * half) * _bits.pow2(jnp.maximum(s, -126))
+    return jnp.where(nonfinite, jnp.float32(jnp.nan), v)

@@ -1,0 +1,60 @@
+"""bench/hlo_kernels.py on a hand-written optimized HLO module (no accelerator packages)."""
+
+from __future__ import annotations
+
+from bench import hlo_kernels as hk
+
+_GEMM_CONFIG = ('{"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":'
+                '["1"],"rhs_contracting_dimensions":["0"]}}}')
+HLO = """HloModule m, is_scheduled=true
+
+%fused_dot (p0: bf16[64,32], p1: bf16[32,16]) -> f32[64,16] {
+  %p0 = bf16[64,32]{1,0} parameter(0)
+  %p1 = bf16[32,16]{1,0} parameter(1)
+  ROOT %dot.1 = f32[64,16]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_scale (p0.1: bf16[64,32]) -> (bf16[64,32], u32[64,1]) {
+  %p0.1 = bf16[64,32]{1,0} parameter(0)
+  %c = bf16[] constant(2)
+  %b = bf16[64,32]{1,0} broadcast(%c), dimensions={}
+  %m = bf16[64,32]{1,0} multiply(%p0.1, %b)
+  %cv = u32[64,32]{1,0} convert(%m)
+  %r = u32[64,1]{1,0} slice(%cv), slice={[0:64], [0:1]}
+  ROOT %t = (bf16[64,32]{1,0}, u32[64,1]{1,0}) tuple(%m, %r)
+}
+
+ENTRY %main (x: bf16[64,32]) -> f32[64,16] {
+  %x = bf16[64,32]{1,0:T(8,128)(2,1)} parameter(0)
+  %w = bf16[32,16]{1,0} constant({...})
+  %cs = (bf16[32,16]{1,0:T(8,128)(2,1)S(1)}, bf16[32,16]{1,0}, u32[]{:S(2)}) copy-start(%w)
+  %cd = bf16[32,16]{1,0} copy-done(%cs)
+  %f = (bf16[64,32]{1,0}, u32[64,1]{1,0}) fusion(%x), kind=kLoop, calls=%fused_scale
+  %g = bf16[64,32]{1,0} get-tuple-element(%f), index=0
+  %cc = (f32[64,16]{1,0}, s8[4096]{0}) custom-call(%g, %cd), CUBLAS
+  %r0 = f32[64,16]{1,0} get-tuple-element(%cc), index=0
+  %k = f32[64,16]{1,0} custom-call(%r0), custom_call_target="tpu_custom_call"
+  ROOT %d = f32[64,16]{1,0} fusion(%g, %cd), kind=kCustom, calls=%fused_dot
+}
+""".replace("CUBLAS", f'custom_call_target="__cublas$lt$matmul", backend_config={_GEMM_CONFIG}')
+
+
+def test_kernels_categories_bytes_and_flops():
+    ks = {k.name: k for k in hk.kernels(HLO)}
+    assert list(ks) == ["cs", "f", "cc", "k", "d"]  # schedule order; free ops dropped
+    assert {n: k.category for n, k in ks.items()} == {
+        "cs": "copy", "f": "fusion", "cc": "gemm", "k": "custom-call", "d": "gemm"}
+    assert ks["cs"].bytes == 32 * 16 * 2 * 2  # one read, one write of the copied array
+    assert ks["f"].bytes_read == 64 * 32 * 2 and ks["f"].bytes_written == 64 * 32 * 2 + 64 * 4
+    assert ks["f"].alu_ops == 2 * 64 * 32  # multiply and convert; broadcast/slice are free
+    assert ks["cc"].gemm_flops == 2 * 64 * 16 * 32 and ks["d"].gemm_flops == 2 * 64 * 16 * 32
+    assert ks["cc"].bytes_written == 64 * 16 * 4  # the cuBLAS workspace is not counted
+    assert ks["k"].target == "tpu_custom_call" and ks["d"].fusion_kind == "kCustom"
+    assert hk.count_by_category(list(ks.values())) == {
+        "fusion": 1, "gemm": 2, "custom-call": 1, "copy": 1, "other": 0}
+
+
+def test_shape_bytes_of_tuples_and_sub_byte_types():
+    assert hk.shape_bytes("(f32[2,3]{1,0}, bf16[4]{0:T(128)})") == 24 + 8
+    assert hk.shape_bytes("f4e2m1fn[1,4096,4096]{2,1,0:E(4)}") == 4096 * 4096 // 2
+    assert hk.shape_bytes("pred[]") == 1 and hk.shape_bytes("token[]") == 0
