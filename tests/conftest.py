@@ -28,7 +28,8 @@ def data_cache(tmp_path_factory) -> Path:
 # XLA's LLVM backend optimization level for the programs tests compile. Level 0 compiles
 # CPU programs in about half the time; results are the same (no fast-math at any level,
 # and XLA's HLO passes, which decide what a program computes, run as usual), and the
-# default run's budget is mostly compilation. Not applied to GPU runs (-m gpu), nor when
+# default run's budget is mostly compilation. Applied only to runs that exclude the gpu
+# marker (the default run: `make test`), never to -m gpu/accelerators/slow runs, nor when
 # XLA_FLAGS already sets a level. Subprocesses inherit it through the environment.
 FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
 
@@ -36,8 +37,7 @@ FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
 def pytest_configure(config):
     markexpr = config.getoption("markexpr") or ""
     flags = os.environ.get("XLA_FLAGS", "")
-    if ("gpu" not in markexpr or "not gpu" in markexpr) \
-            and "xla_backend_optimization_level" not in flags:
+    if "not gpu" in markexpr and "xla_backend_optimization_level" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {FAST_COMPILE_FLAG}".strip()
 
 
