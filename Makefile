@@ -31,10 +31,12 @@ LINT_PATHS := mxjax models train study tests bench scripts
 
 # Lint (ruff, line length 100 enforced), then the default test run (not slow, not gpu).
 # --dist loadfile: each test file runs on one worker, so its module-scoped fixtures (a
-# trained run, a compiled model) are built once; files with a `long` test go first.
+# trained run, a compiled model) are built once; --no-loadscope-reorder keeps the order of
+# tests/conftest.py (files with a `long` test first; xdist would put files with many tests
+# first, leaving the long single-test files to the end).
 test: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)
-	$(PY) -m pytest -n 2 --dist loadfile -q $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -q $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -n 2 -q -m slow $(PYTEST_ARGS)
