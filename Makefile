@@ -53,7 +53,7 @@ test-triton: $(TRITON_STAMP)
 	  tests/mxjax/kernels/test_triton_interpret.py $(PYTEST_ARGS)
 
 # Deviceless GPU/TPU compiles of the emulated GEMM (tests/accelerators, marker
-# `accelerators`): libtpu and XLA's CUDA PJRT plugin (~1.1 GB, extras aot-tpu, aot-gpu).
+# `accelerators`): libtpu, XLA's CUDA PJRT plugin and triton (~2 GB, extras aot-tpu, aot-gpu).
 # Their own venv: installed into .venv, both plugins would start (and probe for a TPU and
 # a GPU, with warnings) in every process of `make test`.
 AOT_VENV := .venv-aot
