@@ -30,9 +30,13 @@ $(STAMP): pyproject.toml | $(PY)
 LINT_PATHS := mxjax models train study tests bench scripts
 
 # Lint (ruff, line length 100 enforced), then the default test run (not slow, not gpu).
+# --dist loadfile: each test file runs on one worker, so its module-scoped fixtures (a
+# trained run, a compiled model) are built once; --no-loadscope-reorder keeps the order of
+# tests/conftest.py (files with a `long` test first; xdist would put files with many tests
+# first, leaving the long single-test files to the end).
 test: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)
-	$(PY) -m pytest -n 2 -q $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -q $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -n 2 -q -m slow $(PYTEST_ARGS)
@@ -49,7 +53,7 @@ test-triton: $(TRITON_STAMP)
 	  tests/mxjax/kernels/test_triton_interpret.py $(PYTEST_ARGS)
 
 # Deviceless GPU/TPU compiles of the emulated GEMM (tests/accelerators, marker
-# `accelerators`): libtpu and XLA's CUDA PJRT plugin (~1.1 GB, extras aot-tpu, aot-gpu).
+# `accelerators`): libtpu, XLA's CUDA PJRT plugin and triton (~2 GB, extras aot-tpu, aot-gpu).
 # Their own venv: installed into .venv, both plugins would start (and probe for a TPU and
 # a GPU, with warnings) in every process of `make test`.
 AOT_VENV := .venv-aot

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import zlib
 from pathlib import Path
 
@@ -22,6 +23,22 @@ def data_cache(tmp_path_factory) -> Path:
     once, and runs of `tests.train.train_testutil.fast_sets` share the persistent compilation
     cache under it."""
     return tmp_path_factory.mktemp("data_cache")
+
+
+# XLA's LLVM backend optimization level for the programs tests compile. Level 0 compiles
+# CPU programs in about half the time; results are the same (no fast-math at any level,
+# and XLA's HLO passes, which decide what a program computes, run as usual), and the
+# default run's budget is mostly compilation. Applied only to runs that exclude the gpu
+# marker (the default run: `make test`), never to -m gpu/accelerators/slow runs, nor when
+# XLA_FLAGS already sets a level. Subprocesses inherit it through the environment.
+FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
+
+
+def pytest_configure(config):
+    markexpr = config.getoption("markexpr") or ""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "not gpu" in markexpr and "xla_backend_optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {FAST_COMPILE_FLAG}".strip()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,12 +4,10 @@ The Pallas kernels ('pallas', 'pallas_fp8') lower for a B200 (sm_100a) and an H2
 (sm_90a) to XLA Triton custom calls; the 'triton' backend's ``tl.dot_scaled`` kernel,
 compiled by Triton for sm_100, is Blackwell's block-scaled FP4 MMA
 (``tcgen05.mma ... kind::mxf4 ... block_scale``) and for sm_90 bf16 ``wgmma`` (Hopper
-has no FP4 units). Needs triton for the last test (``pip install 'triton==3.9.0'``).
+has no FP4 units). triton comes with the ``aot-gpu`` extra.
 """
 
 from __future__ import annotations
-
-import importlib.util
 
 import pytest
 
@@ -29,8 +27,6 @@ def test_pallas_kernels_lower(target, path):
     assert "__gpu$xla.gpu.triton" in r.kernels
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                    reason="triton is not installed (pip install 'triton==3.9.0')")
 def test_dot_scaled_is_native_block_scaled_mma_on_b200_only():
     from bench import native_fp4
 

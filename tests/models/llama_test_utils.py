@@ -77,7 +77,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def run_on_8_fake_devices(script: str) -> dict:
     """Runs `script` in a fresh CPU process with 8 fake devices (XLA_FLAGS must be set
     before jax starts); returns the JSON after its last ``RESULT`` line."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    # the session's compile-speed flag (tests/conftest.py), if set, plus 8 devices
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if f.startswith("--xla_backend_optimization_level=")]
+    env = dict(os.environ,
+               XLA_FLAGS=" ".join([*flags, "--xla_force_host_platform_device_count=8"]),
                JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, check=False,
                           capture_output=True, text=True, timeout=600)

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.train.rundir_testutil import run_read_only
-from tests.train.train_testutil import ROOT, fast_sets, load
+from tests.train.train_testutil import ROOT, fast_sets, load, xla_flags
 from train import loop
 from train.__main__ import main
 from train.checkpoint import Checkpointer, IncompatibleCheckpointError
@@ -45,8 +45,7 @@ def test_second_live_run_on_one_out_is_refused(tmp_path, cache, done):
     out = tmp_path / "run"
     args = _cli_args(out, cache, "train.steps=100000", "checkpoint.every=0",
                      "train.eval_at_start=false")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=xla_flags())
     a = subprocess.Popen([sys.executable, "-m", "train", *args], cwd=ROOT, env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)

@@ -1,6 +1,6 @@
 """The train step under a (data=2, fsdp=4) mesh of 8 fake CPU devices equals one device.
 
-Runs in a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8
+Runs in a subprocess with 8 fake CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)
 (this pytest process has already initialised JAX with one device).
 """
 
@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from tests.train.train_testutil import ROOT
+from tests.train.train_testutil import ROOT, xla_flags
 
 _SCRIPT = textwrap.dedent("""
     import json, sys
@@ -44,7 +44,7 @@ _SCRIPT = textwrap.dedent("""
 
 @pytest.mark.long
 def test_data2_fsdp4_matches_single_device(tmp_path, data_cache):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8),
                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests" / "train")]))
     r = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path), str(data_cache)],
                        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
@@ -84,7 +84,7 @@ def test_two_processes_match_one_device(tmp_path):
     port = _free_port()
     sets = fast_sets(tmp_path / "two", tmp_path / "data", *common, "mesh.data=2", "mesh.fsdp=4",
                      f"mesh.coordinator_address=localhost:{port}", "mesh.num_processes=2")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(4),
                PYTHONPATH=str(ROOT))
     procs = [subprocess.Popen(
         [sys.executable, "-m", "train", "--quiet", "--distributed",

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.train.train_testutil import ROOT, fast_sets, run_cli
+from tests.train.train_testutil import ROOT, fast_sets, run_cli, xla_flags
 from train.checkpoint import Checkpointer
 from train.output.metrics import read_jsonl
 
@@ -42,8 +42,7 @@ def _final_state(out):
 
 
 def _spawn(out, cache, jcache, policy) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=xla_flags())
     return subprocess.Popen([sys.executable, "-m", "train", *_args(out, cache, jcache, policy)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)

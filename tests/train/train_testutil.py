@@ -13,6 +13,16 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL = "{dim: 64, n_layers: 2, n_heads: 4, n_kv_heads: 2, ffn_dim: 128, max_seq_len: 128}"
 
 
+def xla_flags(devices: int | None = None) -> str:
+    """XLA_FLAGS for a child process: the session's compile-speed flag (tests/conftest.py),
+    if set, plus ``devices`` fake CPU devices; nothing else of the parent's XLA_FLAGS."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if f.startswith("--xla_backend_optimization_level=")]
+    if devices is not None:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    return " ".join(flags)
+
+
 def fast_sets(out: Path, cache: Path, *extra: str) -> list[str]:
     """--set overrides for a tiny, quick run on a slice of the embedded corpus.
 
@@ -47,8 +57,7 @@ def load(out: Path, cache: Path, *extra: str):
 def run_cli(args: list[str], *, env: dict | None = None, timeout: float = 300,
             module: str = "train") -> subprocess.CompletedProcess:
     """Run ``python -m <module> ARGS`` in the repo root; returns the completed process."""
-    e = dict(os.environ)
-    e.pop("XLA_FLAGS", None)
+    e = dict(os.environ, XLA_FLAGS=xla_flags())
     e.update(env or {})
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=e,
