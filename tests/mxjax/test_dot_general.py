@@ -528,8 +528,13 @@ _SHARDING_SCRIPT = textwrap.dedent(
 )
 
 
+def _xla_flags_with_8_devices() -> str:
+    """The session's XLA_FLAGS (tests/conftest.py's compile level) plus 8 CPU devices."""
+    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+
+
 def test_named_sharding_over_8_fake_cpu_devices():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=_xla_flags_with_8_devices(),
                JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-c", _SHARDING_SCRIPT], env=env, capture_output=True,
                        text=True, timeout=300, check=False)
