@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mxjax import _bits
+from mxjax import _bits, accelerator_tpu
 from mxjax.accelerator_values import values_from_amax
 from mxjax.dimensions import free_axes
 from mxjax.formats import Rounding
@@ -184,8 +184,6 @@ def mx_operand_values_tpu(view: ContractionView, op, *, k_out: int,
 
     Operands whose shape does not tile into the kernel take `mx_operand_values`.
     """
-    from mxjax import accelerator_tpu
-
     p = view.axis
     _, k_pad = _padded_length(view.x.shape[p], hadamard_size)
     x2 = _pad_axis(view.x, p, k_pad)

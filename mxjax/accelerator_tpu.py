@@ -10,7 +10,9 @@ axis is transposed tile by tile inside the kernel and back.
 
 The arithmetic is `mxjax.accelerator.mx_operand_values`' (the same f32 ops on
 the same elements), so the values are the same; see that module for what they
-equal. Pallas is imported when a program is traced, not with `mxjax`.
+equal. Pallas is imported with this module, i.e. with `mxjax`: importing it later,
+at the first quantized trace, would add its options to JAX's tracing context and make
+every program traced before recompile once (tests/mxjax/test_import_effects.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from mxjax import _bits
 from mxjax.accelerator_values import values_from_amax
@@ -96,8 +100,6 @@ def tiles(a: int, k: int, b: int, h: int) -> tuple[int, int] | None:
 def _rotate_rows(x, h: int, sign_col):
     """Butterflies along axis 0 (blocks of h rows): `hadamard`'s ops, by sublane rotation."""
     n = x.shape[0]
-    from jax.experimental.pallas import tpu as pltpu
-
     if sign_col is not None:
         x = x * sign_col
     row = lax.broadcasted_iota(jnp.int32, x.shape, 0)
@@ -150,8 +152,6 @@ def mx_values_tpu(x3: jax.Array, op, *, hadamard_size: int | None, signs, u,
     ``u``: the uniforms of stochastic rounding in x3's layout (f32) or None.
     None is returned (nothing traced) when the shape does not tile (`tiles`).
     """
-    from jax.experimental import pallas as pl
-
     a, k, b = x3.shape
     h = hadamard_size or 0
     t = tiles(a, k, b, h)

@@ -343,10 +343,12 @@ def test_the_checker_refuses_planted_violations(tmp_path, monkeypatch, module, s
         check()
 
 
-def test_import_mxjax_loads_neither_flax_nor_pallas():
+def test_import_mxjax_loads_neither_flax_nor_the_kernels():
+    # Pallas itself is imported with mxjax (the TPU form's kernel, mxjax.accelerator_tpu):
+    # importing it at the first quantized trace would make earlier programs recompile
+    # (tests/mxjax/test_import_effects.py). mxjax's own kernels stay out until used.
     code = ("import sys, mxjax\n"
             "bad = [m for m in sys.modules if m.split('.')[0] == 'flax' "
-            "or m.startswith('jax.experimental.pallas') or m.startswith('mxjax.kernels') "
-            "or m.startswith('mxjax.nn')]\n"
+            "or m.startswith('mxjax.kernels') or m.startswith('mxjax.nn')]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
