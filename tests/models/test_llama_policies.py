@@ -45,7 +45,11 @@ def test_bf16_policy_equals_no_policy_bit_for_bit(tokens, dtype):
     assert _bitwise_equal(g0, g1)
 
 
+@pytest.mark.slow
 def test_mxfp4_all_h16_forward_backward(tokens):
+    """(make test-slow: ~21 CPU-s.) The default run keeps a stronger check of the same
+    program: tests/study/test_study_probe.py runs this Llama's forward and backward under
+    mxfp4_all_h16 and compares every GEMM of every layer with the numpy reference."""
     model = Llama(small(), rngs=nnx.Rngs(0))
     l0, y0, g0 = _loss_grads(model, tokens)
     pol = policies.get("mxfp4_all_h16")
@@ -63,7 +67,15 @@ def test_mxfp4_all_h16_forward_backward(tokens):
     assert len(leaves0) == len(leaves1)
 
 
+@pytest.mark.slow
 def test_randomized_policy_needs_key_and_keys_matter(tokens):
+    """(make test-slow: ~18 CPU-s.) The default run keeps each part at a cheaper level:
+    the missing key (test_llama_model::test_policy_needing_key_without_key_raises), the
+    per-layer keys the model folds (test_every_layer_and_projection_gets_its_own_key,
+    test_noise_depends_on_key), and same key same
+    result / other key other SR noise, fprop unaffected
+    (test_dot_general::test_randomized_policies_same_key_same_result_different_key_different,
+    test_gemms_never_share_noise)."""
     pol = policies.get("mxfp4_all_sr")
     assert pol.needs_key
     model = Llama(small(), rngs=nnx.Rngs(0))

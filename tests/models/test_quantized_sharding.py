@@ -67,8 +67,12 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.long
+@pytest.mark.slow
 def test_quantized_policy_keeps_collectives_and_out_sharding():
+    """(make test-slow: ~28 CPU-s.) The default run keeps both properties at the GEMM
+    level (tests/mxjax/test_explicit_sharding.py: lax.dot_general's collectives and no
+    all-gather under mxfp4_all_h16, out_sharding as lax.dot_general's) and the sharded
+    model's numerics (tests/train/test_train_multidevice.py)."""
     res = run_on_8_fake_devices(_SCRIPT)
     print(res)
     assert res["bf16"], "the sharded step has no collectives: the mesh is not in use"
