@@ -369,14 +369,19 @@ class Checkpointer:
             self._pending = None
         return self._failed
 
-    def wait(self) -> None:
-        """Wait for an asynchronous save; CheckpointWriteError if it failed."""
+    def _finish_pending(self) -> None:
+        """Wait for orbax's pending save; CheckpointWriteError if it failed (unless a failure
+        was already recorded, which the callers report themselves)."""
         try:
             self.mngr.wait_until_finished()
         except Exception as e:
             if self._failed is None:
                 raise self._write_failed(self._pending, e) from e
         self._pending = None
+
+    def wait(self) -> None:
+        """Wait for an asynchronous save; CheckpointWriteError if it failed."""
+        self._finish_pending()
         if self._failed is not None:
             raise self._failed
 
@@ -384,12 +389,7 @@ class Checkpointer:
         """Finish pending saves and release orbax's threads; raises CheckpointWriteError for a
         pending save that failed (not again for one already reported)."""
         try:
-            try:
-                self.mngr.wait_until_finished()
-            except Exception as e:
-                if self._failed is None:
-                    raise self._write_failed(self._pending, e) from e
-            self._pending = None
+            self._finish_pending()
         finally:
             self.mngr.close()
             logging.getLogger("absl").removeFilter(self._log_filter)

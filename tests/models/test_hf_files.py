@@ -5,13 +5,10 @@ still refused."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import resource
 import shutil
-import signal
 
 import jax
 import numpy as np
@@ -19,6 +16,7 @@ import pytest
 from flax import nnx
 
 from models import hf
+from tests.file_faults import file_size_limit
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "data", "hf_tiny_llama")
 
@@ -114,25 +112,11 @@ def test_export_never_deletes_outside_out_dir_from_a_hostile_index(tmp_path, dou
     assert victim.read_bytes() == b"precious"
 
 
-@contextlib.contextmanager
-def _file_size_limit(nbytes: int):
-    """Writes past ``nbytes`` fail with EFBIG (what a full disk's ENOSPC looks like to a writer:
-    an OSError from write()); SIGXFSZ is ignored so the write returns the error."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, old_handler)
-
-
 def test_failed_write_keeps_the_old_checkpoint(tmp_path, loaded, doubled):
     model, layout = loaded
     d = _copy_fixture(tmp_path)
     before = sorted(os.listdir(d))
-    with _file_size_limit(4096), pytest.raises(
+    with file_size_limit(4096), pytest.raises(
             OSError, match=r"could not write .*ckpt/model-00001-of-00003\.safetensors.*too large"):
         hf.export_hf(doubled, str(d), layout=layout)
     assert sorted(os.listdir(d)) == before  # no temporaries, nothing removed

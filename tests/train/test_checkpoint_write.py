@@ -10,16 +10,14 @@ on device (errno 28)"). A full disk is also caught before orbax writes: `free_sp
 
 from __future__ import annotations
 
-import contextlib
 import os
-import resource
-import signal
 import time
 
 import jax
 import numpy as np
 import pytest
 
+from tests.file_faults import file_size_limit
 from train.checkpoint import (
     Checkpointer,
     CheckpointWriteError,
@@ -31,18 +29,6 @@ STATE = {"w": np.random.default_rng(0).standard_normal((512, 512)).astype(np.flo
          "step": np.int32(3)}
 
 
-@contextlib.contextmanager
-def _file_size_limit(nbytes: int):
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, old)
-
-
 @pytest.mark.parametrize("async_save", [False, True])
 def test_write_failure_surfaces_from_save_or_failure(tmp_path, async_save):
     state = jax.tree.map(jax.numpy.asarray, STATE)
@@ -52,7 +38,7 @@ def test_write_failure_surfaces_from_save_or_failure(tmp_path, async_save):
     assert ck.failure() is None
     want = (r"could not write checkpoint step 2 to .*/ck: File too large \(errno 27\)\. "
             r"Training stopped; the newest complete checkpoint is step 1 \(kept\)\. Free space")
-    with _file_size_limit(200_000):
+    with file_size_limit(200_000):
         if async_save:
             ck.save(2, state, {"x": 2})  # returns: the write fails in the background
             with pytest.raises(CheckpointWriteError, match=want):
@@ -76,7 +62,7 @@ def test_async_failure_is_found_by_polling(tmp_path):
     state = jax.tree.map(jax.numpy.asarray, STATE)
     ck = Checkpointer(tmp_path / "ck", keep=3, async_save=True)
     err = None
-    with _file_size_limit(200_000):
+    with file_size_limit(200_000):
         ck.save(1, state, {"x": 1})
         deadline = time.time() + 60
         while err is None and time.time() < deadline:

@@ -40,8 +40,15 @@ def done(tmp_path_factory, cache):
     return out
 
 
+@pytest.mark.slow
 def test_second_live_run_on_one_out_is_refused(tmp_path, cache, done):
-    """Run A trains (slowly: many steps); run B with the same --out exits 5 naming A."""
+    """Run A trains (slowly: many steps); run B with the same --out exits 5 naming A.
+
+    (make test-slow: ~24 CPU-s, A trains at full speed while B starts.) The default run
+    keeps the lock's refusal of a live holder, named, with a real second process
+    (tests/train/test_run_lock.py::test_live_process_holds_killed_process_is_taken_over,
+    test_second_holder_is_refused_naming_the_first) and the CLI's exit 5 for an output
+    directory error (test_run_faults.py::test_checkpoints_path_that_is_a_file_is_exit_5)."""
     out = tmp_path / "run"
     args = _cli_args(out, cache, "train.steps=100000", "checkpoint.every=0",
                      "train.eval_at_start=false")

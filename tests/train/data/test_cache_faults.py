@@ -5,10 +5,7 @@ named in the error."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import resource
-import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+from tests.file_faults import file_size_limit
 from train import data as D
 from train.config import DataSection
 from train.data import cache
@@ -26,20 +24,6 @@ def _spec(tmp_path, cache_dir) -> DataSection:
     src = tmp_path / "c.txt"
     src.write_text("\n\n".join(f"document {i} has a few words " * 3 for i in range(60)))
     return DataSection(sources=(str(src),), cache_dir=str(cache_dir), vocab_size=300)
-
-
-@contextlib.contextmanager
-def _file_size_limit(nbytes: int):
-    """Writes past `nbytes` fail with EFBIG, like ENOSPC on a full disk (see
-    tests/train/test_checkpoint_write.py)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, old)
 
 
 def test_cache_dir_that_is_a_file(tmp_path):
@@ -53,7 +37,7 @@ def test_full_cache_names_it_and_leaves_nothing(tmp_path):
     dc = tmp_path / "dc"
     dc.mkdir()
     spec = _spec(tmp_path, dc)
-    with _file_size_limit(1000), pytest.raises(
+    with file_size_limit(1000), pytest.raises(
             OSError, match=rf"cannot write the prepared data into {dc} \(File too large: "
                            r".*tokenizer\.json\); set data\.cache_dir"):
         D.prepare(spec, verbose=False)
