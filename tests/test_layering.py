@@ -35,7 +35,9 @@ PACKAGES: tuple[str, ...] = ("mxjax", "models", "train", "study")
 LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     #  - the quantizer is built bottom up: element grids (elements), the scaling
     #    schemes (scaling), the validated OperandRecipe the quantizer takes
-    #    (operand_recipe; mxjax.recipes re-exports it), then quantization.
+    #    (operand_recipe; mxjax.recipes re-exports it), then quantization; beside the
+    #    schemes, MXFP4 values by integer rounding of the bit pattern (e2m1_bits), the
+    #    path fake_quantize takes for deterministic MXFP4.
     #  - the emulated GEMM's accelerator forms: their f32-scaled MX values
     #    (accelerator_values), the TPU kernel (accelerator_tpu), then the in-place
     #    operands and GEMM (accelerator), which mxjax.gemm calls.
@@ -53,7 +55,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("formats", "layout", "validation", "_platform", "dimensions"),
         ("_bits",),
         ("elements",),
-        ("scaling",),
+        ("scaling", "e2m1_bits"),
         ("operand_recipe",),
         ("quantization", "rotation", "accelerator_values"),
         ("recipes", "accelerator_tpu"),
