@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mxjax import _bits, e2m1_bits
+from mxjax import e2m1_bits
 from mxjax import formats as F
 from mxjax._platform import cpu_barrier
 from mxjax.elements import encode, round_to_grid, round_to_value, signed_value
@@ -255,8 +255,7 @@ def _e2m1_block_values(x: jax.Array, recipe: OperandRecipe, axis: int) -> jax.Ar
     scheme = recipe.scheme
     xm, n = to_blocks(x.astype(jnp.float32), axis, scheme.block_size)
     xb = scheme.split(xm)
-    amax_bits = jnp.max(_bits.f32_bits(xb) & _bits.ABS_MASK, axis=-1, keepdims=True)
-    s, nonfinite = scheme.exponents(amax_bits, recipe.scale_rule, False, x.dtype)
+    s, nonfinite = scheme.block_scales(xb, recipe.scale_rule, False, x.dtype)
     values = e2m1_bits.e2m1_values(xb, s, nonfinite, recipe.rounding).reshape(xm.shape)
     return jnp.moveaxis(values[..., :n], -1, axis)
 

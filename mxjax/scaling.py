@@ -198,10 +198,13 @@ class E8M0Blocks:
                         max_scale_exponent(dtype, self.element, prescale))
         return E8M0Scales(jnp.where(amax_bits == 0, 0, s), amax_bits >= _bits.EXP_INF)
 
-    def prepare(self, xb, rule, prescale, dtype=jnp.float32):
+    def block_scales(self, xb, rule, prescale, dtype=jnp.float32) -> E8M0Scales:
+        """The scales of blocks ``xb [..., nb, block_size]`` (f32) from their amax."""
         abs_bits = _bits.f32_bits(xb) & _bits.ABS_MASK
-        scales = self.exponents(jnp.max(abs_bits, axis=-1, keepdims=True), rule, prescale,
-                                dtype)
+        return self.exponents(jnp.max(abs_bits, axis=-1, keepdims=True), rule, prescale, dtype)
+
+    def prepare(self, xb, rule, prescale, dtype=jnp.float32):
+        scales = self.block_scales(xb, rule, prescale, dtype)
         y = _prescaled(_bits.ldexp(xb, -scales.exponent), prescale)
         return jnp.where(scales.nonfinite, 0.0, y), scales
 
