@@ -203,6 +203,9 @@ class Kernel:
     alu_ops: int
     shape: str
     fusion_kind: str = ""  # kLoop, kInput, kOutput, kCustom (fusions only)
+    # A custom call's operand shapes; for a fusion around a custom call (XLA fused its
+    # operands' producers into a Pallas kernel: kCustom), the inner call's operands.
+    call_operands: tuple[str, ...] = ()
 
     @property
     def bytes(self) -> int:
@@ -249,6 +252,15 @@ def _fused_cost(module: Module, name: str, seen: frozenset = frozenset()) -> tup
     return flops, alu
 
 
+def _fused_custom_call(module: Module, inst: Instruction) -> Instruction | None:
+    """The custom call a kCustom fusion wraps (producers fused into its operands), if any."""
+    if inst.opcode != "fusion" or inst.fusion_kind != "kCustom" or not inst.called:
+        return None
+    calls = [i for i in module.computations.get(inst.called[0], ())
+             if i.opcode == "custom-call" and not i.custom_call_target.startswith(_GEMM_TARGETS)]
+    return calls[0] if len(calls) == 1 else None
+
+
 def _category(inst: Instruction, flops: int) -> str:
     if inst.opcode == "custom-call":
         target = inst.custom_call_target
@@ -292,10 +304,18 @@ def kernels(text: str) -> list[Kernel]:
                 written = shape_bytes(_ARRAY_RE.search(inst.shape).group(0))  # not workspace
             if inst.opcode.endswith("-start"):  # (operand, result, context): count one copy
                 written = shape_bytes(shapes.get(inst.operands[0], "")) if inst.operands else 0
-            out.append(Kernel(name=inst.name, opcode=inst.opcode,
-                              category=_category(inst, flops), target=inst.custom_call_target,
-                              bytes_read=read, bytes_written=written, gemm_flops=flops,
-                              alu_ops=alu, shape=inst.shape, fusion_kind=inst.fusion_kind))
+            category, target = _category(inst, flops), inst.custom_call_target
+            call_operands = tuple(shapes.get(o, "") for o in inst.operands) if (
+                inst.opcode == "custom-call") else ()
+            inner = _fused_custom_call(module, inst)
+            if inner is not None and not flops:
+                inner_shapes = module.shapes(inst.called[0])
+                category, target = "custom-call", inner.custom_call_target
+                call_operands = tuple(inner_shapes.get(o, "") for o in inner.operands)
+            out.append(Kernel(name=inst.name, opcode=inst.opcode, category=category,
+                              target=target, bytes_read=read, bytes_written=written,
+                              gemm_flops=flops, alu_ops=alu, shape=inst.shape,
+                              fusion_kind=inst.fusion_kind, call_operands=call_operands))
 
     walk(module.entry, 0)
     return out

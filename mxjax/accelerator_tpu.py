@@ -8,9 +8,10 @@ Hadamard butterflies are sublane rotations plus selects and the block amax is
 an elementwise max over rows: an operand whose contraction is its minor (lane)
 axis is transposed tile by tile inside the kernel and back.
 
-The arithmetic is `mxjax.accelerator.mx_operand_values`' (the same f32 ops on
-the same elements), so the values are the same; see that module for what they
-equal. Pallas is imported with this module, i.e. with `mxjax`: importing it later,
+The values are `mxjax.accelerator.mx_operand_values`': the same butterflies on the
+same elements, the same block scales, and the rounding of `values_from_amax` or, for
+round-to-nearest-even, `nearest_even_values` (the same values in fewer operations,
+the rotation's 1/sqrt(h) folded in); see those for what they equal. Pallas is imported with this module, i.e. with `mxjax`: importing it later,
 at the first quantized trace, would add its options to JAX's tracing context and make
 every program traced before recompile once (tests/mxjax/test_import_effects.py).
 """
@@ -30,7 +31,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mxjax import _bits
-from mxjax.accelerator_values import values_from_amax
+from mxjax.accelerator_values import nearest_even_values, values_from_amax
+from mxjax.formats import Rounding
 
 __all__ = ["KernelSpec", "mx_values_tpu", "record_kernels", "tiles"]
 
@@ -98,36 +100,58 @@ def tiles(a: int, k: int, b: int, h: int) -> tuple[int, int] | None:
 
 
 def _rotate_rows(x, h: int, sign_col):
-    """Butterflies along axis 0 (blocks of h rows): `hadamard`'s ops, by sublane rotation."""
-    n = x.shape[0]
+    """Butterflies along axis 0 (blocks of h rows), `hadamard`'s ops but the 1/sqrt(h).
+
+    Partners less than 8 rows apart lie in the same vreg: each group of 8 rows is
+    rotated on its own (one sublane rotation per vreg, none merging two vregs) and a
+    select takes the sum or the difference; partners further apart are whole vregs
+    (adds, no data movement).
+    """
+    n, c = x.shape
     if sign_col is not None:
         x = x * sign_col
-    row = lax.broadcasted_iota(jnp.int32, x.shape, 0)
-    c = x.shape[1]
+    groups = x.reshape(n // _SUBLANES, _SUBLANES, c)
+    row = lax.broadcasted_iota(jnp.int32, groups.shape, 1)
     s = 1
-    while s < h:
-        if s < _SUBLANES:  # partners in the same vreg: sublane rotations and a select
-            nxt = pltpu.roll(x, n - s, 0)  # x[i + s]
-            prv = pltpu.roll(x, s, 0)  # x[i - s]
-            x = jnp.where((row & s) != 0, prv - x, x + nxt)
-        else:  # partners in other vregs: whole-vreg adds, no data movement
-            z = x.reshape(n // (2 * s), 2, s, c)
-            a, b = z[:, 0], z[:, 1]
-            x = jnp.stack([a + b, a - b], axis=1).reshape(n, c)
+    while s < min(h, _SUBLANES):
+        nxt = pltpu.roll(groups, _SUBLANES - s, 1)  # row i + s of the group
+        prv = pltpu.roll(groups, s, 1)  # row i - s of the group
+        groups = jnp.where((row & s) != 0, prv - groups, groups + nxt)
         s *= 2
-    return x * jnp.float32(1.0 / math.sqrt(h))
+    x = groups.reshape(n, c)
+    while s < h:
+        z = x.reshape(n // (2 * s), 2, s, c)
+        a, b = z[:, 0], z[:, 1]
+        x = jnp.stack([a + b, a - b], axis=1).reshape(n, c)
+        s *= 2
+    return x
 
 
 def _values_rows(x, op, h, sign_col, u):
     """The MX values of a [rows, cols] f32 tile with blocks of 32 along rows."""
     if h:
         x = _rotate_rows(x, h, sign_col)
+    scale = jnp.float32(1.0 / math.sqrt(h)) if h else None
     r, c = x.shape
     xb = x.reshape(r // _MX_BLOCK, _MX_BLOCK, c)
-    abs_bits = (_bits.f32_bits(xb) & _bits.ABS_MASK).astype(jnp.int32)  # Mosaic: signed max
-    amax_bits = jnp.max(abs_bits, axis=1, keepdims=True).astype(jnp.uint32)
-    v = values_from_amax(xb, amax_bits, op, None if u is None else u.reshape(xb.shape))
+    if u is None and op.rounding is Rounding.NEAREST_EVEN and not op.sr_prescale:
+        # The rotation's 1/sqrt(h) goes into the rounding's one multiply; the amax of
+        # the scaled elements is the scaled amax (f32 rounding is monotone).
+        amax_bits = _amax_bits(xb)
+        if h:
+            amax_bits = _bits.f32_bits(_bits.bits_f32(amax_bits) * scale)
+        v = nearest_even_values(xb, amax_bits, op, prescale=1.0 / math.sqrt(h) if h else 1.0)
+    else:
+        if h:
+            xb = xb * scale
+        v = values_from_amax(xb, _amax_bits(xb), op, None if u is None else u.reshape(xb.shape))
     return v.reshape(r, c)
+
+
+def _amax_bits(xb):
+    """uint32 abs bits of the amax of each block of xb [nb, 32, c] (axis 1)."""
+    abs_bits = (_bits.f32_bits(xb) & _bits.ABS_MASK).astype(jnp.int32)  # Mosaic: signed max
+    return jnp.max(abs_bits, axis=1, keepdims=True).astype(jnp.uint32)
 
 
 def _kernel(*refs, op, h, lanes, has_signs, has_u):
@@ -163,29 +187,42 @@ def mx_values_tpu(x3: jax.Array, op, *, hadamard_size: int | None, signs, u,
         recording.append(KernelSpec(a=a, k=k, b=b, dtype=jnp.dtype(x3.dtype).name, op=op,
                                     hadamard_size=hadamard_size, has_signs=signs is not None,
                                     has_uniforms=u is not None))
+    sign_col = None
+    if signs is not None:
+        sign_col = jnp.tile(jnp.asarray(signs, jnp.float32), rows // h).reshape(rows, 1)
+    out = _pallas_values(x3, sign_col, u, op=op, h=h, rows=rows, cols=cols,
+                         interpret=interpret)
+    return out.reshape(x3.shape)
+
+
+# One jitted function per kernel configuration: every call of the same kernel on the
+# same shapes lowers to the same function, so the custom calls XLA sees are identical
+# (the kernel's debug locations included, which otherwise differ per call site and
+# transformation) and XLA's CSE merges those that read the same operand (e.g. the
+# q/k/v projections' shared input, quantized once per axis).
+@functools.partial(jax.jit, static_argnames=("op", "h", "rows", "cols", "interpret"))
+def _pallas_values(x3, sign_col, u, *, op, h, rows, cols, interpret):
+    a, k, b = x3.shape
     lanes = b == 1
     if lanes:
         x = x3.reshape(a, k)
         grid = (a // cols, k // rows)
-        block = (cols, rows)
-        spec = pl.BlockSpec(block, lambda i, j: (i, j))
+        spec = pl.BlockSpec((cols, rows), lambda i, j: (i, j))
     else:
         x = x3
         grid = (a, k // rows, b // cols)
-        block = (None, rows, cols)
-        spec = pl.BlockSpec(block, lambda n, i, j: (n, i, j))
+        spec = pl.BlockSpec((None, rows, cols), lambda n, i, j: (n, i, j))
     operands, in_specs = [x], [spec]
-    if signs is not None:
-        sign_col = jnp.tile(jnp.asarray(signs, jnp.float32), rows // h).reshape(rows, 1)
+    if sign_col is not None:
         operands.append(sign_col)
         in_specs.append(pl.BlockSpec((rows, 1), lambda *_: (0, 0)))
     if u is not None:
         operands.append(u.reshape(x.shape))
         in_specs.append(spec)
-    kernel = functools.partial(_kernel, op=op, h=h, lanes=lanes, has_signs=signs is not None,
+    kernel = functools.partial(_kernel, op=op, h=h, lanes=lanes, has_signs=sign_col is not None,
                                has_u=u is not None)
-    out = pl.pallas_call(
+    return pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=spec,
         out_shape=jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), interpret=interpret,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * len(grid)),
     )(*operands)
-    return out.reshape(x3.shape)

@@ -21,9 +21,13 @@ from mxjax.elements import round_to_value
 from mxjax.formats import ElementFormat, Rounding
 from mxjax.scaling import SR_PRESCALE
 
-__all__ = ["round_nearest_even", "values_from_amax"]
+__all__ = ["nearest_even_values", "round_nearest_even", "values_from_amax"]
 
 _MIN_NORMAL = 2.0 ** -126
+# Blocks with a scale exponent above this are rounded at 2^-_BIG_SHIFT times their
+# size (`nearest_even_values`' constant C would overflow f32 above about 2^104).
+_BIG_SHIFT = 64
+_EXP_MASK = 0x7F800000
 
 
 def round_nearest_even(y: jax.Array, elem: ElementFormat) -> jax.Array:
@@ -78,4 +82,51 @@ def values_from_amax(r: jax.Array, amax_bits: jax.Array, op, u: jax.Array | None
     # is not a normal f32, so s = -127 is a halving of q and then 2^-126.
     half = jnp.where(s < -126, jnp.float32(0.5), jnp.float32(1.0))
     v = (q * half) * _bits.pow2(jnp.maximum(s, -126))
+    return jnp.where(nonfinite, jnp.float32(jnp.nan), v)
+
+
+def nearest_even_values(x: jax.Array, amax_bits: jax.Array, op, *,
+                        prescale: float = 1.0) -> jax.Array:
+    """`values_from_amax(x * prescale, amax_bits, op, None)` for round-to-nearest-even.
+
+    The same values in fewer elementwise operations (the TPU kernel's form): x is
+    rounded where it is, not scaled by 2^-s and back. The grid step at ``|y| = |x *
+    prescale|`` in a block of scale 2^s is 2^(E - mbits) with E = clip(floor(log2
+    |y|), emin + s, emax + s), so with C = 2^(E - mbits + 23) ``(|y| + C) - C`` is |y|
+    rounded to the grid, ties to even, by the f32 addition itself; then saturated at
+    max_normal * 2^s and given y's sign. E's bounds and the saturation are per block
+    (computed once per block, not per element), C's exponent field is a clip of y's.
+    C stays a normal f32 for s <= 104 - emax + mbits; blocks of a larger scale are
+    rounded at 2^-64 times their size and multiplied back (exact: powers of two, the
+    results normal).
+
+    ``prescale``: a positive factor applied to x first (the Hadamard's 1/sqrt(h), in
+    the same multiply); ``amax_bits`` must be the abs bits of the block amax of ``x *
+    prescale`` (e.g. ``f32(amax |x|) * prescale``: f32 rounding is monotone). Where f32
+    arithmetic flushes subnormals (TPUs, XLA:CPU), blocks whose values are f32
+    subnormals may differ, as for `values_from_amax`.
+    """
+    if op.rounding is not Rounding.NEAREST_EVEN or op.sr_prescale:
+        raise ValueError(f"op: expected round-to-nearest-even without the SR pre-scale, "
+                         f"got {op!r}")
+    elem = op.fmt.element
+    s, nonfinite = op.scheme.exponents(amax_bits, op.scale_rule, op.sr_prescale)
+    shift = jnp.where(s > _BIG_SHIFT, _BIG_SHIFT, 0)
+    s_in = s - shift  # the scale exponent the block is rounded at, in [-127, 64]
+    factor = _bits.pow2(-shift) * jnp.float32(prescale)
+    # C's exponent field is E's plus 23 - mbits. E's bounds, offset so, as int32 (Mosaic
+    # has signed max/min only); the lower one never below the field of 2^-127 (an f32
+    # subnormal y, field 0, rounds at 2^(-127 - mbits) as at E = -127).
+    offset = 23 - elem.mbits
+    lo = (jnp.maximum(s_in + (elem.emin + 127), 0) + offset) << 23
+    hi = (s_in + (elem.emax + 127 + offset)) << 23
+    frac = round((elem.max_mantissa - 1.0) * 2**23)
+    saturated = _bits.bits_f32(((s_in + (elem.emax + 127)) << 23) | frac)
+    b = _bits.f32_bits(x * factor)
+    a = b & _bits.ABS_MASK
+    field = (b & _EXP_MASK).astype(jnp.int32) + (offset << 23)
+    c = _bits.bits_f32(jnp.clip(field, lo, hi))
+    mag = jnp.minimum((_bits.bits_f32(a) + c) - c, saturated)
+    v = _bits.bits_f32(_bits.f32_bits(mag) | (b ^ a))  # y's sign
+    v = v * _bits.pow2(shift)
     return jnp.where(nonfinite, jnp.float32(jnp.nan), v)

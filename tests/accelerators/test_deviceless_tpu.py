@@ -35,3 +35,17 @@ def test_v5e_layer_bytes_and_memory(metric, bound):
     bf16, mx = cost("v5e", "layer", "bf16"), cost("v5e", "layer", "mxfp4_all_h16")
     ratio = getattr(mx, metric) / getattr(bf16, metric)
     assert ratio <= bound, (metric, ratio)
+
+
+def test_v5e_layer_quantizes_each_operand_once_per_axis():
+    """Kernels of the same configuration on the same operand are one kernel (XLA's CSE;
+    the kernel is lowered once per configuration, so its debug locations agree): the
+    q/k/v projections' shared input is quantized once along each of its axes."""
+    from bench import hlo_kernels as hk
+
+    module = hk.parse_module(optimized_hlo("v5e", "layer", "mxfp4_all_h16"))
+    calls = [(i.operands, re.search(r'"body":"([^"]+)"', i.attributes).group(1))
+             for comp in module.computations.values() for i in comp
+             if i.custom_call_target == "tpu_custom_call"]
+    assert len(calls) >= 30
+    assert len(set(calls)) == len(calls)

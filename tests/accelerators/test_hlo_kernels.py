@@ -58,3 +58,34 @@ def test_shape_bytes_of_tuples_and_sub_byte_types():
     assert hk.shape_bytes("(f32[2,3]{1,0}, bf16[4]{0:T(128)})") == 24 + 8
     assert hk.shape_bytes("f4e2m1fn[1,4096,4096]{2,1,0:E(4)}") == 4096 * 4096 // 2
     assert hk.shape_bytes("pred[]") == 1 and hk.shape_bytes("token[]") == 0
+
+
+FUSED_KERNEL_HLO = """HloModule m2, is_scheduled=true
+
+%fused_convert (q0: f32[64,128]) -> bf16[64,128] {
+  %q0 = f32[64,128]{1,0} parameter(0)
+  ROOT %cv.1 = bf16[64,128]{1,0} convert(%q0)
+}
+
+%fused_kernel (q1: f32[64,128]) -> bf16[64,128] {
+  %q1 = f32[64,128]{1,0} parameter(0)
+  %in = bf16[64,128]{1,0} fusion(%q1), kind=kLoop, calls=%fused_convert
+  ROOT %pk = bf16[64,128]{1,0} custom-call(%in), custom_call_target="tpu_custom_call"
+}
+
+ENTRY %main2 (w: f32[64,128]) -> bf16[64,128] {
+  %w = f32[64,128]{1,0} parameter(0)
+  ROOT %fk = bf16[64,128]{1,0} fusion(%w), kind=kCustom, calls=%fused_kernel
+}
+"""
+
+
+def test_a_kernel_with_a_fused_producer_is_its_custom_call():
+    """XLA's TPU input fusion wraps a Pallas kernel and its operand's producer in a kCustom
+    fusion: one custom-call kernel, reading the producer's input, matched to its spec by
+    the inner call's operand."""
+    (k,) = hk.kernels(FUSED_KERNEL_HLO)
+    assert (k.name, k.category, k.target) == ("fk", "custom-call", "tpu_custom_call")
+    assert k.bytes_read == 64 * 128 * 4 and k.bytes_written == 64 * 128 * 2
+    assert [s.split("{")[0] for s in k.call_operands] == ["bf16[64,128]"]
+    assert [s.split("{")[0] for s in hk.kernels(HLO)[3].call_operands] == ["f32[64,16]"]

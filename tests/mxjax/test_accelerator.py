@@ -190,9 +190,16 @@ def test_bit_view_rejects_bad_layouts():
 TPU_LAYOUTS = (((128, 256), (), (1,)), ((2, 64, 128), (0,), (1,)), ((64, 128), (), (0,)))
 
 
-@pytest.mark.parametrize("case", [0, pytest.param(4, marks=_SLOW)])
+# The kernel's round-to-nearest-even (the rotation's 1/sqrt(h) folded into its multiply)
+# with H16, with no rotation and with H32 (1/sqrt(32) is not a power of two); the other
+# roundings (scaled first, `values_from_amax`) with H32 and signs, and SR.
+TPU_CASES = [CASES[0], CASES[1][:3] + (None,), ({"scale_rule": "rceil"}, 32, 2, None),
+             pytest.param(CASES[2], marks=_SLOW), pytest.param(CASES[4], marks=_SLOW)]
+
+
+@pytest.mark.parametrize("case", TPU_CASES, ids=lambda c: f"{c[0]}-h{c[1]}-signs{c[2]}")
 def test_tpu_kernel_values_equal_the_gpu_form(case, np_rng):
-    kw, h, seed, _ = CASES[case]
+    kw, h, seed, _ = case
     op = mxjax.OperandRecipe(fmt=mxjax.MXFP4, **kw)
     signs = None if seed is None else mxjax.fixed_signs(seed, h)
     key = jax.random.key(5) if op.needs_key else None
@@ -340,3 +347,63 @@ def test_accelerator_gemm_contracts_the_cpu_forms_values(name, np_rng):
 
     for acc, cpu in jax.jit(run)(operands):
         chex.assert_trees_all_equal(acc, cpu)
+
+
+def _blocks_at_every_scale(rng, elem_max: float) -> np.ndarray:
+    """[nb, 32] f32 blocks at block exponents -100..127: normal values, the block's grid
+    points and midpoints (ties), values past saturation, the f32 top binade (scales above
+    2^64 take the rescaled path), a zero block, a NaN block and an Inf block."""
+    exps = np.arange(-100, 128)
+    x = np.clip(rng.standard_normal((exps.size, 32)), -3, 3) * np.exp2(exps)[:, None]
+    step = np.exp2(exps - 2.0)[:, None]  # ~ an E2M1 grid step at the block's scale
+    x[:, :4] = np.array([0.5, 1.5, 2.5, 3.5]) * step  # ties on the coarsest grids
+    x[:, 4] = 2 * elem_max * np.exp2(exps - 2.0)  # saturates
+    with np.errstate(over="ignore"):
+        x = x.astype(np.float32)
+    x[~np.isfinite(x)] = np.float32(3.0e38)
+    x = np.concatenate([x, np.zeros((1, 32), np.float32), x[:2].copy(), x[:1].copy()])
+    x[-3, 7], x[-2, 3], x[-1, 9] = 0.0, np.nan, -np.inf
+    return x
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8_e4m3", "mxfp8_e5m2"])
+@pytest.mark.parametrize("prescale", [1.0, 0.25, float(np.float32(1 / np.sqrt(32)))])
+def test_nearest_even_values_equal_the_reference(fmt, prescale, np_rng):
+    """`nearest_even_values` (the TPU kernel's rounding in place) against the numpy
+    reference quantizer of ``x * prescale``, bit for bit: every scale rule, block scales
+    2^-100 to the top (those above 2^64 rescaled), ties, saturation, zero/NaN/Inf blocks;
+    with and without jit; and against `values_from_amax`."""
+    fmt_obj = {"mxfp4": mxjax.MXFP4, "mxfp8_e4m3": mxjax.MXFP8_E4M3,
+               "mxfp8_e5m2": mxjax.MXFP8_E5M2}[fmt]
+    x = _blocks_at_every_scale(np_rng, fmt_obj.element.max_normal)
+    pre = np.float32(prescale)
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = x * pre
+    for rule in ("even", "floor", "ceil", "rceil"):
+        op = mxjax.OperandRecipe(fmt=fmt_obj, scale_rule=rule)
+        want = ref.fake_quantize(y, fmt, axis=-1, scale_rule=rule)
+
+        def values(v, op=op):
+            amax = jnp.max(accelerator_values._bits.f32_bits(v) & 0x7FFFFFFF, axis=-1,
+                           keepdims=True)
+            scaled = accelerator_values._bits.f32_bits(
+                accelerator_values._bits.bits_f32(amax) * jnp.float32(pre))
+            return accelerator_values.nearest_even_values(v, scaled, op, prescale=prescale)
+
+        for fn in (values, jax.jit(values)):
+            got = np.asarray(fn(jnp.asarray(x)))
+            np.testing.assert_array_equal(got, want, err_msg=f"{fmt} {rule}")
+            finite = np.isfinite(want)
+            np.testing.assert_array_equal(got[finite].view(np.uint32),
+                                          want[finite].view(np.uint32))
+        amax = jnp.max(accelerator_values._bits.f32_bits(jnp.asarray(y)) & 0x7FFFFFFF,
+                       axis=-1, keepdims=True)
+        old = accelerator_values.values_from_amax(jnp.asarray(y), amax, op, None)
+        chex.assert_trees_all_equal(values(jnp.asarray(x)), old)
+
+
+def test_nearest_even_values_rejects_other_roundings():
+    op = mxjax.OperandRecipe(fmt=mxjax.MXFP4, scale_rule="even", rounding="toward_zero")
+    with pytest.raises(ValueError, match="nearest-even"):
+        accelerator_values.nearest_even_values(jnp.zeros((1, 32)), jnp.zeros((1, 1), jnp.uint32),
+                                               op)
