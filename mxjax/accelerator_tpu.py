@@ -11,9 +11,11 @@ axis is transposed tile by tile inside the kernel and back.
 The values are `mxjax.accelerator.mx_operand_values`': the same butterflies on the
 same elements, the same block scales, and the rounding of `values_from_amax` or, for
 round-to-nearest-even, `nearest_even_values` (the same values in fewer operations,
-the rotation's 1/sqrt(h) folded in); see those for what they equal. Pallas is imported with this module, i.e. with `mxjax`: importing it later,
-at the first quantized trace, would add its options to JAX's tracing context and make
-every program traced before recompile once (tests/mxjax/test_import_effects.py).
+the rotation's 1/sqrt(h) folded in); see those for what they equal.
+
+Pallas is imported with this module, i.e. with `mxjax`: importing it later, at the
+first quantized trace, would add its options to JAX's tracing context and make every
+program traced before recompile once (tests/mxjax/test_import_effects.py).
 """
 
 from __future__ import annotations
