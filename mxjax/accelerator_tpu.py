@@ -133,19 +133,18 @@ def _values_rows(x, op, h, sign_col, u):
     """The MX values of a [rows, cols] f32 tile with blocks of 32 along rows."""
     if h:
         x = _rotate_rows(x, h, sign_col)
-    scale = jnp.float32(1.0 / math.sqrt(h)) if h else None
+    scale = 1.0 / math.sqrt(h) if h else 1.0  # the rotation's normalization
     r, c = x.shape
     xb = x.reshape(r // _MX_BLOCK, _MX_BLOCK, c)
     if u is None and op.rounding is Rounding.NEAREST_EVEN and not op.sr_prescale:
-        # The rotation's 1/sqrt(h) goes into the rounding's one multiply; the amax of
-        # the scaled elements is the scaled amax (f32 rounding is monotone).
+        # The scale goes into the rounding's one multiply; the amax of the scaled
+        # elements is the scaled amax (f32 rounding is monotone).
         amax_bits = _amax_bits(xb)
         if h:
-            amax_bits = _bits.f32_bits(_bits.bits_f32(amax_bits) * scale)
-        v = nearest_even_values(xb, amax_bits, op, prescale=1.0 / math.sqrt(h) if h else 1.0)
+            amax_bits = _bits.f32_bits(_bits.bits_f32(amax_bits) * jnp.float32(scale))
+        v = nearest_even_values(xb, amax_bits, op, prescale=scale)
     else:
-        if h:
-            xb = xb * scale
+        xb = xb * jnp.float32(scale) if h else xb
         v = values_from_amax(xb, _amax_bits(xb), op, None if u is None else u.reshape(xb.shape))
     return v.reshape(r, c)
 
