@@ -1,0 +1,41 @@
+"""bench/tpu_fusion_probe.py: the kernel with and without XLA's input fusion of its convert.
+
+Run in a subprocess (libtpu reads the profile flag when it starts). For blocks along
+lanes the fused kernel is one op and cheaper than the separate convert plus kernel
+(the README's figures); the separate form really has two ops.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.accelerators.conftest import require
+
+pytestmark = pytest.mark.accelerators
+
+_ROW = re.compile(r"^lanes \S+ (.+?)\s+total\s+([\d.]+) us  \((.*)\)$")
+
+
+def test_probe_lanes_fusion_is_one_op_and_saves_the_convert():
+    require("v5e")
+    probe = Path(__file__).resolve().parents[2] / "bench" / "tpu_fusion_probe.py"
+    proc = subprocess.run([sys.executable, str(probe), "--lanes"], capture_output=True,
+                          text=True, check=False, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {}
+    for line in proc.stdout.splitlines():
+        m = _ROW.match(line)
+        if m:
+            rows[m.group(1)] = (float(m.group(2)), m.group(3).split(", "))
+    assert set(rows) == {"bf16 in", "convert + kernel", "convert fused", "f32 in"}, proc.stdout
+    assert all(total > 0 for total, _ in rows.values())
+    separate_s, separate_ops = rows["convert + kernel"]
+    fused_s, fused_ops = rows["convert fused"]
+    assert len(separate_ops) == 2 and any(o.startswith("convert") for o in separate_ops)
+    assert len(fused_ops) == 1
+    assert fused_s < separate_s, rows
