@@ -22,43 +22,19 @@ from __future__ import annotations
 
 import argparse
 import functools
-import glob
-import os
-import re
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-_DUMP = tempfile.mkdtemp(prefix="mxjax_probe_")
-os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") +
-                                  f" --xla_jf_dump_static_llo_profile_to={_DUMP}").strip()
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-
-from bench import aot
-
-aot.use_cpu_host()
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-_CYCLES_RE = re.compile(r"estimated_cycles: (\d+)")
-
-
-def _profile(fn, args) -> dict[str, int]:
-    """{op name: static cycles} of fn compiled for v5e."""
-    for f in glob.glob(os.path.join(_DUMP, "*")):
-        os.remove(f)
-    aot.compile_for(fn, args, aot.TARGETS["v5e"])
-    out = {}
-    for f in glob.glob(os.path.join(_DUMP, "*")):
-        name = Path(f).name.split("_TPU")[0]
-        out[name] = sum(int(m) for m in _CYCLES_RE.findall(Path(f).read_text()))
-    return out
+from bench import tpu_kernel_cycles as tkc  # sets libtpu's profile flag, the CPU host
 
 
 def _kernel_call(x, *, op, lanes: bool, rows: int, cols: int, fuse: bool):
@@ -110,13 +86,13 @@ def main(argv=None) -> int:
             call = functools.partial(_kernel_call, op=op, lanes=args.lanes, rows=rows,
                                      cols=cols)
             for name, (fn, arg) in _forms(call, f32, bf16).items():
-                ops = _profile(fn, (arg,))
+                ops = tkc.op_cycles(fn, (arg,), "v5e")
                 us = {n: c / (args.clock_ghz * 1e3) for n, c in ops.items()}
                 parts = ", ".join(f"{n} {t:.1f}" for n, t in sorted(us.items()))
                 print(f"{'lanes' if args.lanes else 'sublanes'} {rows}x{cols} {name:17s} "
                       f"total {sum(us.values()):7.1f} us  ({parts})", flush=True)
     finally:
-        shutil.rmtree(_DUMP, ignore_errors=True)
+        tkc.remove_dump()
     return 0
 
 

@@ -45,14 +45,22 @@ import jax.numpy as jnp
 _CYCLES_RE = re.compile(r"estimated_cycles: (\d+)")
 
 
-def _cycles_of(fn, args, target: str) -> int:
+def op_cycles(fn, args, target: str) -> dict[str, int]:
+    """{op name: static cycles} of every op libtpu profiles in fn compiled for target."""
     for f in glob.glob(os.path.join(_DUMP, "*")):
         os.remove(f)
     aot.compile_for(fn, args, target)
-    total = 0
-    for f in glob.glob(os.path.join(_DUMP, "*")):
-        total += sum(int(m) for m in _CYCLES_RE.findall(Path(f).read_text()))
-    return total
+    return {Path(f).name.split("_TPU")[0]: sum(int(m) for m in _CYCLES_RE.findall(
+        Path(f).read_text())) for f in glob.glob(os.path.join(_DUMP, "*"))}
+
+
+def remove_dump() -> None:
+    """Deletes the profile directory (at the end of the process)."""
+    shutil.rmtree(_DUMP, ignore_errors=True)
+
+
+def _cycles_of(fn, args, target: str) -> int:
+    return sum(op_cycles(fn, args, target).values())
 
 
 def spec_to_json(spec) -> dict:
@@ -99,7 +107,7 @@ def main() -> int:
     try:
         out = {"clock_hz": clock_hz(target), "cycles": [kernel_cycles(s, target) for s in specs]}
     finally:
-        shutil.rmtree(_DUMP, ignore_errors=True)
+        remove_dump()
     json.dump(out, sys.stdout)
     return 0
 
