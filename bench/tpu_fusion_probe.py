@@ -6,11 +6,11 @@ v5e, one [2048, 8192] operand's kernel (``mxfp4_all_h16``'s fprop X recipe, H16,
 along sublanes; ``--lanes`` for blocks along lanes) in four forms and prints libtpu's
 static LLO estimate of every op (us at ``--clock-ghz``):
 
-- ``bf16 in``: the kernel on a bf16 parameter (what the layer runs today);
+- ``bf16 in``: the kernel on a bf16 parameter (what the layer runs for activations);
 - ``convert + kernel``: an f32 parameter, XLA's convert, then the kernel;
 - ``convert fused``: the same with ``allow_input_fusion`` on the kernel's input;
-- ``f32 in``: the kernel reading the f32 parameter itself (its values are those of
-  the bf16-converted weight only if the kernel rounds to bf16 first; timing only).
+- ``f32 in``: the kernel reading the f32 parameter and rounding it to bf16 itself
+  (``bf16_cast``; what the layer runs for a weight since ``operand_dtype``).
 
     python bench/tpu_fusion_probe.py [--lanes] [--tiles 256x512,256x1024]
 
@@ -37,7 +37,8 @@ from jax.experimental.pallas import tpu as pltpu
 from bench import tpu_kernel_cycles as tkc  # sets libtpu's profile flag, the CPU host
 
 
-def _kernel_call(x, *, op, lanes: bool, rows: int, cols: int, fuse: bool):
+def _kernel_call(x, *, op, lanes: bool, rows: int, cols: int, fuse: bool,
+                 bf16_cast: bool = False):
     from mxjax import accelerator_tpu as at
 
     if lanes:
@@ -46,7 +47,7 @@ def _kernel_call(x, *, op, lanes: bool, rows: int, cols: int, fuse: bool):
         grid, block = (x.shape[0] // rows, x.shape[1] // cols), (rows, cols)
     spec = pl.BlockSpec(block, lambda i, j: (i, j))
     kernel = functools.partial(at._kernel, op=op, h=16, lanes=lanes, has_signs=False,
-                               has_u=False)
+                               has_u=False, bf16_cast=bf16_cast)
     return pl.pallas_call(
         kernel, grid=grid, in_specs=[spec], out_specs=spec,
         out_shape=jax.ShapeDtypeStruct(x.shape, jnp.bfloat16),
@@ -60,7 +61,7 @@ def _forms(call, f32, bf16) -> dict:
         "bf16 in": (lambda x: call(x, fuse=False), bf16),
         "convert + kernel": (lambda x: call(x.astype(jnp.bfloat16), fuse=False), f32),
         "convert fused": (lambda x: call(x.astype(jnp.bfloat16), fuse=True), f32),
-        "f32 in": (lambda x: call(x, fuse=False), f32),
+        "f32 in": (lambda x: call(x, fuse=False, bf16_cast=True), f32),
     }
 
 

@@ -23,7 +23,8 @@ blocks with ``nnx.scan`` (one compiled block); ``False`` unrolls a Python loop
 over slices of the same stacked parameters.
 
 Precision policies: the seven projections (q, k, v, o, gate, up, down) compute
-``policy.dot_general(key=k)(x, kernel, dimension_numbers)`` with
+``policy.dot_general(key=k)(x, kernel, dimension_numbers, operand_dtype=x.dtype)``
+(other policy objects get ``kernel.astype(x.dtype)`` instead) with
 ``k = fold_in(fold_in(policy_key, layer), projection)`` (see
 :data:`PROJECTION_INDEX`), so every layer and projection draws its own noise,
 also under scan (the layer index is scanned alongside the parameters). Pass a
@@ -45,6 +46,7 @@ import numpy as np
 from flax import nnx
 
 from models import sharding as shd
+from mxjax.policies import PrecisionPolicy
 
 __all__ = [
     "PROJECTION_INDEX",
@@ -327,6 +329,17 @@ class _Gemms:
         k = jax.random.fold_in(jax.random.fold_in(self.key, self.layer_index), projection)
         return self.policy.dot_general(key=k)
 
+    def project(self, projection: int, x: jax.Array, kernel: jax.Array, dn) -> jax.Array:
+        """``x @ kernel.astype(x.dtype)`` through the projection's dot_general.
+
+        An mxjax policy gets the kernel as stored with ``operand_dtype=x.dtype``
+        (the same values and gradients; its quantizers read e.g. an f32 master
+        weight directly instead of a bf16 copy); anything else the cast kernel.
+        """
+        if isinstance(self.policy, PrecisionPolicy) and kernel.dtype != x.dtype:
+            return self.get(projection)(x, kernel, dn, operand_dtype=x.dtype)
+        return self.get(projection)(x, kernel.astype(x.dtype), dn)
+
 
 class RMSNorm(nnx.Module):
     """RMSNorm with fp32 statistics: ``scale * x / sqrt(mean(x^2) + eps)``.
@@ -360,9 +373,8 @@ class Linear(nnx.Module):
                                 logical_axes=axes)
 
     def __call__(self, x: jax.Array, gemms: _Gemms) -> jax.Array:
-        w = self.kernel[...].astype(x.dtype)
         dn = (((x.ndim - 1,), (0,)), ((), ()))
-        return gemms.get(self.index)(x, w, dn)
+        return gemms.project(self.index, x, self.kernel[...], dn)
 
 
 class Embedding(nnx.Module):

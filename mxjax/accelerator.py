@@ -179,11 +179,19 @@ def mx_operand_values(view: ContractionView, op, *, k_out: int, hadamard_size: i
 
 def mx_operand_values_tpu(view: ContractionView, op, *, k_out: int,
                           hadamard_size: int | None, signs: jax.Array | None,
-                          key: jax.Array | None, interpret: bool = False) -> jax.Array:
+                          key: jax.Array | None, interpret: bool = False,
+                          operand_dtype=None) -> jax.Array:
     """`mx_operand_values` by the TPU kernel (`mxjax.accelerator_tpu`), same values.
 
-    Operands whose shape does not tile into the kernel take `mx_operand_values`.
+    ``operand_dtype``: the values are those of ``view.x.astype(operand_dtype)``; an
+    f32 operand cast to bf16 is rounded in the kernel (not materialized), other
+    casts happen before it. Operands whose shape does not tile into the kernel
+    take `mx_operand_values`.
     """
+    bf16_cast = (operand_dtype is not None and jnp.dtype(operand_dtype) == jnp.bfloat16
+                 and view.x.dtype == jnp.float32)
+    if operand_dtype is not None and not bf16_cast:
+        view = view._replace(x=view.x.astype(operand_dtype))
     p = view.axis
     _, k_pad = _padded_length(view.x.shape[p], hadamard_size)
     x2 = _pad_axis(view.x, p, k_pad)
@@ -192,37 +200,48 @@ def mx_operand_values_tpu(view: ContractionView, op, *, k_out: int,
     if op.rounding is Rounding.STOCHASTIC:
         u = _uniforms_like(key, view, k_pad).reshape(a, k_pad, b)
     v = accelerator_tpu.mx_values_tpu(x2.reshape(a, k_pad, b), op, hadamard_size=hadamard_size,
-                                      signs=signs, u=u, interpret=interpret)
+                                      signs=signs, u=u, interpret=interpret, bf16_cast=bf16_cast)
     if v is None:
+        if bf16_cast:
+            view = view._replace(x=view.x.astype(jnp.bfloat16))
         return mx_operand_values(view, op, k_out=k_out, hadamard_size=hadamard_size,
                                  signs=signs, key=key, recompute=False)
     return lax.slice_in_dim(v.reshape(x2.shape), 0, k_out, axis=p)
 
 
 def mx_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
-            form: str = "gpu", interpret: bool = False) -> jax.Array:
+            form: str = "gpu", interpret: bool = False, operand_dtypes=None) -> jax.Array:
     """``dot_general(a, b, dims)`` under an MX recipe, operands in place: f32, lax's layout.
 
     Both operands' formats must be E8M0-scaled with bf16-exact values (MXFP4). The
     result is ``[batch..., lhs free..., rhs free...]`` like ``lax.dot_general``'s,
     times the SR 3/4 unscale of each operand that has it. ``form``: 'gpu' (the
     bit view, `mx_operand_values`) or 'tpu' (the kernel, `mx_operand_values_tpu`;
-    ``interpret`` runs it in the Pallas interpreter).
+    ``interpret`` runs it in the Pallas interpreter). ``operand_dtypes``: None or a
+    pair of dtypes (or None) the GEMM casts a and b to first (`mxjax.gemm.gemm`;
+    the TPU kernel rounds an f32 operand to bf16 itself, XLA fuses the GPU form's
+    casts into its quantize pass).
     """
     if form not in ("gpu", "tpu"):
         raise ValueError(f"form: expected 'gpu' or 'tpu', got {form!r}")
+    da, db = operand_dtypes or (None, None)
+    if form == "gpu":
+        a = a if da is None else a.astype(da)
+        b = b if db is None else b.astype(db)
+        da = db = None
     (ca, cb), (ba, bb) = dims
     va, vb = contraction_view(a, ba, ca), contraction_view(b, bb, cb)
     k = va.x.shape[va.axis]
     h = None if recipe.hadamard is None else recipe.hadamard.block_size
     k_out = k if h is None else -(-k // h) * h
+    kw = {"k_out": k_out, "hadamard_size": h, "signs": signs}
     if form == "tpu":
         values = functools.partial(mx_operand_values_tpu, interpret=interpret)
+        av = values(va, recipe.lhs, key=k_lhs, operand_dtype=da, **kw)
+        bv = values(vb, recipe.rhs, key=k_rhs, operand_dtype=db, **kw)
     else:
-        values = mx_operand_values
-    kw = {"k_out": k_out, "hadamard_size": h, "signs": signs}
-    av = values(va, recipe.lhs, key=k_lhs, **kw)
-    bv = values(vb, recipe.rhs, key=k_rhs, **kw)
+        av = mx_operand_values(va, recipe.lhs, key=k_lhs, **kw)
+        bv = mx_operand_values(vb, recipe.rhs, key=k_rhs, **kw)
     out = lax.dot_general(av, bv, (((va.axis,), (vb.axis,)), (va.batch, vb.batch)),
                           precision=lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
     for op in (recipe.lhs, recipe.rhs):

@@ -41,7 +41,7 @@ __all__ = ["KernelSpec", "mx_values_tpu", "record_kernels", "tiles"]
 _MX_BLOCK = 32
 _SUBLANES = 8  # rows of an f32 vreg
 # Tile edges tried, largest first: rows (the block axis) and columns (the other).
-_ROW_TILES = (256, 128, 64, 32)
+_ROW_TILES = (512, 256, 128, 64, 32)
 _COL_TILES = (512, 256, 128)
 
 
@@ -57,6 +57,7 @@ class KernelSpec:
     hadamard_size: int | None
     has_signs: bool
     has_uniforms: bool
+    bf16_cast: bool = False  # an f32 operand rounded to bf16 in the kernel (`mx_values_tpu`)
 
 
 # Context-local list that `mx_values_tpu` appends to (set only inside `record_kernels`).
@@ -155,13 +156,16 @@ def _amax_bits(xb):
     return jnp.max(abs_bits, axis=1, keepdims=True).astype(jnp.uint32)
 
 
-def _kernel(*refs, op, h, lanes, has_signs, has_u):
+def _kernel(*refs, op, h, lanes, has_signs, has_u, bf16_cast):
     refs = list(refs)
     x_ref = refs.pop(0)
     sign_ref = refs.pop(0) if has_signs else None
     u_ref = refs.pop(0) if has_u else None
     (o_ref,) = refs
-    x = x_ref[...].astype(jnp.float32)
+    x = x_ref[...]
+    if bf16_cast:
+        x = x.astype(jnp.bfloat16)
+    x = x.astype(jnp.float32)
     u = None if u_ref is None else u_ref[...]
     if lanes:
         x = x.T
@@ -171,12 +175,17 @@ def _kernel(*refs, op, h, lanes, has_signs, has_u):
 
 
 def mx_values_tpu(x3: jax.Array, op, *, hadamard_size: int | None, signs, u,
-                  interpret: bool = False) -> jax.Array | None:
+                  interpret: bool = False, bf16_cast: bool = False) -> jax.Array | None:
     """bf16 MX values of x3 [a, k, b] (blocks along k, k a multiple of max(32, h)), or None.
 
     ``u``: the uniforms of stochastic rounding in x3's layout (f32) or None.
+    ``bf16_cast``: x3 is f32 and the values are those of ``x3.astype(bfloat16)``,
+    rounded in the kernel (which then reads the f32 operand once, and no bf16 copy
+    of it is written: e.g. an f32 master weight cast to a bf16 compute dtype).
     None is returned (nothing traced) when the shape does not tile (`tiles`).
     """
+    if bf16_cast and x3.dtype != jnp.float32:
+        raise ValueError(f"bf16_cast: needs a float32 x3, got {x3.dtype}")
     a, k, b = x3.shape
     h = hadamard_size or 0
     t = tiles(a, k, b, h)
@@ -187,12 +196,12 @@ def mx_values_tpu(x3: jax.Array, op, *, hadamard_size: int | None, signs, u,
     if recording is not None:
         recording.append(KernelSpec(a=a, k=k, b=b, dtype=jnp.dtype(x3.dtype).name, op=op,
                                     hadamard_size=hadamard_size, has_signs=signs is not None,
-                                    has_uniforms=u is not None))
+                                    has_uniforms=u is not None, bf16_cast=bf16_cast))
     sign_col = None
     if signs is not None:
         sign_col = jnp.tile(jnp.asarray(signs, jnp.float32), rows // h).reshape(rows, 1)
     out = _pallas_values(x3, sign_col, u, op=op, h=h, rows=rows, cols=cols,
-                         interpret=interpret)
+                         interpret=interpret, bf16_cast=bf16_cast)
     return out.reshape(x3.shape)
 
 
@@ -201,8 +210,8 @@ def mx_values_tpu(x3: jax.Array, op, *, hadamard_size: int | None, signs, u,
 # (the kernel's debug locations included, which otherwise differ per call site and
 # transformation) and XLA's CSE merges those that read the same operand (e.g. the
 # q/k/v projections' shared input, quantized once per axis).
-@functools.partial(jax.jit, static_argnames=("op", "h", "rows", "cols", "interpret"))
-def _pallas_values(x3, sign_col, u, *, op, h, rows, cols, interpret):
+@functools.partial(jax.jit, static_argnames=("op", "h", "rows", "cols", "interpret", "bf16_cast"))
+def _pallas_values(x3, sign_col, u, *, op, h, rows, cols, interpret, bf16_cast):
     a, k, b = x3.shape
     lanes = b == 1
     if lanes:
@@ -221,7 +230,7 @@ def _pallas_values(x3, sign_col, u, *, op, h, rows, cols, interpret):
         operands.append(u.reshape(x.shape))
         in_specs.append(spec)
     kernel = functools.partial(_kernel, op=op, h=h, lanes=lanes, has_signs=sign_col is not None,
-                               has_u=u is not None)
+                               has_u=u is not None, bf16_cast=bf16_cast)
     return pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=spec,
         out_shape=jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), interpret=interpret,

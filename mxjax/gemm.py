@@ -226,23 +226,36 @@ def _in_place_mx(recipe: GemmRecipe) -> bool:
             and accelerator_operand_dtype(recipe) == jnp.bfloat16)
 
 
+def _cast(a, b, operand_dtypes):
+    """(a, b), each cast to its dtype in `operand_dtypes` (a pair; None: unchanged)."""
+    if operand_dtypes is None:
+        return a, b
+    da, db = operand_dtypes
+    return (a if da is None else a.astype(da)), (b if db is None else b.astype(db))
+
+
 def _accelerator_form(a, b, dims: Dims, recipe: GemmRecipe, k_lhs, k_rhs, k_had, *,
-                      form: str):
-    """GPU/TPU forms: MX operands in place (`mxjax.accelerator`), others canonical."""
+                      form: str, operand_dtypes=None):
+    """GPU/TPU forms: MX operands in place (`mxjax.accelerator`), others canonical.
+
+    ``operand_dtypes``: the GEMM of the operands cast to them (`gemm`); the in-place
+    forms take the casts into their quantize pass.
+    """
     if _in_place_mx(recipe):
         signs = None if recipe.hadamard is None else rotation_signs(recipe.hadamard, k_had)
-        out = accelerator.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs, signs, form=form)
+        out = accelerator.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs, signs, form=form,
+                                  operand_dtypes=operand_dtypes)
         (ca, cb), (ba, bb) = dims
         nb = len(ba)
         return out.reshape(out.shape[:nb] + (
             math.prod(a.shape[i] for i in free_axes(a.ndim, ba, ca)),
             math.prod(b.shape[i] for i in free_axes(b.ndim, bb, cb))))
-    a3, b3 = _rotate(*canonical_operands(a, b, dims), recipe, k_had)
+    a3, b3 = _rotate(*canonical_operands(*_cast(a, b, operand_dtypes), dims), recipe, k_had)
     return _accelerator_gemm(a3, b3, recipe, k_lhs, k_rhs)
 
 
 def _xla_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key,
-              gemm_name: str) -> jax.Array:
+              gemm_name: str, operand_dtypes=None) -> jax.Array:
     """The XLA reference backend.
 
     The program depends on the platform it is lowered for (not on the tracing
@@ -255,22 +268,27 @@ def _xla_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key,
       key: the GEMM's key (None when the recipe needs none); split into (lhs
         rounding, rhs rounding, Hadamard signs).
       gemm_name: 'fprop', 'dgrad' or 'wgrad' (for backends' error messages).
+      operand_dtypes: the GEMM is that of the operands cast to these (`gemm`), or None.
     Returns:
       f32 [batch..., Fa, Fb] (free axes flattened, as `canonical_operands`).
     """
     k_lhs, k_rhs, k_had = split_key(key if recipe.needs_key else None)
     form = functools.partial(_accelerator_form, dims=dims, recipe=recipe, k_lhs=k_lhs,
-                             k_rhs=k_rhs, k_had=k_had)
+                             k_rhs=k_rhs, k_had=k_had, operand_dtypes=operand_dtypes)
+
+    def cpu(a, b):
+        return _canonical_cpu_form(*_cast(a, b, operand_dtypes), dims, recipe, k_lhs, k_rhs,
+                                   k_had)
+
     return per_platform(
         a, b,
-        cpu=functools.partial(_canonical_cpu_form, dims=dims, recipe=recipe, k_lhs=k_lhs,
-                              k_rhs=k_rhs, k_had=k_had),
+        cpu=cpu,
         gpu=functools.partial(form, form="gpu"),
         tpu=functools.partial(form, form="tpu"))
 
 
 def _kernel_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key,
-                 gemm_name: str) -> jax.Array:
+                 gemm_name: str, operand_dtypes=None) -> jax.Array:
     """Kernel backends ('pallas', 'pallas_fp8', 'triton', 'auto'): packed operands + mx_dot.
 
     Same operands, keys and rotation as `_xla_gemm`; the quantized operands are
@@ -283,7 +301,8 @@ def _kernel_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key
     backend = kernels.backend_for_formats(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt,
                                           where=gemm_name)
     if backend == "xla":
-        return _xla_gemm(a, b, dims, recipe, key, gemm_name)
+        return _xla_gemm(a, b, dims, recipe, key, gemm_name, operand_dtypes)
+    a, b = _cast(a, b, operand_dtypes)
     a3, b3, k_lhs, k_rhs = quantizer_operands(*canonical_operands(a, b, dims), recipe, key)
 
     def q(x, op, k):
@@ -292,8 +311,8 @@ def _kernel_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key
     return kernels.mx_dot(q(a3, recipe.lhs, k_lhs), q(b3, recipe.rhs, k_rhs), backend=backend)
 
 
-# Backend name (mxjax.recipes.BACKENDS) -> function(a, b, dims, recipe, key, gemm_name)
-# -> f32 [batch..., Fa, Fb]. Every name but 'xla' runs through mxjax.kernels.
+# Backend name (mxjax.recipes.BACKENDS) -> function(a, b, dims, recipe, key, gemm_name,
+# operand_dtypes) -> f32 [batch..., Fa, Fb]. Every name but 'xla' runs through mxjax.kernels.
 _BACKEND_FNS: dict[str, Callable[..., jax.Array]] = {
     "xla": _xla_gemm,
     **{name: _kernel_gemm for name in BACKENDS if name != "xla"},
@@ -317,15 +336,22 @@ def has_explicit_axes(*xs: jax.Array) -> bool:
     return any(jax.typeof(x).sharding.mesh.explicit_axes for x in xs)
 
 
-def _abstract(x: jax.Array, sharded: bool) -> jax.ShapeDtypeStruct:
+def _abstract(x: jax.Array, sharded: bool, dtype=None) -> jax.ShapeDtypeStruct:
     sharding = jax.typeof(x).sharding if sharded else None
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype if dtype is None else dtype,
+                                sharding=sharding)
 
 
 def gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key, *,
          precision=None, preferred_element_type=None, gemm_name: str = "gemm",
-         out_sharding=None) -> jax.Array:
+         out_sharding=None, operand_dtypes=None) -> jax.Array:
     """One GEMM ``dot_general(a, b, dims)`` under `recipe` (no custom gradient).
+
+    ``operand_dtypes``: None or a pair (for a, for b) of dtypes or None; the GEMM
+    is then that of ``a.astype(operand_dtypes[0])`` and ``b.astype(operand_dtypes[1])``
+    (None: not cast), bit for bit, result dtype included. The emulation takes the
+    casts into its quantize pass where it can (the TPU kernel reads an f32 operand
+    and rounds it to bf16 itself) instead of materializing a cast copy.
 
     Pass-through recipes call ``lax.dot_general(a, b, dims, precision,
     preferred_element_type, out_sharding=...)`` unchanged. Otherwise the result
@@ -340,6 +366,7 @@ def gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key, *,
     ``jax.sharding.reshard``.
     """
     if recipe.is_passthrough:
+        a, b = _cast(a, b, operand_dtypes)
         extra = {} if out_sharding is None else {"out_sharding": out_sharding}
         return lax.dot_general(a, b, dims.as_lax(), precision=precision,
                                preferred_element_type=preferred_element_type, **extra)
@@ -348,12 +375,12 @@ def gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key, *,
     out_type = jax.eval_shape(
         functools.partial(lax.dot_general, dimension_numbers=dims.as_lax(),
                           preferred_element_type=preferred_element_type, **extra),
-        _abstract(a, explicit), _abstract(b, explicit))
+        *(_abstract(x, explicit, d) for x, d in zip((a, b), operand_dtypes or (None, None))))
 
     def emulated(a, b, key):
         (ca, cb), (ba, bb) = dims
         out = _backend_fn(recipe)(a, b, dims, recipe, key if recipe.needs_key else None,
-                                  gemm_name)
+                                  gemm_name, operand_dtypes)
         fa = [a.shape[i] for i in free_axes(a.ndim, ba, ca)]
         fb = [b.shape[i] for i in free_axes(b.ndim, bb, cb)]
         out = out.reshape(tuple(a.shape[i] for i in ba) + tuple(fa) + tuple(fb))

@@ -104,6 +104,8 @@ class _Static(NamedTuple):
     straight_through: bool = True
     # An observer's on_gemm(GemmRecord), called as each of the three GEMMs runs.
     on_gemm: Callable[[GemmRecord], None] | None = None
+    # The dtype both primal operands are cast to first (dot_general's operand_dtype).
+    operand_dtype: Any = None
 
 
 class _GemmSpec(NamedTuple):
@@ -115,6 +117,7 @@ class _GemmSpec(NamedTuple):
     preferred_element_type: Any
     gemm_name: str
     out_sharding: Any = None  # as lax.dot_general's (set under a mesh with explicit axes)
+    operand_dtypes: Any = None  # gemm's: the dtypes (or None) a and b are cast to first
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
@@ -130,7 +133,11 @@ def _ste_gemm(a, b, key, spec: _GemmSpec):
     """
     return gemm(a, b, spec.dims, spec.recipe, key, precision=spec.precision,
                 preferred_element_type=spec.preferred_element_type, gemm_name=spec.gemm_name,
-                out_sharding=spec.out_sharding)
+                out_sharding=spec.out_sharding, operand_dtypes=spec.operand_dtypes)
+
+
+def _cast_to(x, dtype):
+    return x if dtype is None or type(x) is SymbolicZero else x.astype(dtype)
 
 
 @functools.partial(_ste_gemm.defjvp, symbolic_zeros=True)
@@ -138,6 +145,9 @@ def _ste_gemm_jvp(spec: _GemmSpec, primals, tangents):
     a, b, key = primals
     ta, tb, _ = tangents
     out = _ste_gemm(a, b, key, spec)
+    da, db = spec.operand_dtypes or (None, None)
+    a, ta = _cast_to(a, da), _cast_to(ta, da)
+    b, tb = _cast_to(b, db), _cast_to(tb, db)
     kw = {"precision": spec.precision, "preferred_element_type": spec.preferred_element_type}
     if spec.out_sharding is not None:
         kw["out_sharding"] = spec.out_sharding
@@ -158,7 +168,8 @@ def _differentiable_gemm(a, b, key, spec: _GemmSpec, straight_through: bool = Tr
     if spec.recipe.is_passthrough or not straight_through:
         return gemm(a, b, spec.dims, spec.recipe, key, precision=spec.precision,
                     preferred_element_type=spec.preferred_element_type,
-                    gemm_name=spec.gemm_name, out_sharding=spec.out_sharding)
+                    gemm_name=spec.gemm_name, out_sharding=spec.out_sharding,
+                    operand_dtypes=spec.operand_dtypes)
     return _ste_gemm(a, b, key if spec.recipe.needs_key else None, spec)
 
 
@@ -177,8 +188,10 @@ def _fprop(lhs, rhs, key, st: _Static):
     # Under a mesh with explicit axes the GEMM itself takes the result's sharding
     # (lax.dot_general's semantics); otherwise the result is resharded afterwards.
     explicit = has_explicit_axes(lhs, rhs)
+    d = st.operand_dtype
     spec = _GemmSpec(st.dims, st.policy.fprop, st.precision, st.preferred_element_type,
-                     "fprop", st.out_sharding if explicit else None)
+                     "fprop", st.out_sharding if explicit else None,
+                     None if d is None else (d, d))
     out = _differentiable_gemm(lhs, rhs, kf, spec, st.straight_through)
     _observed(st, spec, lhs, rhs, kf, out, tuple(range(out.ndim)))
     if st.out_sharding is not None and not explicit:
@@ -213,16 +226,21 @@ def _policy_dot_bwd(st: _Static, res, g):
     _, kd, kw = split_key(key)
     (d_dims, d_perm), (w_dims, w_perm) = backward_dimension_numbers(st.dims, lhs.ndim, rhs.ndim)
     pet = st.preferred_element_type
+    # With operand_dtype the primals are cast inside: the residual operand of each
+    # backward GEMM is cast as in the forward (the cotangent g is the cast GEMM's),
+    # and each cotangent is the cast operand's, cast back as the cast's transpose does.
+    d = st.operand_dtype
+    cast = None if d is None else (None, d)
     dspec = _GemmSpec(d_dims, st.policy.dgrad, st.precision, pet, "dgrad",
-                      _cotangent_sharding(lhs, d_perm))
+                      _cotangent_sharding(lhs, d_perm), cast)
     dlhs = _differentiable_gemm(g, rhs, kd, dspec, st.straight_through)
     _observed(st, dspec, g, rhs, kd, dlhs, d_perm)
-    dlhs = jnp.transpose(dlhs, d_perm).astype(lhs.dtype)
+    dlhs = _cast_to(jnp.transpose(dlhs, d_perm), d).astype(lhs.dtype)
     wspec = _GemmSpec(w_dims, st.policy.wgrad, st.precision, pet, "wgrad",
-                      _cotangent_sharding(rhs, w_perm))
+                      _cotangent_sharding(rhs, w_perm), cast)
     drhs = _differentiable_gemm(g, lhs, kw, wspec, st.straight_through)
     _observed(st, wspec, g, lhs, kw, drhs, w_perm)
-    drhs = jnp.transpose(drhs, w_perm).astype(rhs.dtype)
+    drhs = _cast_to(jnp.transpose(drhs, w_perm), d).astype(rhs.dtype)
     return dlhs, drhs, None
 
 
@@ -267,6 +285,17 @@ def _check_operand(x: Any, name: str) -> jax.Array:
     return x
 
 
+def _check_operand_dtype(dtype) -> np.dtype:
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or not any(dt == d for d in FLOAT_DTYPES):
+        raise TypeError(
+            f"operand_dtype: expected None, float32, bfloat16 or float16, got {dtype!r}")
+    return dt
+
+
 def dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -276,6 +305,7 @@ def dot_general(
     *,
     policy: PolicyRecipes,
     key: jax.Array | None = None,
+    operand_dtype=None,
     **kwargs,
 ) -> jax.Array:
     """``jax.lax.dot_general`` whose fprop, dgrad and wgrad follow `policy`.
@@ -293,6 +323,13 @@ def dot_general(
       policy: a ``mxjax.PrecisionPolicy`` (``mxjax.dot_general`` also takes a preset
         name and resolves it before calling this).
       key: PRNG key; required when ``policy.needs_key``. Split per GEMM.
+      operand_dtype: None, or a float dtype (float32, bfloat16, float16) both
+        operands are cast to first: the call is then, bit for bit in its value
+        and its cotangents, ``dot_general(lhs.astype(operand_dtype),
+        rhs.astype(operand_dtype), ...)``, but the casts are left to the
+        quantizers, which can read e.g. an f32 master weight directly instead of
+        a materialized bf16 copy (the TPU kernel rounds it to bf16 itself).
+        Observers (`observe`) see the cast operands.
       **kwargs: ``out_sharding`` (the only sharding argument ``lax.dot_general``
         takes in jax 0.11.2 and 0.12) is kept, with ``lax.dot_general``'s
         semantics: forwarded to it by pass-through GEMMs; quantized GEMMs under a
@@ -313,6 +350,12 @@ def dot_general(
     policy = check_policy_recipes(policy)
     lhs = _check_operand(lhs, "lhs")
     rhs = _check_operand(rhs, "rhs")
+    if operand_dtype is not None:
+        operand_dtype = _check_operand_dtype(operand_dtype)
+        if policy.is_passthrough or _HOOK.get() is not None:
+            lhs, rhs, operand_dtype = lhs.astype(operand_dtype), rhs.astype(operand_dtype), None
+        elif lhs.dtype == operand_dtype and rhs.dtype == operand_dtype:
+            operand_dtype = None
     dims = normalize_dimension_numbers(dimension_numbers, lhs.shape, rhs.shape)
     if preferred_element_type is not None and not jnp.issubdtype(preferred_element_type,
                                                                  jnp.floating):
@@ -340,7 +383,7 @@ def dot_general(
         key = None
     st = _Static(dims, precision, None if preferred_element_type is None
                  else jnp.dtype(preferred_element_type), policy,
-                 kwargs.get("out_sharding"))
+                 kwargs.get("out_sharding"), operand_dtype=operand_dtype)
     hook = _HOOK.get()  # None unless an observer (mxjax.diagnostics) is active
     try:
         if hook is not None:

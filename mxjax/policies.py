@@ -112,8 +112,9 @@ class PrecisionPolicy:
           key: PRNG key (typed or raw uint32); required when ``needs_key``.
         Returns:
           ``f(lhs, rhs, dimension_numbers, precision=None,
-          preferred_element_type=None, **kwargs)``; extra keyword arguments
-          (e.g. Flax's ``out_sharding``) are accepted and ignored.
+          preferred_element_type=None, **kwargs)``; ``operand_dtype`` and
+          ``out_sharding`` are ``mxjax.interceptor.dot_general``'s, other
+          keyword arguments are accepted and ignored.
         """
         if self.needs_key and key is None:
             raise ValueError(

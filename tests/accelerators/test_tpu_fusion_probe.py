@@ -39,3 +39,7 @@ def test_probe_lanes_fusion_is_one_op_and_saves_the_convert():
     assert len(separate_ops) == 2 and any(o.startswith("convert") for o in separate_ops)
     assert len(fused_ops) == 1
     assert fused_s < separate_s, rows
+    # the kernel that rounds the f32 weight itself (what the layer runs) is one op and
+    # cheaper than the separate convert plus kernel
+    f32_s, f32_ops = rows["f32 in"]
+    assert len(f32_ops) == 1 and f32_s < separate_s, rows

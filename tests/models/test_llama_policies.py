@@ -115,3 +115,27 @@ def test_remat_with_quantized_policy_matches_no_remat(tokens):
     lr, yr, gr = _loss_grads(remat, tokens, policy=pol)
     assert max_abs(yp, yr) <= 1e-6 and abs(float(lp) - float(lr)) <= 1e-6
     assert max(jax.tree.leaves(jax.tree.map(max_abs, gp, gr))) <= 1e-5
+
+
+def test_projections_hand_their_f32_kernels_to_the_policy_uncast():
+    """A projection's f32 kernel reaches an mxjax policy as stored, with
+    ``operand_dtype`` the compute dtype: bit for bit the GEMM of the cast kernel, value
+    and gradients (the f32 kernel's gradient is the cast one's, cast back)."""
+    from models.llama import _Gemms
+
+    pol = policies.get("mxfp4_all_h16")
+    x = jax.random.normal(jax.random.key(1), (2, 8, 64), jnp.bfloat16)
+    kernel = jax.random.normal(jax.random.key(2), (64, 96), jnp.float32) * 0.1
+    dn = (((2,), (0,)), ((), ()))
+
+    def projected(x, kernel):
+        return jnp.sum(_Gemms(pol, None, 0).project(0, x, kernel, dn).astype(jnp.float32) ** 2)
+
+    def cast_first(x, kernel):
+        y = pol.dot_general()(x, kernel.astype(x.dtype), dn)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    got = jax.jit(jax.value_and_grad(projected, (0, 1)))(x, kernel)
+    want = jax.jit(jax.value_and_grad(cast_first, (0, 1)))(x, kernel)
+    assert _bitwise_equal(got, want)
+    assert got[1][1].dtype == jnp.float32
