@@ -29,7 +29,6 @@ operands.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -236,9 +235,9 @@ def mx_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
     k_out = k if h is None else -(-k // h) * h
     kw = {"k_out": k_out, "hadamard_size": h, "signs": signs}
     if form == "tpu":
-        values = functools.partial(mx_operand_values_tpu, interpret=interpret)
-        av = values(va, recipe.lhs, key=k_lhs, operand_dtype=da, **kw)
-        bv = values(vb, recipe.rhs, key=k_rhs, operand_dtype=db, **kw)
+        kw["interpret"] = interpret
+        av = mx_operand_values_tpu(va, recipe.lhs, key=k_lhs, operand_dtype=da, **kw)
+        bv = mx_operand_values_tpu(vb, recipe.rhs, key=k_rhs, operand_dtype=db, **kw)
     else:
         av = mx_operand_values(va, recipe.lhs, key=k_lhs, **kw)
         bv = mx_operand_values(vb, recipe.rhs, key=k_rhs, **kw)
