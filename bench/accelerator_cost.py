@@ -3,7 +3,8 @@
 For each target (``--targets``: h100, h200, v5e, v6e, cpu; b200 too) and program
 (``--programs``: ``matmul``, value_and_grad of one 4096^3 bf16 matmul; ``layer``,
 the Llama-3.2-1B decoder layer's train step of ``bench/export_shape.py``, batch
-1 x seq 2048) under ``bf16`` and every MXFP4/NVFP4/FP8 preset, prints one row:
+1 x seq 2048; on request ``wrapped_mlp``, a Flax MLP under ``mxjax.nn.wrap``,
+``bench/programs.py``) under ``bf16`` and every MXFP4/NVFP4/FP8 preset, prints one row:
 kernels (fusions, GEMMs, custom calls, copies), bytes read + written by all
 kernels, ``memory_analysis`` temp bytes, on TPU XLA's ``optimal_seconds``, and
 a roofline step-time estimate (its assumptions are printed with the table),
@@ -44,7 +45,7 @@ if not os.environ.get("PYTHONPATH") and str(ROOT) not in sys.path:
 
 from bench import aot
 from bench import hlo_kernels as hk
-from bench.programs import PROGRAMS, program
+from bench.programs import EXTRA_PROGRAMS, PROGRAMS, program
 
 aot.use_cpu_host()
 
@@ -337,7 +338,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
                     help=f"comma list of {sorted(aot.TARGETS)}")
-    ap.add_argument("--programs", default=",".join(PROGRAMS))
+    ap.add_argument("--programs", default=",".join(PROGRAMS),
+                    help=f"comma list of {list(PROGRAMS + EXTRA_PROGRAMS)}")
     ap.add_argument("--policies", default=",".join(policies.names()))
     ap.add_argument("--gpu-gemm", default="triton,cublas",
                     help="GPU GEMM variants: 'triton' (XLA's default), 'cublas' (triton off)")
@@ -367,8 +369,9 @@ def main(argv=None) -> int:
             raise SystemExit(f"--gpu-gemm: unknown variant {v!r}; expected triton, cublas")
     progs = [p.strip() for p in args.programs.split(",") if p.strip()]
     for p in progs:
-        if p not in PROGRAMS:
-            raise SystemExit(f"--programs: unknown {p!r}; expected some of {PROGRAMS}")
+        if p not in PROGRAMS + EXTRA_PROGRAMS:
+            raise SystemExit(f"--programs: unknown {p!r}; expected some of "
+                             f"{PROGRAMS + EXTRA_PROGRAMS}")
     print(f"jax {jax.__version__}; mxjax from {Path(mxjax.__file__).parent}; deviceless compiles "
           f"on {jax.default_backend()}", flush=True)
     costs: list[Cost] = []

@@ -3,7 +3,10 @@
 * ``matmul``: value_and_grad of ``mean((x @ w)^2)`` for bf16 ``x, w [n, n]`` through
   ``mxjax.dot_general`` under a policy (fprop, dgrad and wgrad GEMMs);
 * ``layer``: the Llama-3.2-1B decoder layer's train step of ``bench/export_shape.py``
-  (loss and gradients w.r.t. the layer's parameters and input).
+  (loss and gradients w.r.t. the layer's parameters and input);
+* ``wrapped_mlp`` (not in the default set): a Flax Linen MLP we did not build with a policy
+  (``Dense(dtype=bf16, param_dtype=f32)``, 2048 -> 8192 -> 2048, gelu, ``batch * seq``
+  tokens) under ``mxjax.nn.wrap``: loss and gradients w.r.t. its parameters.
 
 Each builder returns ``(fn, abstract args)``: ShapeDtypeStructs (a PRNG key where
 the policy needs one, else None). No backend is touched here.
@@ -14,9 +17,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["PROGRAMS", "concrete_args", "layer_program", "matmul_program", "program"]
+__all__ = ["EXTRA_PROGRAMS", "PROGRAMS", "concrete_args", "layer_program", "matmul_program",
+           "program", "wrapped_mlp_program"]
 
 PROGRAMS = ("matmul", "layer")
+EXTRA_PROGRAMS = ("wrapped_mlp",)
 
 
 def matmul_program(policy_name: str, n: int = 4096):
@@ -47,14 +52,54 @@ def layer_program(policy_name: str, batch: int = 1, seq: int = 2048):
     return export_shape.layer_train_step(config, policy_name, batch, seq)
 
 
+def wrapped_mlp_program(policy_name: str, batch: int = 1, seq: int = 2048,
+                        dim: int = 2048, hidden: int = 8192):
+    """(fn, abstract args): value_and_grad of a wrapped bf16-compute, f32-parameter MLP."""
+    import flax.linen as nn
+
+    import mxjax.nn as mnn
+    from mxjax import policies
+
+    policy = policies.get(policy_name)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype) if policy.needs_key else None
+
+    class Mlp(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            dense = {"dtype": jnp.bfloat16, "param_dtype": jnp.float32, "use_bias": False}
+            h = nn.Dense(hidden, name="up", **dense)(x)
+            return nn.Dense(dim, name="down", **dense)(nn.gelu(h))
+
+    model = Mlp()
+    wrapped = mnn.wrap(model, [mnn.Rule(path=".*", policy=policy)])
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0),
+                                               jnp.zeros((1, dim), jnp.bfloat16)))
+
+    def step(params, x, k):
+        rngs = None if k is None else {"mxjax": k}
+
+        def loss(params):
+            y = wrapped.apply(params, x, rngs=rngs)
+            return jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+        return jax.value_and_grad(loss)(params)
+
+    x = jax.ShapeDtypeStruct((batch * seq, dim), jnp.bfloat16)
+    return step, (params, x, key)
+
+
 def program(name: str, policy: str, *, matmul_size: int = 4096, batch: int = 1,
             seq: int = 2048) -> tuple:
-    """(fn, abstract args) of program `name` (one of PROGRAMS) under `policy`."""
+    """(fn, abstract args) of program `name` (one of PROGRAMS or EXTRA_PROGRAMS) under
+    `policy`."""
     if name == "matmul":
         return matmul_program(policy, matmul_size)
     if name == "layer":
         return layer_program(policy, batch, seq)
-    raise ValueError(f"program: unknown {name!r}; expected one of {PROGRAMS}")
+    if name == "wrapped_mlp":
+        return wrapped_mlp_program(policy, batch, seq)
+    raise ValueError(f"program: unknown {name!r}; expected one of "
+                     f"{PROGRAMS + EXTRA_PROGRAMS}")
 
 
 def concrete_args(args, seed: int = 0):

@@ -46,6 +46,7 @@ from mxjax.scaling import SR_UNSCALE
 
 __all__ = [
     "ContractionView",
+    "cast_operands",
     "contraction_view",
     "mx_gemm",
     "mx_operand_values",
@@ -208,6 +209,15 @@ def mx_operand_values_tpu(view: ContractionView, op, *, k_out: int,
     return lax.slice_in_dim(v.reshape(x2.shape), 0, k_out, axis=p)
 
 
+def cast_operands(a, b, operand_dtypes):
+    """(a, b), each cast to its dtype in `operand_dtypes` (None, or a pair of dtypes or
+    None; None: unchanged)."""
+    if operand_dtypes is None:
+        return a, b
+    da, db = operand_dtypes
+    return (a if da is None else a.astype(da)), (b if db is None else b.astype(db))
+
+
 def mx_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
             form: str = "gpu", interpret: bool = False, operand_dtypes=None) -> jax.Array:
     """``dot_general(a, b, dims)`` under an MX recipe, operands in place: f32, lax's layout.
@@ -225,8 +235,7 @@ def mx_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
         raise ValueError(f"form: expected 'gpu' or 'tpu', got {form!r}")
     da, db = operand_dtypes or (None, None)
     if form == "gpu":
-        a = a if da is None else a.astype(da)
-        b = b if db is None else b.astype(db)
+        a, b = cast_operands(a, b, operand_dtypes)
         da = db = None
     (ca, cb), (ba, bb) = dims
     va, vb = contraction_view(a, ba, ca), contraction_view(b, bb, cb)

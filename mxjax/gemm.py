@@ -33,6 +33,7 @@ from jax import lax
 
 from mxjax import accelerator
 from mxjax._platform import cpu_barrier, per_platform
+from mxjax.accelerator import cast_operands
 from mxjax.dimensions import Dims, free_axes
 from mxjax.layout import canonical_dimension_numbers
 from mxjax.quantization import fake_quantize_parts_with, fake_quantize_with, quantize_with
@@ -226,14 +227,6 @@ def _in_place_mx(recipe: GemmRecipe) -> bool:
             and accelerator_operand_dtype(recipe) == jnp.bfloat16)
 
 
-def _cast(a, b, operand_dtypes):
-    """(a, b), each cast to its dtype in `operand_dtypes` (a pair; None: unchanged)."""
-    if operand_dtypes is None:
-        return a, b
-    da, db = operand_dtypes
-    return (a if da is None else a.astype(da)), (b if db is None else b.astype(db))
-
-
 def _accelerator_form(a, b, dims: Dims, recipe: GemmRecipe, k_lhs, k_rhs, k_had, *,
                       form: str, operand_dtypes=None):
     """GPU/TPU forms: MX operands in place (`mxjax.accelerator`), others canonical.
@@ -250,7 +243,7 @@ def _accelerator_form(a, b, dims: Dims, recipe: GemmRecipe, k_lhs, k_rhs, k_had,
         return out.reshape(out.shape[:nb] + (
             math.prod(a.shape[i] for i in free_axes(a.ndim, ba, ca)),
             math.prod(b.shape[i] for i in free_axes(b.ndim, bb, cb))))
-    a3, b3 = _rotate(*canonical_operands(*_cast(a, b, operand_dtypes), dims), recipe, k_had)
+    a3, b3 = _rotate(*canonical_operands(*cast_operands(a, b, operand_dtypes), dims), recipe, k_had)
     return _accelerator_gemm(a3, b3, recipe, k_lhs, k_rhs)
 
 
@@ -277,7 +270,7 @@ def _xla_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key,
                              k_rhs=k_rhs, k_had=k_had, operand_dtypes=operand_dtypes)
 
     def cpu(a, b):
-        return _canonical_cpu_form(*_cast(a, b, operand_dtypes), dims, recipe, k_lhs, k_rhs,
+        return _canonical_cpu_form(*cast_operands(a, b, operand_dtypes), dims, recipe, k_lhs, k_rhs,
                                    k_had)
 
     return per_platform(
@@ -302,7 +295,7 @@ def _kernel_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key
                                           where=gemm_name)
     if backend == "xla":
         return _xla_gemm(a, b, dims, recipe, key, gemm_name, operand_dtypes)
-    a, b = _cast(a, b, operand_dtypes)
+    a, b = cast_operands(a, b, operand_dtypes)
     a3, b3, k_lhs, k_rhs = quantizer_operands(*canonical_operands(a, b, dims), recipe, key)
 
     def q(x, op, k):
@@ -366,7 +359,7 @@ def gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key, *,
     ``jax.sharding.reshard``.
     """
     if recipe.is_passthrough:
-        a, b = _cast(a, b, operand_dtypes)
+        a, b = cast_operands(a, b, operand_dtypes)
         extra = {} if out_sharding is None else {"out_sharding": out_sharding}
         return lax.dot_general(a, b, dims.as_lax(), precision=precision,
                                preferred_element_type=preferred_element_type, **extra)

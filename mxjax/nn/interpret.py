@@ -41,6 +41,11 @@ GEMM's kind (``'weight'``, ``'head'``, ``'activation'``) comes from
 (``mxjax.nn.analysis``; each input is a parameter or data, ``param_args`` says
 which).
 
+Casts: where a GEMM operand is a narrowing float ``convert_element_type`` (Flax's
+``promote_dtype`` casting an f32 kernel to a bf16 ``dtype``), the policy gets the wider
+value with ``operand_dtype`` set: the same GEMM bit for bit, with the cast left to the
+quantizer (``mxjax.dot_general``'s ``operand_dtype``).
+
 Randomness: the key of a dot_general is ``fold_in(key, crc32(path#index))``
 folded with the enclosing loop counters, then split per GEMM by
 ``mxjax.dot_general``.
@@ -86,6 +91,7 @@ from mxjax.nn.rules import HEAD_NAMES, NOT_GEMM, Rule, Site, WrapReport
 __all__ = ["transform_call"]
 
 _DOT = jcore.primitives.dot_general_p
+_CONVERT = lax.convert_element_type_p
 _FUNCTION_PATHS = PathSource(front_end="function")
 
 
@@ -151,7 +157,32 @@ def _stack_path(ctx: _Ctx, stack) -> str:
         return str(stack)
 
 
-def _dot(eqn, invals, ins: list[Info], ctx: _Ctx, stack, salts: tuple):
+def _narrowed_from(eqn, read) -> Any:
+    """The value a ``convert_element_type`` equation narrows to a smaller float dtype (e.g.
+    an f32 weight Flax's ``promote_dtype`` casts to a bf16 compute dtype), or None."""
+    if eqn.primitive is not _CONVERT or eqn.params.get("sharding") is not None:
+        return None
+    src, dst = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
+    floats = jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating)
+    return read(eqn.invars[0]) if floats and src.itemsize > dst.itemsize else None
+
+
+def _uncast(invals: list, sources: list) -> tuple[list, Any]:
+    """The operands to hand the policy, and its ``operand_dtype``.
+
+    Where an operand is a narrowing cast of a wider float value (`sources`, from
+    `_narrowed_from`), the policy gets that value with ``operand_dtype`` the dtype both
+    operands share: bit for bit the same GEMM, value and cotangents (``operand_dtype``'s
+    contract), with the cast left to the quantizer, which reads the f32 weight instead of a
+    materialized copy (the TPU kernel rounds it itself).
+    """
+    lhs, rhs = invals
+    if lhs.dtype != rhs.dtype or all(s is None for s in sources):
+        return invals, None
+    return [x if s is None else s for x, s in zip(invals, sources, strict=True)], lhs.dtype
+
+
+def _dot(eqn, invals, ins: list[Info], ctx: _Ctx, stack, salts: tuple, sources: list):
     lhs, rhs = invals
     call = ctx.paths.call_path(stack)
     path, extra = ctx.paths.site_path(call, weight_origin(*ins), site_origin(*ins))
@@ -190,11 +221,12 @@ def _dot(eqn, invals, ins: list[Info], ctx: _Ctx, stack, salts: tuple):
         key = jax.random.fold_in(ctx.key, zlib.crc32(f"{name}#{idx}".encode()) & 0x7FFFFFFF)
         for s in salts:
             key = jax.random.fold_in(key, s)
+    (lhs, rhs), operand_dtype = _uncast(invals, sources)
     with _as(eqn, extra):
         return policy_dot_general(
             lhs, rhs, params["dimension_numbers"], params.get("precision"),
             params.get("preferred_element_type"), policy=policy, key=key,
-            out_sharding=params.get("out_sharding"))
+            operand_dtype=operand_dtype, out_sharding=params.get("out_sharding"))
 
 
 def _eval(j, args, infos, ctx: _Ctx, prefix, salts: tuple) -> list:
@@ -202,6 +234,7 @@ def _eval(j, args, infos, ctx: _Ctx, prefix, salts: tuple) -> list:
     jaxpr, consts = open_jaxpr(j)
     env: dict = {}
     ienv: dict = {}
+    narrowed: dict = {}  # var -> the wider float value a convert_element_type narrowed
 
     def read(v):
         return v.val if isinstance(v, jcore.Literal) else env[v]
@@ -216,7 +249,9 @@ def _eval(j, args, infos, ctx: _Ctx, prefix, salts: tuple) -> list:
         out_infos, sub_ins = eqn_infos(eqn, ins, None)
         stack = prefix + eqn.source_info.name_stack
         if eqn.primitive is _DOT:
-            outs = [_dot(eqn, invals, ins, ctx, stack, salts)]
+            sources = [None if isinstance(v, jcore.Literal) else narrowed.get(v)
+                       for v in eqn.invars]
+            outs = [_dot(eqn, invals, ins, ctx, stack, salts, sources)]
         elif any(has_dot(s, ctx.has_dot_cache) for s in sub_jaxprs(eqn.params)):
             with _as(eqn):
                 outs = _higher_order(eqn, invals, [d for _, d in sub_ins], ctx, stack, salts)
@@ -224,6 +259,9 @@ def _eval(j, args, infos, ctx: _Ctx, prefix, salts: tuple) -> list:
             outs = _rebind(eqn, invals)
         for v, x, d in zip(eqn.outvars, outs, out_infos, strict=True):
             env[v], ienv[v] = x, d
+        src = _narrowed_from(eqn, read)
+        if src is not None:
+            narrowed[eqn.outvars[0]] = src
     return [read(v) for v in jaxpr.outvars]
 
 

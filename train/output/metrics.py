@@ -31,9 +31,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-# Figures are drawn without pyplot (no global backend or figure registry to touch).
-from matplotlib.figure import Figure
-
 from train.jsonsafe import jsonable
 
 
@@ -174,6 +171,10 @@ def plot_losses(records: list[Mapping[str, Any]], path: str | Path, *, title: st
     tr = [(r["tokens"], num(r.get("loss"))) for r in records if num(r.get("loss")) is not None]
     ev = [(r["tokens"], num(r.get("eval_loss"))) for r in records
           if num(r.get("eval_loss")) is not None]
+    # Drawn without pyplot (no global backend or figure registry to touch); imported here
+    # because a run without a plot should not pay matplotlib's import (~0.5 s per process).
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(7, 4.2), dpi=110)
     ax = fig.subplots()
     if tr:
