@@ -64,3 +64,22 @@ def test_v5e_layer_kernels_read_the_f32_weights():
     f32_in = [k for k in kernels if k.call_operands[0].startswith("f32[")]
     assert len(f32_in) == 14, [k.call_operands[0] for k in kernels]
     assert not [k for k in ks if k.opcode == "convert"]
+
+
+def test_v5e_wrapped_flax_mlp_kernels_read_the_f32_weights():
+    """A Flax MLP we did not write (``Dense(dtype=bf16, param_dtype=f32)``) under
+    ``mxjax.nn.wrap``: Flax's casts of its two kernels are left to the quantize kernels too
+    (wrap passes ``operand_dtype``), so each f32 kernel goes into its quantize kernels as
+    stored (down's for fprop and dgrad, up's for fprop only: the input's gradient is not
+    asked for), and no convert is left. Five GEMMs (two fprop, two wgrad, down's dgrad):
+    ten quantize kernels."""
+    from bench import hlo_kernels as hk
+
+    ks = hk.kernels(optimized_hlo("v5e", "wrapped_mlp", "mxfp4_all_h16"))
+    kernels = [k for k in ks if k.target == "tpu_custom_call"]
+    f32_in = sorted(k.call_operands[0].split("{")[0] for k in kernels
+                    if k.call_operands[0].startswith("f32["))
+    assert len(kernels) == 10
+    assert f32_in == ["f32[1,2048,8192]", "f32[1,8192,2048]", "f32[8192,2048]"], \
+        [k.call_operands[0] for k in kernels]
+    assert not [k for k in ks if k.opcode == "convert"]
