@@ -67,7 +67,15 @@ _RECORDING: contextvars.ContextVar[list | None] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def record_kernels():
-    """Collects the `KernelSpec` of every kernel traced inside (for cost tools, e.g. bench/)."""
+    """Collects the `KernelSpec` of every kernel traced inside (for cost tools, e.g. bench/).
+
+    The specs are recorded when a GEMM is traced, and JAX caches the traces of the
+    emulated GEMM (`mxjax.gemm.emulated_gemm`): entering clears JAX's caches
+    (``jax.clear_caches()``), so that every kernel of a program traced inside is
+    recorded; a kernel configuration traced again from the cache inside is not
+    recorded twice.
+    """
+    jax.clear_caches()
     specs: list[KernelSpec] = []
     token = _RECORDING.set(specs)
     try:

@@ -247,8 +247,15 @@ def _accelerator_form(a, b, dims: Dims, recipe: GemmRecipe, k_lhs, k_rhs, k_had,
     return _accelerator_gemm(a3, b3, recipe, k_lhs, k_rhs)
 
 
-def _xla_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key,
-              gemm_name: str, operand_dtypes=None) -> jax.Array:
+# Jitted (inlined into the caller's jaxpr) so that JAX caches its trace per operand
+# types and static arguments: all three platform forms are traced (lowering keeps one),
+# and a program with many GEMMs of the same shapes (a model's layers, a GEMM and its
+# rematerialization, a test suite) would otherwise trace them again at every call. Its
+# ops carry the scope 'jit(emulated_gemm)' below the caller's.
+@functools.partial(jax.jit, inline=True,
+                   static_argnames=("dims", "recipe", "gemm_name", "operand_dtypes"))
+def emulated_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key,
+                  gemm_name: str, operand_dtypes=None) -> jax.Array:
     """The XLA reference backend.
 
     The program depends on the platform it is lowered for (not on the tracing
@@ -284,7 +291,7 @@ def _kernel_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key
                  gemm_name: str, operand_dtypes=None) -> jax.Array:
     """Kernel backends ('pallas', 'pallas_fp8', 'triton', 'auto'): packed operands + mx_dot.
 
-    Same operands, keys and rotation as `_xla_gemm`; the quantized operands are
+    Same operands, keys and rotation as `emulated_gemm`; the quantized operands are
     packed (`quantize`) and contracted by `mxjax.kernels.mx_dot`. An explicit
     kernel backend that cannot run here, or does not implement the recipe's
     formats, raises; 'auto' picks the fastest correct backend for the device.
@@ -294,7 +301,7 @@ def _kernel_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key
     backend = kernels.backend_for_formats(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt,
                                           where=gemm_name)
     if backend == "xla":
-        return _xla_gemm(a, b, dims, recipe, key, gemm_name, operand_dtypes)
+        return emulated_gemm(a, b, dims, recipe, key, gemm_name, operand_dtypes)
     a, b = cast_operands(a, b, operand_dtypes)
     a3, b3, k_lhs, k_rhs = quantizer_operands(*canonical_operands(a, b, dims), recipe, key)
 
@@ -307,7 +314,7 @@ def _kernel_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key
 # Backend name (mxjax.recipes.BACKENDS) -> function(a, b, dims, recipe, key, gemm_name,
 # operand_dtypes) -> f32 [batch..., Fa, Fb]. Every name but 'xla' runs through mxjax.kernels.
 _BACKEND_FNS: dict[str, Callable[..., jax.Array]] = {
-    "xla": _xla_gemm,
+    "xla": emulated_gemm,
     **{name: _kernel_gemm for name in BACKENDS if name != "xla"},
 }
 

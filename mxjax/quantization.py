@@ -23,6 +23,7 @@ values (``fake_quantize``) or the values with their per-tensor factors left out
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 from typing import Any
@@ -233,6 +234,14 @@ def quantize_blocks(xb: jax.Array, recipe: OperandRecipe, u: jax.Array | None,
     return _encoded(scheme, recipe, y, scales, u)
 
 
+# The implementations below are jitted with the recipe (and axis) static: JAX then
+# caches their traces per operand type, an eager call runs one compiled program
+# instead of dispatching each of its ~100 operations, and a call inside a jitted
+# program is inlined by XLA (the same compiled program).
+_static_recipe = functools.partial(jax.jit, inline=True, static_argnames=("recipe", "axis"))
+
+
+@_static_recipe
 def _quantize(x: jax.Array, recipe: OperandRecipe, axis: int, key) -> MXArray:
     if recipe.is_passthrough:
         raise ValueError("fmt: BF16 is pass-through; there is nothing to quantize")
@@ -250,6 +259,7 @@ def _quantize(x: jax.Array, recipe: OperandRecipe, axis: int, key) -> MXArray:
                    recipe.sr_prescale)
 
 
+@_static_recipe
 def _e2m1_block_values(x: jax.Array, recipe: OperandRecipe, axis: int) -> jax.Array:
     """f32 values of an E2M1 x E8M0 operand by `mxjax.e2m1_bits` (block axis `axis`)."""
     scheme = recipe.scheme
@@ -260,6 +270,7 @@ def _e2m1_block_values(x: jax.Array, recipe: OperandRecipe, axis: int) -> jax.Ar
     return jnp.moveaxis(values[..., :n], -1, axis)
 
 
+@_static_recipe
 def _fake_quantize_generic(x: jax.Array, recipe: OperandRecipe, axis: int, key) -> jax.Array:
     """`fake_quantize` by the scheme's prepare / round / values (every format)."""
     scheme, shape, n, y, scales, u = _prepared(x, recipe, axis, key)
@@ -276,6 +287,7 @@ def _fake_quantize(x: jax.Array, recipe: OperandRecipe, axis: int, key) -> jax.A
     return _fake_quantize_generic(x, recipe, axis, key)
 
 
+@_static_recipe
 def _fake_quantize_parts(x: jax.Array, recipe: OperandRecipe, axis: int, key):
     if recipe.is_passthrough:
         raise ValueError("fmt: BF16 is pass-through; there is nothing to quantize")
@@ -363,9 +375,18 @@ def quantize(
 
 
 def dequantize(q: MXArray, dtype=jnp.float32) -> jnp.ndarray:
-    """Moves `axis` last, pads it with zeros to a multiple of `block`."""
+    """The values `q` holds, as a `dtype` array of ``q.shape`` (exact in f32).
+
+    Codes times their scales (block scales, then the tensor scale, then the SR
+    3/4 unscale where present); NaN for a block (or tensor) that held NaN/Inf.
+    """
     if not isinstance(q, MXArray):
         raise TypeError(f"q: expected an MXArray, got {type(q).__name__}")
+    return _dequantize(q, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, inline=True, static_argnames="dtype")
+def _dequantize(q: MXArray, dtype) -> jnp.ndarray:
     scheme = scheme_for(q.fmt)
     codes = jnp.moveaxis(q.codes, q.axis, -1)
     if q.fmt.packed:
