@@ -1,14 +1,18 @@
 """Block-diagonal Walsh–Hadamard rotations (fast transform, log2(h) butterfly stages).
 
-Two formulations of the same butterflies (the same f32 adds and subtracts, so
-the same values bit for bit), chosen per lowering platform:
+The butterflies work on the block index's bits as axes of size 2 (`bit_view`): one
+stage per bit axis, ``a + sign * b`` of its two halves (`hadamard_bit_view`), no
+reversal. The program depends on the lowering platform, not the values (the same
+f32 adds and subtracts, the same values bit for bit):
 
-* XLA:CPU: each stage pairs element i with i ^ s by a reversal of each pair plus a
-  select, materialized per stage (XLA:CPU would otherwise recompute every earlier
-  stage per element);
-* GPUs and TPUs: the block index's bits as axes of size 2 (`bit_view`), one stage
-  per bit axis as ``a + sign * b`` of its two halves (`hadamard_bit_view`), no
-  reversal and no barrier, so that the compiler fuses all stages with the
+* XLA:CPU: the stages are materialized two at a time (a barrier after every second
+  stage). Fused, XLA:CPU recomputes every earlier stage per element; one barrier per
+  stage makes twice the passes over memory. Against the earlier form (a reversal of
+  each pair plus a select, one barrier per stage) the tiny config's train step under
+  `mxfp4_all_h16` went from 1.25-1.50x to 1.12-1.23x of no policy's best step time in
+  three interleaved pairs (bench/train_step.py, 2026-12-03), and its fwd+bwd programs
+  have a third fewer fusions;
+* GPUs and TPUs: no barrier, so that the compiler fuses all stages with the
   quantizer that follows.
 """
 
@@ -23,12 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mxjax._platform import cpu_barrier, cpu_or_accelerator
+from mxjax._platform import cpu_or_accelerator
 
 __all__ = ["HADAMARD_SIZES", "bit_view", "fixed_signs", "hadamard", "hadamard_bit_view",
            "random_signs"]
 
 HADAMARD_SIZES = (16, 32, 64, 128)
+# XLA:CPU's form materializes the butterflies after every this many stages (module docstring).
+CPU_STAGES_PER_PASS = 2
 
 
 def _check_block_size(block_size) -> int:
@@ -43,29 +49,6 @@ def _check_block_size(block_size) -> int:
         raise ValueError(f"block_size: must be one of {HADAMARD_SIZES}, got {block_size!r}")
     return h
 
-
-def _fwht_last(xb: jnp.ndarray) -> jnp.ndarray:
-    """Unnormalized Sylvester-ordered transform of the last axis (length h).
-
-    Stage with stride s pairs element i with i ^ s: the lower one becomes a + b,
-    the upper one a - b, written as a reversal of each (a, b) pair plus a select.
-    """
-    h = xb.shape[-1]
-    lead = xb.shape[:-1]
-    idx = np.arange(h)
-    stride = 1
-    while stride < h:
-        pairs = xb.reshape(lead + (h // (2 * stride), 2, stride))
-        partner = pairs[..., ::-1, :].reshape(xb.shape)
-        upper = jnp.asarray((idx // stride) % 2 == 1)
-        xb = jnp.where(upper, partner - xb, xb + partner)
-        # On CPU, materialize each stage: fused, XLA:CPU recomputes every earlier
-        # stage per element (2^stages work), ~4x slower than one pass per stage.
-        # GPUs/TPUs fuse the stages (and the quantizer) into one pass instead.
-        # Values do not depend on it: adds/subs of the same operands either way.
-        xb = cpu_barrier(xb)
-        stride *= 2
-    return xb
 
 
 def bit_view(x: jnp.ndarray, axis: int, n_bits: int) -> jnp.ndarray:
@@ -82,7 +65,8 @@ def bit_view(x: jnp.ndarray, axis: int, n_bits: int) -> jnp.ndarray:
 
 
 def hadamard_bit_view(z: jnp.ndarray, block_size: int, low_bit_axis: int,
-                      signs: jnp.ndarray | None = None) -> jnp.ndarray:
+                      signs: jnp.ndarray | None = None,
+                      stages_per_pass: int | None = None) -> jnp.ndarray:
     """The normalized H_h of `hadamard` on blocks laid out as bit axes (`bit_view`), f32.
 
     Args:
@@ -91,6 +75,9 @@ def hadamard_bit_view(z: jnp.ndarray, block_size: int, low_bit_axis: int,
       block_size: h, one of HADAMARD_SIZES.
       low_bit_axis: non-negative axis of the lowest bit.
       signs: optional ±1 vector of length h (applied before the transform).
+      stages_per_pass: None (every stage in one expression), or materialize the
+        butterflies (``lax.optimization_barrier``) after every this many stages
+        (XLA:CPU's form; the values do not depend on it).
     Returns:
       f32 array of z's shape: the same values as `hadamard` on the flat layout.
       Stage t (stride 2^t) combines the two halves a, b of bit axis
@@ -116,6 +103,8 @@ def hadamard_bit_view(z: jnp.ndarray, block_size: int, low_bit_axis: int,
         a = lax.index_in_dim(z, 0, ax, keepdims=True)
         b = lax.index_in_dim(z, 1, ax, keepdims=True)
         z = a + plus_minus.reshape((2,) + (1,) * (z.ndim - ax - 1)) * b
+        if stages_per_pass and (t + 1) % stages_per_pass == 0 and t + 1 < k:
+            z = lax.optimization_barrier(z)
     return z * jnp.float32(1.0 / math.sqrt(h))
 
 
@@ -155,25 +144,17 @@ def hadamard(
         if signs.shape != (h,):
             raise ValueError(f"signs: expected shape ({h},), got {signs.shape}")
     args = (xm,) if signs is None else (xm, signs)
-    ym = cpu_or_accelerator(*args, cpu=functools.partial(_hadamard_flat, h=h),
-                            accelerator=functools.partial(_hadamard_bits, h=h))
+    ym = cpu_or_accelerator(
+        *args, cpu=functools.partial(_hadamard_last, h=h, stages_per_pass=CPU_STAGES_PER_PASS),
+        accelerator=functools.partial(_hadamard_last, h=h))
     return jnp.moveaxis(ym, -1, axis).astype(x.dtype)
 
 
-def _hadamard_flat(xm: jnp.ndarray, signs: jnp.ndarray | None = None, *, h: int) -> jnp.ndarray:
-    """XLA:CPU form of `hadamard` on the last axis (f32, a multiple of h long)."""
-    lead = xm.shape[:-1]
-    xb = xm.reshape(lead + (xm.shape[-1] // h, h))
-    if signs is not None:
-        xb = xb * signs
-    yb = _fwht_last(xb) * jnp.float32(1.0 / math.sqrt(h))
-    return yb.reshape(xm.shape)
-
-
-def _hadamard_bits(xm: jnp.ndarray, signs: jnp.ndarray | None = None, *, h: int) -> jnp.ndarray:
-    """GPU/TPU form of `hadamard` on the last axis: the bit view, no reversals."""
+def _hadamard_last(xm: jnp.ndarray, signs: jnp.ndarray | None = None, *, h: int,
+                   stages_per_pass: int | None = None) -> jnp.ndarray:
+    """`hadamard` on the last axis of f32 `xm` (a multiple of h long), by the bit view."""
     z = bit_view(xm, xm.ndim - 1, h.bit_length() - 1)
-    return hadamard_bit_view(z, h, z.ndim - 1, signs).reshape(xm.shape)
+    return hadamard_bit_view(z, h, z.ndim - 1, signs, stages_per_pass).reshape(xm.shape)
 
 
 def fixed_signs(seed: int, block_size: int = 16) -> jnp.ndarray:

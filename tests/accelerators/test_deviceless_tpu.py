@@ -2,7 +2,7 @@
 
 The TPU form quantizes each MXFP4 operand in one Pallas Mosaic kernel
 (mxjax/accelerator_tpu.py): for the fwd+bwd 4096^3 matmul under ``mxfp4_all_h16``,
-six kernels and three GEMMs, no ``reverse`` anywhere (the CPU form's butterflies), no
+six kernels and three GEMMs, no ``reverse`` anywhere (the butterflies pair halves of bit axes), no
 conditional left (the platform branch resolved), and XLA's optimal_seconds (plus the
 kernels' static-profile cycles) at most 1.5x bf16's; for the decoder layer's train
 step, bytes at most 1.5x, optimal_seconds at most 1.3x and peak temp memory at most

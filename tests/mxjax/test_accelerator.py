@@ -168,8 +168,9 @@ def test_bit_view_butterflies_equal_flat_and_numpy(h, np_rng):
     x[2, 7] = np.nan
     for signs in (None, np.asarray(mxjax.fixed_signs(h, h))):
         args = (jnp.asarray(x),) if signs is None else (jnp.asarray(x), jnp.asarray(signs))
-        flat = jax.jit(lambda *a: rotation._hadamard_flat(*a, h=h))(*args)
-        bits = jax.jit(lambda *a: rotation._hadamard_bits(*a, h=h))(*args)
+        flat = jax.jit(lambda *a: rotation._hadamard_last(
+            *a, h=h, stages_per_pass=rotation.CPU_STAGES_PER_PASS))(*args)
+        bits = jax.jit(lambda *a: rotation._hadamard_last(*a, h=h))(*args)
         with np.errstate(invalid="ignore"):
             want = _np_butterfly(x, h, signs)
         for got in (np.asarray(bits), np.asarray(flat)):
