@@ -162,6 +162,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                   ", none after it; stopped after")
         print(f"{ev} {s.steps} steps / {s.tokens} tokens; wall time {s.wall_time_s:.1f}s; "
               f"{tps} tokens/s; skipped steps: {s.skipped_steps}")
+        if s.segments and len(s.segments) > 1:  # resumed: the figures above are the whole run's
+            g = s.segments[-1]
+            gtps = f"{g['tokens_per_s']:,.0f}" if g["tokens_per_s"] else "n/a"
+            print(f"this segment (steps {g['first_step']}-{g['last_step']}, {len(s.segments)} in "
+                  f"all): wall time {g['wall_time_s']:.1f}s; {gtps} tokens/s")
         print(f"metrics: {s.metrics_path}")
         if s.plot_path:
             print(f"plot: {s.plot_path}")

@@ -295,9 +295,7 @@ def _convert(value: Any, tp: Any, path: str, what: str = "config") -> Any:
             raise ConfigError(f"{path}: expected true/false, got {type(value).__name__} {value!r}")
         return value
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer, got {type(value).__name__} {value!r}")
-        return value
+        return _as_int(value, path)
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads '3e-4' as a string
             try:
@@ -314,6 +312,28 @@ def _convert(value: Any, tp: Any, path: str, what: str = "config") -> Any:
             raise ConfigError(f"{path}: expected a string, got {type(value).__name__} {value!r}")
         return value
     raise TypeError(f"unsupported config annotation {tp!r} at {path}")
+
+
+def _as_int(value: Any, path: str) -> int:
+    """`value` as an int: an int, or a number written in float notation whose value is a whole
+    number (``1e3``, ``1000.0``: YAML 1.1 reads ``1e3`` as a string); anything else is a
+    ConfigError naming `path`."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{path}: expected an integer, got bool {value!r}")
+    if isinstance(value, int):
+        return value
+    number = value
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            raise ConfigError(f"{path}: expected an integer, got str {value!r}") from None
+    if not isinstance(number, float):
+        raise ConfigError(f"{path}: expected an integer, got {type(value).__name__} {value!r}")
+    if not (math.isfinite(number) and number == int(number)):
+        raise ConfigError(f"{path}: expected an integer, got {value!r}, which is not a whole "
+                          "number")
+    return int(number)
 
 
 def build(cls: type, raw: Mapping[str, Any], path: str = "", *, what: str = "config") -> Any:

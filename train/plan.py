@@ -139,6 +139,19 @@ def resolve_mesh(config: Config, n_devices: int) -> tuple[int, int, int]:
     return data, fsdp, tensor
 
 
+def check_out_dir(config: Config) -> None:
+    """The output directory (``out_dir``, ``--out``) is a directory or can be made one: neither
+    it nor a parent of it is an existing file (ConfigError otherwise)."""
+    out = config.out_path
+    for p in (out, *out.parents):
+        if p.exists():
+            if not p.is_dir():
+                what = "is" if p == out else f"lies under {p}, which is"
+                raise ConfigError(f"out_dir (--out) {out} {what} a file, not a directory; "
+                                  "choose another output directory")
+            return
+
+
 def _nominal_vocab(config: Config) -> int:
     d = config.data
     if d.tokenizer == "bpe" or config.model.preset != "tiny":
@@ -153,6 +166,7 @@ def validate(config: Config, *, verbose: bool = True) -> Plan:
     overrides, sequence longer than the model supports, mesh/batch sizes,
     too few validation sequences.
     """
+    check_out_dir(config)
     datamod.check_files(config.data)
     policy, name, record = resolve_policy(config.policy)
     try:

@@ -42,7 +42,13 @@ from train.hooks import Hooks
 from train.output import mlperf
 from train.output.metrics import MetricsWriter, Progress, Tee
 from train.output.previous import check_reuse, relocated
-from train.output.summary import RunSummary, read_summary, summarize
+from train.output.summary import (
+    RunSummary,
+    earlier_segments,
+    read_summary,
+    segment_record,
+    summarize,
+)
 from train.output.tensorboard_log import TensorBoardWriter
 from train.plan import Plan
 from train.preemption import STOP_DATA_ERROR, STOP_SIGNAL, STOP_WRITE_FAILED, StopSignals, agree
@@ -123,18 +129,20 @@ class Trainer:
     def evaluate(self, params) -> float:
         return self.compiled.evaluate(params, self.plan.policy, self.policy_base)
 
-    def _meta(self, step: int, status: str, skipped: int, time_s: float) -> dict[str, Any]:
+    def _meta(self, step: int, status: str, skipped: int, time_s: float,
+              segments: list[dict[str, Any]]) -> dict[str, Any]:
         c = self.cfg
         return {"status": status, "samples": step * c.train.global_batch,
                 "tokens": step * self.tokens_per_step, "epoch": self.loader.epoch(step),
                 "skipped": skipped, "time_s": time_s, "policy_name": self.plan.policy_name,
-                "config": c.to_dict(), "compat": fingerprint(self.plan)}
+                "config": c.to_dict(), "compat": fingerprint(self.plan), "segments": segments}
 
     def run(self) -> RunSummary:
         c, t = self.cfg, self.cfg.train
         t_start = time.time()
         ckpt = None
         start, time_off, resumed, skipped = 0, 0.0, None, 0
+        history: list[dict[str, Any]] = []  # the segments (processes) before this one
         if c.checkpoint.enabled:
             ckpt = Checkpointer(self.out / "checkpoints", keep=c.checkpoint.keep,
                                 async_save=c.checkpoint.async_save)
@@ -164,6 +172,7 @@ class Trainer:
                 raise
             start, resumed = latest, latest
             time_off = float(meta.get("time_s", 0.0))
+            history = earlier_segments(meta, latest)
             skipped = int(meta.get("skipped", 0))
             self._log(f"resuming from checkpoint step {latest} in {ckpt.directory}")
         done_status = meta.get("status") if meta else None
@@ -188,7 +197,7 @@ class Trainer:
                                            resumed_from=resumed)
             return self._summary(done_status if done_status in ("completed", "target_reached")
                                  else "completed", "run already complete; nothing to do",
-                                 resumed, skipped, time_off, None, resumed)
+                                 resumed, skipped, history, resumed)
         if self.primary:
             (self.out / "config.yaml").write_text(yaml.safe_dump(c.to_dict(), sort_keys=False))
             writer = Tee(MetricsWriter(self.out / "metrics.jsonl", resume_step=resumed),
@@ -210,7 +219,7 @@ class Trainer:
                 state = self.compiled.init_state(c.seed)
                 mll.begin_run()
             return self._loop(state, start, resumed, skipped, time_off, t_start, ckpt, writer,
-                              mll, signals)
+                              mll, signals, history)
 
     def _record(self, step: int, **kw: Any) -> dict[str, Any]:
         rec = {"step": step, "tokens": step * self.tokens_per_step, "loss": None,
@@ -228,10 +237,10 @@ class Trainer:
         writer.write(rec)
 
     def _loop(self, state, start, resumed, skipped, time_off, t_start, ckpt, writer, mll,
-              signals):
+              signals, history):
         c, t = self.cfg, self.cfg.train
-        prog = Progress(t.steps, mode=t.progress if jax.process_index() == 0 else "off",
-                        start=start)
+        prog = Progress(t.steps, start=start,
+                        mode=t.progress if self.verbose and jax.process_index() == 0 else "off")
         status, message = "completed", ""
         t_run = time.time()
         last_good = ckpt.last_good_step() if ckpt is not None else None
@@ -242,8 +251,24 @@ class Trainer:
         def now() -> float:
             return time_off + time.time() - t_run
 
+        def segments(at: int) -> list[dict[str, Any]]:
+            """The run's segments up to step `at`: the earlier ones and this process's."""
+            return [*history, segment_record(
+                first_step=start, last_step=at, wall_s=time.time() - t_start,
+                steady_steps=steady_n, steady_s=steady_t, tokens_per_step=self.tokens_per_step)]
+
+        evaluated = False
+
         def do_eval(at: int) -> float:
+            nonlocal evaluated
+            if not evaluated:
+                self._log(f"compiling the eval step (policy {self.plan.policy_name}) and "
+                          f"evaluating {t.eval_sequences} sequences ...")
+                te = time.time()
             loss = self.evaluate(state["params"])
+            if not evaluated:
+                self._log(f"first evaluation done in {time.time() - te:.1f} s")
+                evaluated = True
             mll.evaluation(loss, step=at, samples=at * t.global_batch)
             return loss
 
@@ -265,12 +290,20 @@ class Trainer:
                                  STOP_WRITE_FAILED if ckpt is not None and ckpt.failure() else 0))
                 if code:
                     status, message = self._stop(code, step, state, ckpt, saved, good,
-                                                 skipped, now(), signals.requested, data_error)
+                                                 skipped, now(), signals.requested, data_error,
+                                                 segments(step))
                     break
                 mll.train_block(step=step + 1, samples=step * t.global_batch)
                 batch = self.compiled.put(local)
+                if step == start:  # the first call compiles (or loads from the compile cache)
+                    self._log(f"compiling the train step (policy {self.plan.policy_name}) ...")
+                tc = time.time()
                 state, m = self._train_step(state, batch, self.policy_base)
+                tc = time.time() - tc
                 m = fetch(m)
+                if step == start:
+                    self._log(f"train step compiled in {tc:.1f} s; first step done in "
+                              f"{time.time() - t0:.1f} s")
                 step += 1
                 dt = time.time() - t0
                 if step > start + 1:
@@ -306,7 +339,7 @@ class Trainer:
                     if "extra" in m:
                         rec.update({k: np.asarray(v).tolist() for k, v in m["extra"].items()})
                     self._emit(writer, rec)
-                prog.update(step, loss=loss, tokens_per_s=tps, eval_loss=ev)
+                prog.update(step, loss=loss, tokens_per_s=tps, eval_loss=ev, step_s=dt)
                 good = int(m["consecutive"]) == 0  # not inside a non-finite streak
                 if status == "nonfinite":
                     break
@@ -314,7 +347,8 @@ class Trainer:
                 if ckpt is not None and (final or (c.checkpoint.every
                                                    and step % c.checkpoint.every == 0)):
                     st = status if final else "running"
-                    ckpt.save(step, state, self._meta(step, st, skipped, now()), good=good)
+                    ckpt.save(step, state, self._meta(step, st, skipped, now(), segments(step)),
+                              good=good)
                     saved, last_good = step, step if good else last_good
                 if stop:
                     break
@@ -329,11 +363,10 @@ class Trainer:
             mll.end_run(success=status == "target_reached", step=step,
                         samples=step * t.global_batch)
         mll.close()
-        tps = self.tokens_per_step * steady_n / steady_t if steady_n else None
-        return self._summary(status, message, step, skipped, time.time() - t_start, tps, resumed)
+        return self._summary(status, message, step, skipped, segments(step), resumed)
 
     def _stop(self, code, step, state, ckpt, saved, good, skipped, now, signal_name,
-              data_error) -> tuple[str, str]:
+              data_error, segments) -> tuple[str, str]:
         """(status, message) of a run stopped before step ``step + 1`` by `code` (see
         `train.preemption`), after saving the state of ``step`` unless a checkpoint holds it."""
         if code == STOP_WRITE_FAILED:
@@ -348,7 +381,8 @@ class Trainer:
             kept = "no step was trained: nothing to save"
         else:
             if saved != step:
-                ckpt.save(step, state, self._meta(step, status, skipped, now), good=good)
+                ckpt.save(step, state, self._meta(step, status, skipped, now, segments),
+                          good=good)
             kept = f"checkpoint step {step} in {ckpt.directory}"
         if code == STOP_DATA_ERROR:
             why = (str(data_error) if data_error is not None
@@ -359,8 +393,8 @@ class Trainer:
         return status, (f"preempted {why} after step {step}; {kept}. Run the same command "
                         "again to resume.")
 
-    def _summary(self, status, message, step, skipped, wall, tps, resumed) -> RunSummary:
+    def _summary(self, status, message, step, skipped, segments, resumed) -> RunSummary:
         return summarize(self.cfg, policy_name=self.plan.policy_name, status=status,
                          message=message, step=step, tokens_per_step=self.tokens_per_step,
-                         skipped=skipped, wall=wall, tokens_per_s=tps, resumed=resumed,
+                         skipped=skipped, segments=segments, resumed=resumed,
                          primary=self.primary and not self.read_only)

@@ -1,4 +1,8 @@
-"""Command line: ``python -m train.data prepare --config configs/tiny.yaml`` or ``info DIR``."""
+"""Command line: ``python -m train.data prepare --config configs/tiny.yaml`` or ``info DIR``.
+
+Exit codes: 0 done, 2 a configuration or data error, 6 a file could not be written or read
+(a read-only or full cache directory), as for ``python -m train``.
+"""
 
 from __future__ import annotations
 
@@ -72,6 +76,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, DataError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a read-only or full cache, a failing disk: the message names the file
+        print(f"I/O error: {e} (check that the cache directory is writable and has free space)",
+              file=sys.stderr)
+        return 6
     return 0
 
 

@@ -115,7 +115,12 @@ def _fmt_time(s: float) -> str:
 
 
 class Progress:
-    """Progress display on stderr: a live bar on a terminal, periodic lines otherwise."""
+    """Progress display on stderr: a live bar on a terminal, periodic lines otherwise.
+
+    The ETA counts training steps only: the mean duration of the steps after the first one
+    of this process (``step_s`` of each `update`; the first includes the compilation), times
+    the steps left. It is shown from the second step of a process on.
+    """
 
     def __init__(self, total: int, *, mode: str = "auto", start: int = 0,
                  stream: TextIO | None = None, label: str = ""):
@@ -127,16 +132,28 @@ class Progress:
         self.every = max(1, total // 20)
         self.eval_loss: float | None = None
         self._open = False
+        self._timed_steps, self._timed_s = 0, 0.0  # the steps after the first, and their time
+
+    def eta_s(self, step: int) -> float | None:
+        """Seconds left after `step` at the mean duration of the steps timed so far (None
+        before any)."""
+        if not self._timed_steps:
+            return None
+        return self._timed_s / self._timed_steps * (self.total - step)
 
     def update(self, step: int, *, loss: float | None, tokens_per_s: float | None,
-               eval_loss: float | None = None, force: bool = False) -> None:
+               eval_loss: float | None = None, force: bool = False,
+               step_s: float | None = None) -> None:
+        """Shows `step` (done); `step_s`: how long it took (the ETA's input; the first step
+        of this process, which compiles, is not counted)."""
+        if step_s is not None and step > self.start + 1:
+            self._timed_steps, self._timed_s = self._timed_steps + 1, self._timed_s + step_s
         if self.mode == "off":
             return
         if eval_loss is not None:
             self.eval_loss = eval_loss
-        done = step - self.start
         elapsed = time.time() - self.t0
-        eta = elapsed / done * (self.total - step) if done > 0 else 0.0
+        eta = self.eta_s(step)
         parts = [f"{self.label}step {step}/{self.total}"]
         if loss is not None:
             parts.append(f"loss {loss:.4f}")
@@ -144,7 +161,9 @@ class Progress:
             parts.append(f"eval {self.eval_loss:.4f}")
         if tokens_per_s:
             parts.append(f"{tokens_per_s:,.0f} tok/s")
-        parts.append(f"{_fmt_time(elapsed)} elapsed, ETA {_fmt_time(eta)}")
+        parts.append(f"{_fmt_time(elapsed)} elapsed" + (
+            f", ETA {_fmt_time(eta)}" if eta is not None else
+            ", ETA after the next step" if step < self.total else ""))
         text = " | ".join(parts)
         if self.mode == "bar":
             width = 24

@@ -25,6 +25,13 @@ class RunSummary:
     the logged gradient norms (``train.diagnostics.dynamics.InstabilityDetector``;
     None if none). diagnostics: means of the numerics fields over the last quarter
     of the records (``diagnostics.enabled``; None without them).
+
+    A run resumed from a checkpoint is made of segments, one per process that trained it:
+    ``wall_time_s`` and ``tokens_per_s`` are the run's, over every segment up to ``steps``
+    (wall time summed; tokens/s over the steps after each segment's first, which compiles),
+    like metrics.jsonl's cumulative ``time_s``; ``segments`` lists each one (`segment_record`:
+    first_step, last_step, wall_time_s, tokens_per_s, steady_steps, steady_s). A segment
+    killed after its last checkpoint is counted up to that checkpoint.
     """
 
     status: str
@@ -49,6 +56,7 @@ class RunSummary:
     instability_step: int | None = None
     instability_kind: str | None = None
     diagnostics: dict[str, float] | None = None
+    segments: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -64,8 +72,28 @@ def read_summary(path: Path) -> RunSummary | None:
         return None
 
 
+def segment_record(*, first_step: int, last_step: int, wall_s: float, steady_steps: int,
+                   steady_s: float, tokens_per_step: int) -> dict[str, Any]:
+    """One segment of a run (one process's share): its steps, wall time (setup and compile
+    included) and tokens/s over its steps after the first (None with fewer than two)."""
+    return {"first_step": first_step, "last_step": last_step, "wall_time_s": round(wall_s, 3),
+            "tokens_per_s": (round(tokens_per_step * steady_steps / steady_s, 1)
+                             if steady_steps and steady_s > 0 else None),
+            "steady_steps": steady_steps, "steady_s": round(steady_s, 6)}
+
+
+def earlier_segments(meta: dict[str, Any], step: int) -> list[dict[str, Any]]:
+    """The segments a checkpoint of `step` records (its ``meta``); one segment from its
+    ``time_s`` for a checkpoint written before segments were recorded."""
+    segs = meta.get("segments")
+    if isinstance(segs, list) and segs:
+        return [dict(x) for x in segs]
+    return [segment_record(first_step=0, last_step=step, wall_s=float(meta.get("time_s", 0.0)),
+                           steady_steps=0, steady_s=0.0, tokens_per_step=1)]
+
+
 def summarize(config: Config, *, policy_name: str, status: str, message: str, step: int,
-              tokens_per_step: int, skipped: int, wall: float, tokens_per_s: float | None,
+              tokens_per_step: int, skipped: int, segments: list[dict[str, Any]],
               resumed: int | None, primary: bool) -> RunSummary:
     """The summary of the run in ``config.out_path`` from its metrics.jsonl.
 
@@ -83,6 +111,10 @@ def summarize(config: Config, *, policy_name: str, status: str, message: str, st
                 target_step, target_tokens = s, tok
                 break
     unstable = numerics.instability(recs)
+    wall = sum(float(x["wall_time_s"]) for x in segments)
+    steady_n = sum(int(x.get("steady_steps") or 0) for x in segments)
+    steady_s = sum(float(x.get("steady_s") or 0.0) for x in segments)
+    tokens_per_s = tokens_per_step * steady_n / steady_s if steady_n and steady_s > 0 else None
     plot_path = None
     if t.plot and primary and recs:
         title = f"{c.name} | policy {policy_name}"
@@ -99,7 +131,8 @@ def summarize(config: Config, *, policy_name: str, status: str, message: str, st
         out_dir=str(out), metrics_path=str(out / "metrics.jsonl"), plot_path=plot_path,
         checkpoint_dir=str(out / "checkpoints") if c.checkpoint.enabled else None,
         resumed_from=resumed, instability_step=unstable.event_step,
-        instability_kind=unstable.event_kind, diagnostics=numerics.diag_summary(recs) or None)
+        instability_kind=unstable.event_kind, diagnostics=numerics.diag_summary(recs) or None,
+        segments=segments)
     if primary:
         (out / "summary.json").write_text(json.dumps(s.to_dict(), indent=1))
     return s

@@ -21,7 +21,7 @@ from train.config import ConfigError
 from train.diagnostics import numerics as N
 from train.hooks import Hooks, StepContext
 from train.output.metrics import MetricsWriter, read_jsonl
-from train.output.summary import read_summary, summarize
+from train.output.summary import read_summary, segment_record, summarize
 
 
 def test_llama_slot_labels():
@@ -139,8 +139,9 @@ def _summary_of(tmp_path, grad_norms, **extra):
                  "grad_norm": g, **extra})
     w.close()
     return summarize(cfg, policy_name="none", status="completed", message="", step=len(grad_norms),
-                     tokens_per_step=1, skipped=0, wall=1.0, tokens_per_s=None, resumed=None,
-                     primary=True)
+                     tokens_per_step=1, skipped=0, resumed=None, primary=True,
+                     segments=[segment_record(first_step=0, last_step=len(grad_norms), wall_s=1.0,
+                                              steady_steps=0, steady_s=0.0, tokens_per_step=1)])
 
 
 def test_summary_names_the_instability_point(tmp_path):
