@@ -86,13 +86,21 @@ def _digest_start(seed: int, first_step: int, count: int):
     return h
 
 
+Log = Callable[[str], None]
+
+
 def _train(run: CompiledRun, policy: str, state: Any, batch_at: Callable[[int], np.ndarray],
            steps: int, seed: int, eval_at: Callable[[int], bool], *, first_step: int = 0,
-           digest_steps: int = 0, on_step: Callable[[int, Any], None] | None = None):
+           digest_steps: int = 0, on_step: Callable[[int, Any], None] | None = None,
+           log: Log | None = None):
     """Trains `state` for `steps` steps on ``batch_at(k)`` (read one at a time, so a long run
     holds one batch on the host); returns (state, per-step losses, [(k, exact eval)], digest of
-    the first `digest_steps` batches)."""
-    step_fn = run.train_step(study_policies.get(policy))
+    the first `digest_steps` batches, seconds spent compiling the train step: nonzero only
+    when this call compiled it, which `log` announces before and after)."""
+    pol = study_policies.get(policy)
+    compiles = not run.has_train_step(pol)
+    step_fn = run.train_step(pol)
+    compile_s = 0.0
     base = policy_base_key(seed)
     digest = _digest_start(seed, first_step, digest_steps)
     losses, curve = [], []
@@ -105,42 +113,56 @@ def _train(run: CompiledRun, policy: str, state: Any, batch_at: Callable[[int], 
             b = batch_at(k)
             if k < digest_steps:
                 digest.update(np.ascontiguousarray(b).tobytes())
+            if compiles and k == 0:
+                if log is not None:
+                    log(f"compiling the train step (policy {policy}, {run.n_params / 1e6:.2f}M "
+                        "params) ...")
+                tc = time.time()
             state, m = step_fn(state, run.put(b), base)
+            if compiles and k == 0:
+                compile_s = time.time() - tc
+                if log is not None:
+                    log(f"train step (policy {policy}) compiled in {compile_s:.1f} s")
             losses.append(m["loss"])
     if eval_at(steps):
         curve.append((steps, exact_eval(run, state["params"])))
     losses = [float(x) for x in fetch(losses)]
-    return state, losses, curve, digest.hexdigest()
+    return state, losses, curve, digest.hexdigest(), compile_s
 
 
 def fixed_budget_run(run: CompiledRun, policy: str, seed: int, steps: int, eval_every: int,
-                     save: Callable[[int, Any], None] | None = None) -> dict[str, Any]:
-    """One run of the fixed-budget ladder (see the module docstring)."""
+                     save: Callable[[int, Any], None] | None = None, *,
+                     log: Log | None = None) -> dict[str, Any]:
+    """One run of the fixed-budget ladder (see the module docstring); `log` announces a
+    compilation of the train step (its seconds are the record's ``compile_s``)."""
     t0 = time.time()
     state = run.init_state(seed)
     loader = run.loader(seed)
-    state, losses, curve, digest = _train(
+    state, losses, curve, digest, compile_s = _train(
         run, policy, state, loader.batch, steps, seed,
-        lambda k: k % eval_every == 0 or k == steps, digest_steps=steps, on_step=save)
+        lambda k: k % eval_every == 0 or k == steps, digest_steps=steps, on_step=save, log=log)
     own = run.evaluate(state["params"], study_policies.get(policy), policy_base_key(seed))
     return {"kind": "run", "policy": policy, "seed": seed, "steps": steps,
             "tokens_per_step": run.tokens_per_step,
             "curve": curve, "final_eval": curve[-1][1], "final_eval_own_forward": own,
             "train_loss": losses, "skipped": int(fetch(state["skipped"])),
-            "batch_digest": digest, "wall_s": round(time.time() - t0, 2)}
+            "batch_digest": digest, "wall_s": round(time.time() - t0, 2),
+            "compile_s": round(compile_s, 2)}
 
 
-def replay_state(run: CompiledRun, policy: str, seed: int, point: int, path: Path) -> None:
+def replay_state(run: CompiledRun, policy: str, seed: int, point: int, path: Path, *,
+                 log: Log | None = None) -> None:
     """Re-creates a reference state missing from `path` by replaying the reference run's
     first `point` steps (the same init, batches and keys, so the same state) and saves it."""
     state = run.init_state(seed)
-    state, _, _, _ = _train(run, policy, state, run.loader(seed).batch, point, seed,
-                            lambda k: False)
+    state, _, _, _, _ = _train(run, policy, state, run.loader(seed).batch, point, seed,
+                               lambda k: False, log=log)
     save_state(path, state, run, step=point)
 
 
 def branch(run: CompiledRun, policy: str, start: Any, seed: int, point: int, batch_set: int,
-           steps: int, pair_steps: int, eval_every: int | None = None) -> dict[str, Any]:
+           steps: int, pair_steps: int, eval_every: int | None = None, *,
+           log: Log | None = None) -> dict[str, Any]:
     """One branch: `steps` steps of `policy` from the reference state `start` at `point`.
 
     With `eval_every` (the exact branch) the held-out loss is evaluated every
@@ -151,12 +173,12 @@ def branch(run: CompiledRun, policy: str, start: Any, seed: int, point: int, bat
     t0 = time.time()
     loader = run.loader(batch_stream_seed(seed, batch_set))
     every = eval_every or steps
-    state, losses, curve, digest = _train(
+    state, losses, curve, digest, compile_s = _train(
         run, policy, start, lambda k: loader.batch(point + k), steps, seed,
         lambda k: k % every == 0 if eval_every else k == steps, first_step=point,
-        digest_steps=pair_steps)
+        digest_steps=pair_steps, log=log)
     return {"kind": "branch", "policy": policy, "seed": seed, "point": point,
             "batch_set": batch_set, "steps": steps, "curve": curve, "train_loss": losses,
             "skipped": int(fetch(state["skipped"])),
             "batch_digest": digest,
-            "wall_s": round(time.time() - t0, 2)}
+            "wall_s": round(time.time() - t0, 2), "compile_s": round(compile_s, 2)}

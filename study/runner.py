@@ -28,9 +28,11 @@ from train.run import CompiledRun
 __all__ = ["execute", "execute_chunk", "run_study"]
 
 
-def execute(cfg: SC.StudyConfig, run: CompiledRun, unit: Unit) -> float:
+def execute(cfg: SC.StudyConfig, run: CompiledRun, unit: Unit,
+            log: E.Log | None = None) -> tuple[float, float]:
     """Runs one unit on `run` (its width's compiled pieces) and writes its record; returns
-    its wall seconds."""
+    its wall seconds and the seconds of them spent compiling the train step (announced
+    through `log`)."""
     root = cfg.out_path
     t0 = time.time()
     if unit.kind == "run":
@@ -44,20 +46,20 @@ def execute(cfg: SC.StudyConfig, run: CompiledRun, unit: Unit) -> float:
         every = (cfg.eval_every if unit.policy in (cfg.reference, cfg.baseline)
                  else cfg.rung_eval_every)
         rec = E.fixed_budget_run(run, unit.policy, unit.seed, cfg.steps, every,
-                                 save if saving else None)
+                                 save if saving else None, log=log)
     else:
         spath = state_path(root, unit.width, unit.seed, unit.point)
         if not spath.exists():  # a branch point added after the reference run: replay it
-            E.replay_state(run, cfg.reference, unit.seed, unit.point, spath)
+            E.replay_state(run, cfg.reference, unit.seed, unit.point, spath, log=log)
         start = load_state(spath, run)
         exact = unit.policy == cfg.reference
         b = cfg.branch
         rec = E.branch(run, unit.policy, start, unit.seed, unit.point, unit.batch_set,
                        b.exact_steps if exact else b.steps, b.steps,
-                       b.exact_eval_every if exact else None)
+                       b.exact_eval_every if exact else None, log=log)
     rec.update(width=unit.width, n_params=run.n_params)
     E.write_json(unit.path(root), rec)
-    return time.time() - t0
+    return time.time() - t0, float(rec.get("compile_s", 0.0))
 
 
 def _log(verbose: bool, msg: str) -> None:
@@ -66,8 +68,9 @@ def _log(verbose: bool, msg: str) -> None:
 
 
 def execute_chunk(cfg_json: str, units: Sequence[Unit], verbose: bool,
-                  runs: dict[int, CompiledRun] | None = None) -> list[float]:
-    """Runs `units` (one width and policy: one compilation) in order; their wall seconds.
+                  runs: dict[int, CompiledRun] | None = None) -> list[tuple[float, float]]:
+    """Runs `units` (one width and policy: one compilation) in order; for each, its wall
+    seconds and the seconds of them spent compiling.
 
     `runs` (width -> CompiledRun) lets a sequential study share compiled pieces across chunks;
     a worker process builds its chunk's own (the persistent compilation cache serves what
@@ -79,8 +82,8 @@ def execute_chunk(cfg_json: str, units: Sequence[Unit], verbose: bool,
     for u in units:
         if u.width not in runs:
             runs[u.width] = E.make_run(SC.run_config(cfg, u.width))
-        wall = execute(cfg, runs[u.width], u)
-        walls.append(wall)
+        wall, compile_s = execute(cfg, runs[u.width], u, lambda m: _log(verbose, f"  {m}"))
+        walls.append((wall, compile_s))
         _log(verbose, f"  {u.label()}: {wall:.1f} s (pid {os.getpid()})")
     return walls
 
@@ -108,20 +111,27 @@ def run_study(cfg: SC.StudyConfig, *, verbose: bool = True) -> dict[str, Any]:
     cfg_json = json.dumps(SC.to_dict(cfg), sort_keys=True)
     runs: dict[int, CompiledRun] = {}  # this process's compiled pieces, per width
     t_start = time.time()
-    n_done = 0
+    n_done, unit_s, compile_s = 0, 0.0, 0.0
 
-    def progress(n: int) -> None:
-        nonlocal n_done
-        n_done += n
+    def progress(done: list[tuple[float, float]]) -> None:
+        # The estimate counts training only: the share of the units' time spent compiling
+        # (each width and policy once per process) is taken out of the elapsed time.
+        nonlocal n_done, unit_s, compile_s
+        n_done += len(done)
+        unit_s += sum(w for w, _ in done)
+        compile_s += sum(c for _, c in done)
         el = time.time() - t_start
-        _log(verbose, f"{n_done}/{len(todo)} units done, {el / 60:.1f} min elapsed, "
-             f"~{el / n_done * (len(todo) - n_done) / 60:.0f} min left")
+        steps_only = el * (1 - compile_s / unit_s) if unit_s > 0 else el
+        left = steps_only / n_done * (len(todo) - n_done)
+        _log(verbose, f"{n_done}/{len(todo)} units done, {el / 60:.1f} min elapsed "
+             f"({compile_s:.0f} s compiling), ~{left / 60:.0f} min of training left (plus the "
+             "compilation of policies not run yet)")
 
     for phase in (0, 1):
         groups = chunks([u for u in todo if u.phase == phase])
         if cfg.workers == 1 or len(groups) <= 1:
             for g in groups:
-                progress(len(execute_chunk(cfg_json, g, verbose, runs)))
+                progress(execute_chunk(cfg_json, g, verbose, runs))
             continue
         saved = {k: os.environ.get(k) for k in _worker_env()}
         os.environ.update(_worker_env())
@@ -130,7 +140,7 @@ def run_study(cfg: SC.StudyConfig, *, verbose: bool = True) -> dict[str, Any]:
             with cf.ProcessPoolExecutor(max_workers=cfg.workers, mp_context=ctx) as pool:
                 futures = [pool.submit(execute_chunk, cfg_json, g, verbose) for g in groups]
                 for fut in cf.as_completed(futures):
-                    progress(len(fut.result()))
+                    progress(fut.result())
         finally:
             for k, v in saved.items():
                 if v is None:

@@ -12,7 +12,7 @@ import yaml
 
 from mxjax import policies
 from train import config as cfgmod
-from train import loop
+from train import loop, memory
 from train.checkpoint import CheckpointError, CheckpointWriteError
 from train.config import ConfigError
 from train.data import DataError
@@ -59,6 +59,9 @@ exit codes:
       vocabulary); a checkpoint of the last good step is saved first
   8   --distributed: no cluster found, or not every process joined in
       mesh.init_timeout_s
+  9   out of device memory (one message: the memory estimate and what would fit;
+      the last checkpoint is intact). --check exits 2 when the estimate exceeds a
+      device's memory (docs/RELIABILITY.md)
   75  preempted: stopped by SIGTERM/SIGINT after saving a checkpoint
   130, 143  interrupted outside training, or by a second SIGINT/SIGTERM
 
@@ -115,13 +118,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             loop.init_distributed(cfg.mesh, verbose=not args.quiet)
         if args.check:
             plan = loop.validate(cfg, verbose=not args.quiet)
+            est = memory.for_plan(plan)
+            too_big = memory.over_budget(plan, est)
             print(json.dumps({
-                "ok": True, "out_dir": str(cfg.out_path), "policy": plan.policy_name,
+                "ok": too_big is None, "out_dir": str(cfg.out_path), "policy": plan.policy_name,
                 "mesh": dict(zip(("data", "fsdp", "tensor"), plan.mesh_axes)),
                 "vocab_size": plan.prepared.vocab_size, "prepared_data": str(plan.prepared.path),
                 "train_tokens": plan.prepared.meta["train_tokens"],
                 "val_tokens": plan.prepared.meta["val_tokens"],
-                "eval_batch": plan.eval_batch, "accum_steps": cfg.accum_steps}, indent=1))
+                "eval_batch": plan.eval_batch, "accum_steps": cfg.accum_steps,
+                "n_params": est.n_params, "memory_per_device": est.as_dict(),
+                "device_memory": memory.device_memory()[1], "fits": too_big is None}, indent=1))
+            if too_big:
+                raise ConfigError(f"memory: {too_big}")
             return 0
         summary = loop.run(cfg, verbose=not args.quiet)
     except ConfigError as e:
@@ -139,6 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DataError as e:
         print(f"data error: {e}", file=sys.stderr)
         return 7
+    except memory.RunOutOfMemory as e:
+        print(f"out of memory: {e}", file=sys.stderr)
+        return memory.OOM_EXIT
     except DistributedInitError as e:
         print(f"distributed setup error: {e}", file=sys.stderr)
         return INIT_TIMEOUT_EXIT

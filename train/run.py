@@ -81,6 +81,10 @@ class CompiledRun:
     def tokens_per_step(self) -> int:
         return self.config.train.global_batch * self.config.data.seq_len
 
+    def has_train_step(self, policy: PrecisionPolicy | None) -> bool:
+        """Whether `train_step` has built `policy`'s step already (its first call compiles)."""
+        return policy in self._train
+
     def train_step(self, policy: PrecisionPolicy | None) -> Callable[..., Any]:
         """``step(state, batch, policy_base) -> (state, metrics)`` under `policy`, jitted with
         the state's shardings (state donated); one compilation per policy."""

@@ -34,6 +34,7 @@ import yaml
 
 from models import sharding as shd
 from train import data as datamod
+from train import memory
 from train.checkpoint import Checkpointer, CheckpointWriteError
 from train.compat import check_compatible, fingerprint
 from train.config import ConfigError
@@ -138,6 +139,17 @@ class Trainer:
                 "config": c.to_dict(), "compat": fingerprint(self.plan), "segments": segments}
 
     def run(self) -> RunSummary:
+        """Trains (or resumes) the run; returns its summary. XLA's out-of-memory becomes a
+        `train.memory.RunOutOfMemory` naming the estimate and what would fit (the
+        checkpoints written before it are intact)."""
+        try:
+            return self._run()
+        except Exception as e:
+            if memory.is_out_of_memory(e):
+                raise memory.RunOutOfMemory(memory.out_of_memory_message(self.plan, e)) from None
+            raise
+
+    def _run(self) -> RunSummary:
         c, t = self.cfg, self.cfg.train
         t_start = time.time()
         ckpt = None
@@ -209,14 +221,21 @@ class Trainer:
         self._log(f"run dir {self.out} | model {self.n_params / 1e6:.2f}M params | policy "
                   f"{self.plan.policy_name} | mesh data={self.plan.mesh_axes[0]} "
                   f"fsdp={self.plan.mesh_axes[1]} tensor={self.plan.mesh_axes[2]} | "
-                  f"{len(self.train_seqs)} train sequences of {c.data.seq_len} tokens")
+                  f"{len(self.train_seqs)} train sequences of {c.data.seq_len} tokens | memory "
+                  f"estimate {memory.gib(memory.for_plan(self.plan).total)} per device")
         if resumed is None:
             mll.begin_init(mlperf.run_header(c, mlperf.plan_facts(
                 self.plan, train_samples=len(self.train_seqs),
                 config_filename=str(self.out / "config.yaml"))))
         with shd.use_mesh(self.mesh), StopSignals(log=self._log_here) as signals:
             if state is None:
-                state = self.compiled.init_state(c.seed)
+                try:
+                    state = self.compiled.init_state(c.seed)
+                except BaseException:  # e.g. out of memory: close the files (the loop
+                    writer.close()     # closes them once it runs)
+                    if ckpt is not None:
+                        ckpt.close()
+                    raise
                 mll.begin_run()
             return self._loop(state, start, resumed, skipped, time_off, t_start, ckpt, writer,
                               mll, signals, history)

@@ -1,0 +1,275 @@
+"""How much device memory a run needs: `estimate(...) -> MemoryEstimate`, and what fits.
+
+An estimate from the shapes alone (nothing is compiled), per device, of the four parts of a
+train step's memory:
+
+* parameters: fp32 master weights, split over ``fsdp`` (the embedding axis) and ``tensor``
+  (heads, MLP and vocabulary axes) where the sizes divide, as `models.sharding` lays them;
+* optimizer state: AdamW's two fp32 moments per parameter, laid out like the parameters;
+* gradients: one fp32 copy of the parameters, two with gradient accumulation (the
+  accumulator and the micro-batch's gradient);
+* activations: what the backward pass keeps per token of the micro-batch on the device
+  (``micro_batch / (data * fsdp)`` sequences): per decoder block the inputs of its GEMMs and
+  norms, the attention scores and probabilities (fp32, ``heads x seq_len`` per token) and the
+  MLP's three ``ffn_dim`` products; with remat (``model.overrides.remat: true``) only each
+  block's input, plus one block recomputed at a time. The fp32 logits and their gradient
+  (three ``vocab`` vectors per token) come on top.
+
+The estimate is an upper-end reckoning of what XLA keeps alive, not its buffer assignment:
+tests/train/test_memory.py checks it against ``compiled.memory_analysis()`` of the real
+train step on CPU (argument + output - aliased + temporary bytes) and holds it within a
+factor of 2 either way (docs/RELIABILITY.md). Precision policies add their quantized operand
+copies, which are short-lived; they are not counted.
+
+`device_memory()` says how much one device has (CPU: the host's available physical memory
+shared by its devices; GPU/TPU: ``memory_stats()['bytes_limit']``). `what_fits` lists the
+settings (remat, micro-batch, fsdp) under which the estimate fits a budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import jax
+
+from models.llama import LlamaConfig
+
+__all__ = ["OOM_EXIT", "MemoryEstimate", "RunOutOfMemory", "device_memory", "estimate", "for_plan",
+           "gib", "is_out_of_memory", "out_of_memory_message", "over_budget", "what_fits"]
+
+_F32 = 4
+
+
+def gib(n: float) -> str:
+    """Bytes as GiB (or MiB under one GiB), for messages."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """Bytes per device of one train step (see the module docstring); ``activations`` is
+    for the configured remat, ``activations_remat``/``activations_no_remat`` for both."""
+
+    n_params: int
+    params: int
+    optimizer: int
+    gradients: int
+    activations: int
+    activations_remat: int
+    activations_no_remat: int
+    remat: bool
+    sequences_per_device: int
+    mesh: tuple[int, int, int]
+
+    @property
+    def total(self) -> int:
+        return self.params + self.optimizer + self.gradients + self.activations
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-able figures (bytes, and the total in GiB)."""
+        return {"n_params": self.n_params, "params_bytes": self.params,
+                "optimizer_bytes": self.optimizer, "gradients_bytes": self.gradients,
+                "activations_bytes": self.activations,
+                "activations_bytes_with_remat": self.activations_remat,
+                "activations_bytes_without_remat": self.activations_no_remat,
+                "remat": self.remat, "sequences_per_device": self.sequences_per_device,
+                "total_bytes": self.total, "total_gib": round(self.total / 2**30, 3)}
+
+    def describe(self) -> str:
+        """One line: the total and its parts."""
+        other = "with" if not self.remat else "without"
+        alt = self.activations_remat if not self.remat else self.activations_no_remat
+        return (f"about {gib(self.total)} per device ({self.n_params / 1e6:,.1f}M params: "
+                f"parameters {gib(self.params)}, optimizer state {gib(self.optimizer)}, "
+                f"gradients {gib(self.gradients)}, activations {gib(self.activations)} "
+                f"for {self.sequences_per_device} sequence(s) per device, "
+                f"{'with' if self.remat else 'without'} remat; {gib(alt)} {other} remat)")
+
+
+def _split(n: int, ways: int) -> int:
+    """The size of one shard of an axis of `n` split `ways` ways (unsplit when it does not
+    divide, as `models.sharding` leaves such an axis replicated)."""
+    return n // ways if ways > 1 and n % ways == 0 else n
+
+
+def param_elements(mc: LlamaConfig, *, fsdp: int = 1, tensor: int = 1) -> int:
+    """Parameter elements on one device (all of them with fsdp = tensor = 1)."""
+    d, V, L = mc.dim, mc.vocab_size, mc.n_layers
+    hd = mc.head_dim
+    dd = _split(d, fsdp)
+    q = _split(mc.n_heads, tensor) * hd
+    kv = _split(mc.n_kv_heads, tensor) * hd
+    f = _split(mc.ffn_dim, tensor)
+    v = _split(V, tensor)
+    block = 2 * d + dd * (q + 2 * kv) + q * dd + 3 * dd * f
+    embed = v * dd * (1 if mc.tie_embeddings else 2)
+    return L * block + embed + d
+
+
+def _activation_bytes(mc: LlamaConfig, *, tokens: int, seq_len: int, tensor: int,
+                      dtype_bytes: int, remat: bool) -> int:
+    d, hd, s = mc.dim, mc.head_dim, dtype_bytes
+    h = _split(mc.n_heads, tensor)
+    kv = _split(mc.n_kv_heads, tensor)
+    f = _split(mc.ffn_dim, tensor)
+    v = _split(mc.vocab_size, tensor)
+    # per token of one block: residual in/out and norm outputs (6 d), q/k/v before and after
+    # RoPE, the attention output, fp32 scores + probabilities, the MLP's gate/up/act/product
+    block = s * (6 * d + (2 * h + 4 * kv) * hd + h * hd + 4 * f) + h * seq_len * (_F32 + s)
+    head = 3 * v * _F32 + 2 * d * s  # fp32 logits, log-softmax, their gradient; final norm
+    if remat:
+        kept = mc.n_layers * d * s + block  # block inputs, plus one block recomputed
+    else:
+        kept = mc.n_layers * block
+    return tokens * (kept + head)
+
+
+def estimate(mc: LlamaConfig, *, seq_len: int, micro_batch: int, accum_steps: int,
+             mesh: tuple[int, int, int]) -> MemoryEstimate:
+    """The `MemoryEstimate` of a train step of `mc` on sequences of `seq_len` tokens,
+    `micro_batch` sequences per forward/backward pass (split over data x fsdp),
+    `accum_steps` micro-batches per step, on a (data, fsdp, tensor) `mesh`."""
+    data, fsdp, tensor = mesh
+    per_dev = max(1, micro_batch // (data * fsdp))
+    p = param_elements(mc, fsdp=fsdp, tensor=tensor) * _F32
+    dtype_bytes = jax.numpy.dtype(mc.dtype).itemsize
+
+    def act(remat: bool) -> int:
+        return _activation_bytes(mc, tokens=per_dev * seq_len, seq_len=seq_len, tensor=tensor,
+                                 dtype_bytes=dtype_bytes, remat=remat)
+
+    a_remat, a_plain = act(True), act(False)
+    return MemoryEstimate(
+        n_params=param_elements(mc), params=p, optimizer=2 * p,
+        gradients=p * (2 if accum_steps > 1 else 1),
+        activations=a_remat if mc.remat else a_plain, activations_remat=a_remat,
+        activations_no_remat=a_plain, remat=bool(mc.remat), sequences_per_device=per_dev,
+        mesh=(data, fsdp, tensor))
+
+
+def _host_available_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def device_memory(device: jax.Device | None = None) -> tuple[int | None, str]:
+    """(bytes one device can hold, where the figure comes from); (None, why) when unknown.
+
+    CPU: the host's available physical memory (/proc/meminfo MemAvailable) divided among
+    its local CPU devices; GPU/TPU: ``device.memory_stats()['bytes_limit']``.
+    """
+    device = device or jax.local_devices()[0]
+    if device.platform == "cpu":
+        avail = _host_available_bytes()
+        if avail is None:
+            return None, "the host's available memory is unknown"
+        n = max(1, len(jax.local_devices(backend="cpu")))
+        return avail // n, (f"CPU: {gib(avail)} of physical memory available"
+                            + (f", shared by {n} devices" if n > 1 else ""))
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 (a backend without memory_stats)
+        stats = {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+        return None, f"{device.platform}: memory_stats() gives no bytes_limit"
+    return int(limit), f"{device.device_kind}: bytes_limit {gib(limit)}"
+
+
+def what_fits(mc: LlamaConfig, *, seq_len: int, global_batch: int, micro_batch: int,
+              mesh: tuple[int, int, int], budget: int) -> list[str]:
+    """Settings under which the estimate fits `budget` bytes per device, each as the
+    ``--set`` overrides that give it: remat; the largest micro-batch that fits (with the
+    current remat, then with remat); all data-parallel devices as fsdp. Empty if none does."""
+    data, fsdp, tensor = mesh
+    dp = data * fsdp
+    out = []
+
+    def fits(m: LlamaConfig, micro: int, msh: tuple[int, int, int]) -> bool:
+        return estimate(m, seq_len=seq_len, micro_batch=micro, accum_steps=global_batch // micro,
+                        mesh=msh).total <= budget
+
+    remat = dataclasses.replace(mc, remat=True)
+    if not mc.remat and fits(remat, micro_batch, mesh):
+        out.append("model.overrides.remat=true")
+    micros = [m for m in range(micro_batch - 1, 0, -1)
+              if global_batch % m == 0 and m % dp == 0]
+    for m_cfg, extra in ((mc, ""), (remat, " model.overrides.remat=true")):
+        if m_cfg is remat and mc.remat:
+            break
+        good = next((m for m in micros if fits(m_cfg, m, mesh)), None)
+        if good is not None:
+            out.append(f"train.micro_batch={good}{extra}")
+            break
+    if fsdp < dp and fits(mc, micro_batch, (1, dp, tensor)):
+        out.append(f"mesh.fsdp={dp} mesh.data=1")
+    elif fsdp < dp and not mc.remat and fits(remat, micro_batch, (1, dp, tensor)):
+        out.append(f"mesh.fsdp={dp} mesh.data=1 model.overrides.remat=true")
+    return out
+
+
+# --------------------------------------------------------------------------- a run's plan
+OOM_EXIT = 9  # the exit code of a run that ran out of device memory (docs/RELIABILITY.md)
+
+
+class RunOutOfMemory(RuntimeError):
+    """A run ran out of device memory; the message names the estimate and what would fit."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is XLA's out-of-memory (RESOURCE_EXHAUSTED, "Out of memory ...")."""
+    if not isinstance(error, jax.errors.JaxRuntimeError):
+        return False
+    text = str(error)
+    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text
+
+
+def for_plan(plan) -> MemoryEstimate:
+    """The estimate of a validated `train.plan.Plan`'s train step."""
+    c = plan.config
+    return estimate(plan.model_config, seq_len=c.data.seq_len,
+                    micro_batch=c.train.micro_batch or c.train.global_batch,
+                    accum_steps=c.accum_steps, mesh=plan.mesh_axes)
+
+
+def fit_advice(plan, budget: int) -> str:
+    """What would fit `budget` bytes per device, as a sentence naming the settings."""
+    c = plan.config
+    fits = what_fits(plan.model_config, seq_len=c.data.seq_len, global_batch=c.train.global_batch,
+                     micro_batch=c.train.micro_batch or c.train.global_batch,
+                     mesh=plan.mesh_axes, budget=budget)
+    if fits:
+        return "would fit: " + "; or ".join(f"--set {' --set '.join(f.split())}" for f in fits)
+    return ("nothing fits on these devices by remat, micro-batch or fsdp alone: use more "
+            "devices (mesh.fsdp), a shorter data.seq_len or a smaller model")
+
+
+def over_budget(plan, est: MemoryEstimate | None = None) -> str | None:
+    """A message when the estimate exceeds one device's memory (`device_memory`), else None."""
+    est = est or for_plan(plan)
+    budget, source = device_memory()
+    if budget is None or est.total <= budget:
+        return None
+    return (f"the train step needs {est.describe()}, more than a device has ({source}); "
+            + fit_advice(plan, budget))
+
+
+def out_of_memory_message(plan, error: BaseException) -> str:
+    """The one-line report of an out-of-memory `error` during `plan`'s run."""
+    est = for_plan(plan)
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    budget, source = device_memory()
+    advice = fit_advice(plan, budget) if budget else fit_advice(plan, max(1, est.total // 2))
+    return (f"out of device memory ({first[:300]}). Estimate: {est.describe()}; device: "
+            f"{source}. {advice[0].upper()}{advice[1:]}. The last checkpoint is intact: the "
+            "same command resumes from it once the settings fit.")
