@@ -77,8 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a read-only or full cache, a failing disk: the message names the file
-        print(f"I/O error: {e} (check that the cache directory is writable and has free space)",
-              file=sys.stderr)
+        print(f"I/O error: {e}", file=sys.stderr)
         return 6
     return 0
 

@@ -162,8 +162,8 @@ class Progress:
         if tokens_per_s:
             parts.append(f"{tokens_per_s:,.0f} tok/s")
         parts.append(f"{_fmt_time(elapsed)} elapsed" + (
-            f", ETA {_fmt_time(eta)}" if eta is not None else
-            ", ETA after the next step" if step < self.total else ""))
+            "" if step >= self.total else f", ETA {_fmt_time(eta)}" if eta is not None else
+            f", ETA from step {self.start + 2}"))
         text = " | ".join(parts)
         if self.mode == "bar":
             width = 24
