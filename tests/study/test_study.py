@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -233,13 +234,23 @@ def test_fixed_budget_tokens_are_read_off_the_baselines_curve():
     assert d["mean"] == pytest.approx(0.5) and d["separated"] is True
 
 
-def test_report_end_to_end_on_a_tiny_study(tmp_path, data_cache):
+def test_report_end_to_end_on_a_tiny_study(tmp_path, data_cache, capsys):
     # Same steps as the `bench` fixture: the reference's programs come from the persistent
     # compilation cache.
     cfg = SC.from_dict(_raw(tmp_path, data_cache, rungs=["fp8"], ablations=[],
                             branch={"points": [4], "late_from": 5, "steps": 2,
                                     "exact_steps": 4, "exact_eval_every": 2}))
-    rep = runner.run_study(cfg, verbose=False)
+    rep = runner.run_study(cfg, verbose=True)
+    # issue 37 item 5: each compilation is announced and timed; the estimate leaves it out
+    err = capsys.readouterr().err.splitlines()
+    for policy in ("none", "fp8"):
+        i = next(i for i, ln in enumerate(err)
+                 if ln.startswith(f"[study]   compiling the train step (policy {policy}, "))
+        assert re.fullmatch(rf"\[study\]   train step \(policy {policy}\) compiled in "
+                            r"\d+\.\d s", err[i + 1]), err[i:i + 2]
+    done = [ln for ln in err if " units done, " in ln]
+    assert done and all(re.search(r" min elapsed \(\d+ s compiling\), ~\d+ min of training "
+                                  "left", ln) for ln in done), done
     assert set(rep["branch"]["table"]) == {"fp8"}
     for name in ("ladder.md", "ladder.json", "ladder_overhead.png", "ladder_curves.png"):
         assert (tmp_path / name).stat().st_size > 0
