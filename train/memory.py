@@ -250,8 +250,18 @@ def fit_advice(plan, budget: int) -> str:
                      mesh=plan.mesh_axes, budget=budget)
     if fits:
         return "would fit: " + "; or ".join(f"--set {' --set '.join(f.split())}" for f in fits)
+    more = ""
+    mc = dataclasses.replace(plan.model_config, remat=True)
+    tensor = plan.mesh_axes[2]
+    for n in (2**k for k in range(1, 13)):
+        micro = max(n, c.train.micro_batch or c.train.global_batch)
+        if estimate(mc, seq_len=c.data.seq_len, micro_batch=micro, accum_steps=1,
+                    mesh=(1, n, tensor)).total <= budget:
+            more = (f" (about {n * tensor} devices of this size: --set mesh.fsdp={n} --set "
+                    "mesh.data=1 --set model.overrides.remat=true, one sequence per device)")
+            break
     return ("nothing fits on these devices by remat, micro-batch or fsdp alone: use more "
-            "devices (mesh.fsdp), a shorter data.seq_len or a smaller model")
+            f"devices{more}, a shorter data.seq_len or a smaller model")
 
 
 def over_budget(plan, est: MemoryEstimate | None = None) -> str | None:
