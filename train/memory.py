@@ -274,12 +274,12 @@ def over_budget(plan, est: MemoryEstimate | None = None) -> str | None:
             + fit_advice(plan, budget))
 
 
-def out_of_memory_message(plan, error: BaseException) -> str:
-    """The one-line report of an out-of-memory `error` during `plan`'s run."""
+def out_of_memory_message(plan, error: BaseException, saved: str) -> str:
+    """The one-line report of an out-of-memory `error` during `plan`'s run; `saved` says
+    what the run's checkpoints hold (a sentence)."""
     est = for_plan(plan)
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     budget, source = device_memory()
     advice = fit_advice(plan, budget) if budget else fit_advice(plan, max(1, est.total // 2))
     return (f"out of device memory ({first[:300]}). Estimate: {est.describe()}; device: "
-            f"{source}. {advice[0].upper()}{advice[1:]}. The last checkpoint is intact: the "
-            "same command resumes from it once the settings fit.")
+            f"{source}. {advice[0].upper()}{advice[1:]}. {saved}")

@@ -146,8 +146,24 @@ class Trainer:
             return self._run()
         except Exception as e:
             if memory.is_out_of_memory(e):
-                raise memory.RunOutOfMemory(memory.out_of_memory_message(self.plan, e)) from None
+                raise memory.RunOutOfMemory(memory.out_of_memory_message(
+                    self.plan, e, self._saved_note())) from None
             raise
+
+    def _saved_note(self) -> str:
+        """What the run directory holds to resume from (for an error message)."""
+        if not self.cfg.checkpoint.enabled:
+            return "Checkpoints are off (checkpoint.enabled: false): nothing to resume from."
+        d = self.out / "checkpoints"
+        try:
+            with Checkpointer(d, keep=self.cfg.checkpoint.keep) as ck:
+                latest = ck.latest_step()
+        except Exception:  # noqa: BLE001 (the message must not fail on a damaged directory)
+            latest = None
+        if latest is None:
+            return "No checkpoint was written before it: the same command starts over."
+        return (f"The checkpoint of step {latest} in {d} is intact: the same command resumes "
+                "from it once the settings fit.")
 
     def _run(self) -> RunSummary:
         c, t = self.cfg, self.cfg.train

@@ -138,7 +138,8 @@ def test_out_of_memory_is_exit_9_and_the_checkpoint_survives(tmp_path, data_cach
     assert e.value.__cause__ is None and e.value.__suppress_context__
     assert msg.startswith("out of device memory (RESOURCE_EXHAUSTED: Out of memory allocating")
     assert "Estimate: about " in msg and "per device" in msg
-    assert "The last checkpoint is intact" in msg
+    assert msg.endswith(f"The checkpoint of step 2 in {out}/checkpoints is intact: the same "
+                        "command resumes from it once the settings fit.")
     with Checkpointer(out / "checkpoints", keep=3) as ck:
         assert ck.steps() == [2]
     s = loop.run(cfg, verbose=False)
@@ -164,3 +165,4 @@ def test_cli_out_of_memory_is_one_line_and_exit_9(tmp_path, data_cache):
     assert lines[0].startswith("out of memory: out of device memory (")
     assert "Out of memory allocating" in lines[0]
     assert "Estimate: about " in lines[0] and "device: CPU: " in lines[0]
+    assert lines[0].endswith("No checkpoint was written before it: the same command starts over.")
