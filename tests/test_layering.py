@@ -76,7 +76,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     "train": (
         ("jsonsafe",),
         ("config",),
-        ("hooks", "process", "run_lock", "checkpoint", "optimizer", "preemption"),
+        ("hooks", "process", "run_lock", "checkpoint", "optimizer", "preemption", "memory"),
         ("data", "state", "diagnostics"),
         ("output", "plan", "step"),
         ("compat", "run"),
