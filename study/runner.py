@@ -123,9 +123,11 @@ def run_study(cfg: SC.StudyConfig, *, verbose: bool = True) -> dict[str, Any]:
         el = time.time() - t_start
         steps_only = el * (1 - compile_s / unit_s) if unit_s > 0 else el
         left = steps_only / n_done * (len(todo) - n_done)
+        when = f"{left:.0f} s" if left < 90 else f"{left / 60:.0f} min"
         _log(verbose, f"{n_done}/{len(todo)} units done, {el / 60:.1f} min elapsed "
-             f"({compile_s:.0f} s compiling), ~{left / 60:.0f} min of training left (plus the "
-             "compilation of policies not run yet)")
+             f"({compile_s:.0f} s compiling)" + (
+                 f", ~{when} of training left (plus compiling the policies not run yet)"
+                 if n_done < len(todo) else ""))
 
     for phase in (0, 1):
         groups = chunks([u for u in todo if u.phase == phase])
