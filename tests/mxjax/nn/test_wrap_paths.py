@@ -478,14 +478,39 @@ def test_when_no_rule_matches_wrap_warns_once_with_rules_and_paths():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jax.eval_shape(wrapped.apply, v, TOKENS)  # once per wrapped model
-        one = mnn.wrap(m, [mnn.Rule(path="model/up", policy="mxfp4_all"),
-                           mnn.Rule(path="up", policy="fp8")])
-        jax.eval_shape(one.apply, v, TOKENS)  # one rule matched: no warning
+        every = mnn.wrap(m, [mnn.Rule(path="up", policy="mxfp4_all"),
+                             mnn.Rule(path="down", policy="fp8")])
+        jax.eval_shape(every.apply, v, TOKENS)  # every rule matched: no warning
     rep = wrapped.last_report
     assert [r.path for r in rep.unused_rules] == ["model/up", "down"]
-    fn = mnn.wrap(lambda x: x @ x.T, mnn.Rule(path="nowhere", policy="bf16"))
+    fn = mnn.wrap(lambda x: x @ x.T, mnn.Rule(path="nowhere", policy="passthrough"))
     with pytest.warns(UserWarning, match=re.escape("'(root)' (activation, 1 dot)")):
         jax.eval_shape(fn, X)
+
+
+def test_a_rule_matching_nothing_warns_once_even_when_others_matched():
+    # issue 37 item 9: a typo in one rule's path was silent when another rule matched.
+    m = _LM()
+    v = m.init(jax.random.key(0), TOKENS)
+    wrapped = mnn.wrap(m, [mnn.Rule(path="dwon", policy=None),  # typo for 'down'
+                           mnn.Rule(path="up", policy="fp8", operands="activation"),
+                           mnn.Rule(path=".*", policy="mxfp4_all")])
+    with pytest.warns(UserWarning, match="2 rules matched no matmul") as caught:
+        jax.eval_shape(wrapped.apply, v, TOKENS)
+    assert len(caught) == 1
+    msg = str(caught[0].message)
+    assert "rule 0, Rule('dwon' -> unchanged, operands=weight): its path matches no " in msg
+    assert "nearest paths seen: 'down'" in msg  # difflib: the typo's nearest path first
+    assert "rule 1, Rule('up' -> fp8, operands=activation)" in msg
+    assert "of kind weight, not in its operands" in msg
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.eval_shape(wrapped.apply, v, TOKENS)  # once per wrapped model
+    shadowed = mnn.wrap(m, [mnn.Rule(path=".*", policy="fp8"),
+                            mnn.Rule(path="up", policy="mxfp4_all")])
+    with pytest.warns(UserWarning, match=re.escape(
+            "every dot_general it selects was taken by an earlier rule (rule 0: Rule('.*'")):
+        jax.eval_shape(shadowed.apply, v, TOKENS)
 
 
 # ----------------------------------------------------------------------------- op_name agreement
