@@ -68,7 +68,7 @@ class Rule:
         try:
             object.__setattr__(self, "policy", policies.resolve(self.policy))
         except (TypeError, ValueError) as e:
-            raise type(e)(f"Rule: {e}") from None
+            raise type(e)(f"Rule: policy: {str(e).removeprefix('policy:').lstrip()}") from None
         kinds = (self.operands,) if isinstance(self.operands, str) else self.operands
         if not isinstance(kinds, tuple) or not kinds or not all(
                 isinstance(k, str) and k in (*KINDS, "any") for k in kinds):
