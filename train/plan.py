@@ -55,7 +55,7 @@ def resolve_policy(
         raise ConfigError(f"policy: invalid policy dict ({type(e).__name__}: {e})") from None
     if pol is None:
         return None, "none", None
-    name = pol.name or (spec if isinstance(spec, str) else str(spec.get("name") or "custom"))
+    name = spec if isinstance(spec, str) else (pol.name or str(spec.get("name") or "custom"))
     check_backends(pol)
     return pol, name, jsonable(policies.to_dict(pol))
 
