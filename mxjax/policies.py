@@ -74,8 +74,8 @@ from mxjax.formats import BF16, FP8_E4M3, FP8_E5M2, MXFP4, NVFP4, Rounding, Scal
 from mxjax.recipes import GEMMS, GemmRecipe, Hadamard, OperandRecipe
 from mxjax.validation import check_keys
 
-__all__ = ["ALIASES", "PRESETS", "PrecisionPolicy", "canonical_name", "dot_general", "from_dict",
-           "get", "names", "resolve", "to_dict"]
+__all__ = ["ABLATIONS", "ALIASES", "PRESETS", "PrecisionPolicy", "canonical_name", "dot_general",
+           "from_dict", "get", "names", "resolve", "to_dict"]
 
 
 GemmSpec = GemmRecipe | OperandRecipe | F.Format | str | None
@@ -518,6 +518,15 @@ PRESETS: Mapping[str, Callable[[], PrecisionPolicy]] = types.MappingProxyType({
         nvfp4, tseng,
     )
 })
+
+# The ablation presets: each changes one thing (a GEMM, an operand, a rotation) of a ladder
+# preset, from the same GEMM recipes (sweeps over "every recipe" may skip them).
+ABLATIONS: tuple[str, ...] = (
+    "mxfp4_all_h16_fprop", "mxfp4_all_h16_dgrad", "mxfp4_all_h16_wgrad",
+    "mxfp4_wgrad_only", "mxfp4_wgrad_only_h16", "mxfp4_wgrad_only_rht16", "mxfp4_wgrad_only_h32",
+    "mxfp4_wgrad_only_dy", "mxfp4_wgrad_only_dy_h16", "mxfp4_wgrad_only_x",
+    "mxfp4_wgrad_only_x_h16", "passthrough_wgrad_h16",
+)
 
 # Former preset names -> current ones. Still accepted (with a DeprecationWarning naming the
 # new name); the policy they give carries the new name.

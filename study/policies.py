@@ -26,13 +26,8 @@ from mxjax import policies as presets
 RUNGS: tuple[str, ...] = ("fp8", "mxfp4_fprop", "mxfp4_fprop_dgrad", "mxfp4_all",
                           "mxfp4_all_sr", "mxfp4_all_rht16", "mxfp4_all_h16", "mxfp4_all_h32")
 
-# The ablations: library presets, in the order the study reports them.
-ABLATIONS: tuple[str, ...] = (
-    "mxfp4_all_h16_fprop", "mxfp4_all_h16_dgrad", "mxfp4_all_h16_wgrad",
-    "mxfp4_wgrad_only", "mxfp4_wgrad_only_h16", "mxfp4_wgrad_only_rht16", "mxfp4_wgrad_only_h32",
-    "mxfp4_wgrad_only_dy", "mxfp4_wgrad_only_dy_h16", "mxfp4_wgrad_only_x",
-    "mxfp4_wgrad_only_x_h16", "passthrough_wgrad_h16",
-)
+# The ablations: library presets (mxjax.policies.ABLATIONS), in the order the study reports.
+ABLATIONS: tuple[str, ...] = presets.ABLATIONS
 
 # The study's former names of its ablations -> the library presets they became.
 LEGACY: Mapping[str, str] = types.MappingProxyType({
