@@ -234,3 +234,14 @@ def test_rule_repr_is_short():
         warnings.simplefilter("ignore", DeprecationWarning)
         every = [mnn.Rule(path=".*", policy=n) for n in policies.names()]
     assert max(len(repr(r)) for r in every) < 100
+
+
+def test_preset_tables_list_every_preset_and_alias():
+    docs = (ROOT / "docs" / "policies.md").read_text()
+    for name in policies.names():
+        assert re.search(rf"^{name}\s", policies.__doc__, re.MULTILINE), name
+        assert f"| `{name}` |" in docs, name
+    for old, new in policies.ALIASES.items():
+        assert f"``{old}`` → ``{new}``" in policies.__doc__
+        assert f"`{old}` → `{new}`" in docs
+    assert set(policies.ABLATIONS) < set(policies.names())
