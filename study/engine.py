@@ -26,7 +26,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -88,11 +88,13 @@ def _digest_start(seed: int, first_step: int, count: int):
 
 def _train(run: CompiledRun, policy: str, state: Any, batch_at: Callable[[int], np.ndarray],
            steps: int, seed: int, eval_at: Callable[[int], bool], *, first_step: int = 0,
-           digest_steps: int = 0, on_step: Callable[[int, Any], None] | None = None):
+           digest_steps: int = 0, on_step: Callable[[int, Any], None] | None = None,
+           custom_policies: Mapping[str, Any] | None = None):
     """Trains `state` for `steps` steps on ``batch_at(k)`` (read one at a time, so a long run
     holds one batch on the host); returns (state, per-step losses, [(k, exact eval)], digest of
-    the first `digest_steps` batches)."""
-    step_fn = run.train_step(study_policies.get(policy))
+    the first `digest_steps` batches). `policy` is a study policy name (`custom_policies`:
+    the config's inline ones)."""
+    step_fn = run.train_step(study_policies.get(policy, custom_policies))
     base = policy_base_key(seed)
     digest = _digest_start(seed, first_step, digest_steps)
     losses, curve = [], []
@@ -114,15 +116,18 @@ def _train(run: CompiledRun, policy: str, state: Any, batch_at: Callable[[int], 
 
 
 def fixed_budget_run(run: CompiledRun, policy: str, seed: int, steps: int, eval_every: int,
-                     save: Callable[[int, Any], None] | None = None) -> dict[str, Any]:
+                     save: Callable[[int, Any], None] | None = None, *,
+                     custom_policies: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """One run of the fixed-budget ladder (see the module docstring)."""
     t0 = time.time()
     state = run.init_state(seed)
     loader = run.loader(seed)
     state, losses, curve, digest = _train(
         run, policy, state, loader.batch, steps, seed,
-        lambda k: k % eval_every == 0 or k == steps, digest_steps=steps, on_step=save)
-    own = run.evaluate(state["params"], study_policies.get(policy), policy_base_key(seed))
+        lambda k: k % eval_every == 0 or k == steps, digest_steps=steps, on_step=save,
+        custom_policies=custom_policies)
+    own = run.evaluate(state["params"], study_policies.get(policy, custom_policies),
+                       policy_base_key(seed))
     return {"kind": "run", "policy": policy, "seed": seed, "steps": steps,
             "tokens_per_step": run.tokens_per_step,
             "curve": curve, "final_eval": curve[-1][1], "final_eval_own_forward": own,
@@ -130,17 +135,19 @@ def fixed_budget_run(run: CompiledRun, policy: str, seed: int, steps: int, eval_
             "batch_digest": digest, "wall_s": round(time.time() - t0, 2)}
 
 
-def replay_state(run: CompiledRun, policy: str, seed: int, point: int, path: Path) -> None:
+def replay_state(run: CompiledRun, policy: str, seed: int, point: int, path: Path, *,
+                 custom_policies: Mapping[str, Any] | None = None) -> None:
     """Re-creates a reference state missing from `path` by replaying the reference run's
     first `point` steps (the same init, batches and keys, so the same state) and saves it."""
     state = run.init_state(seed)
     state, _, _, _ = _train(run, policy, state, run.loader(seed).batch, point, seed,
-                            lambda k: False)
+                            lambda k: False, custom_policies=custom_policies)
     save_state(path, state, run, step=point)
 
 
 def branch(run: CompiledRun, policy: str, start: Any, seed: int, point: int, batch_set: int,
-           steps: int, pair_steps: int, eval_every: int | None = None) -> dict[str, Any]:
+           steps: int, pair_steps: int, eval_every: int | None = None, *,
+           custom_policies: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """One branch: `steps` steps of `policy` from the reference state `start` at `point`.
 
     With `eval_every` (the exact branch) the held-out loss is evaluated every
@@ -154,7 +161,7 @@ def branch(run: CompiledRun, policy: str, start: Any, seed: int, point: int, bat
     state, losses, curve, digest = _train(
         run, policy, start, lambda k: loader.batch(point + k), steps, seed,
         lambda k: k % every == 0 if eval_every else k == steps, first_step=point,
-        digest_steps=pair_steps)
+        digest_steps=pair_steps, custom_policies=custom_policies)
     return {"kind": "branch", "policy": policy, "seed": seed, "point": point,
             "batch_set": batch_set, "steps": steps, "curve": curve, "train_loss": losses,
             "skipped": int(fetch(state["skipped"])),

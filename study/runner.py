@@ -44,17 +44,19 @@ def execute(cfg: SC.StudyConfig, run: CompiledRun, unit: Unit) -> float:
         every = (cfg.eval_every if unit.policy in (cfg.reference, cfg.baseline)
                  else cfg.rung_eval_every)
         rec = E.fixed_budget_run(run, unit.policy, unit.seed, cfg.steps, every,
-                                 save if saving else None)
+                                 save if saving else None, custom_policies=cfg.custom_policies)
     else:
         spath = state_path(root, unit.width, unit.seed, unit.point)
         if not spath.exists():  # a branch point added after the reference run: replay it
-            E.replay_state(run, cfg.reference, unit.seed, unit.point, spath)
+            E.replay_state(run, cfg.reference, unit.seed, unit.point, spath,
+                           custom_policies=cfg.custom_policies)
         start = load_state(spath, run)
         exact = unit.policy == cfg.reference
         b = cfg.branch
         rec = E.branch(run, unit.policy, start, unit.seed, unit.point, unit.batch_set,
                        b.exact_steps if exact else b.steps, b.steps,
-                       b.exact_eval_every if exact else None)
+                       b.exact_eval_every if exact else None,
+                       custom_policies=cfg.custom_policies)
     rec.update(width=unit.width, n_params=run.n_params)
     E.write_json(unit.path(root), rec)
     return time.time() - t0

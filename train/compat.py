@@ -27,12 +27,20 @@ def fingerprint(plan: Plan) -> dict[str, Any]:
     }
 
 
+def _comparable(key: str, value: Any) -> Any:
+    """A fingerprint entry as compared: a policy without its name (a policy is its recipes;
+    a renamed preset, e.g. mxfp4_wgrad_h16 -> mxfp4_all_h16_wgrad, resumes its runs)."""
+    if key == "policy" and isinstance(value, Mapping):
+        return {k: v for k, v in value.items() if k != "name"}
+    return value
+
+
 def check_compatible(meta: Mapping[str, Any], want: Mapping[str, Any], where: Path,
                      policy_name: str) -> None:
     """Raise IncompatibleCheckpointError listing what differs between a checkpoint's
     ``meta['compat']`` and this run's `fingerprint` (`want`)."""
     have = meta.get("compat", {})
-    diffs = [k for k, v in want.items() if have.get(k) != v]
+    diffs = [k for k, v in want.items() if _comparable(k, have.get(k)) != _comparable(k, v)]
     if not diffs:
         return
     lines = []

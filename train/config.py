@@ -196,8 +196,10 @@ class Config:
     seed: int = _field(0, "seed for init, data order and randomized-policy keys")
     out_dir: str | None = _field(None, "output directory (default runs/<name>)")
     policy: str | dict[str, Any] | None = dataclasses.field(default=None, metadata={
-        "help": "precision policy: preset name (see mxjax.policies.names()), a full policy "
-        "dict (mxjax.policies.to_dict format), or null for no policy"})
+        "help": "precision policy: what mxjax.policies.resolve takes: a preset name (see "
+        "mxjax.policies.names()), none or null for no policy, a policy dict "
+        "(mxjax.policies.to_dict format; from Python also a PrecisionPolicy, stored as its "
+        "dict)"})
     jax_cache_dir: str | None = _field(
         None, "persistent JAX compilation cache directory (re-runs, resumes and study runs "
         "skip recompiling; null: off)")
@@ -341,6 +343,12 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
     """Build and validate a `Config` from a nested mapping (as read from YAML)."""
     if not isinstance(raw, Mapping):
         raise ConfigError(f"config must be a mapping, got {type(raw).__name__}")
+    spec = raw.get("policy")
+    if spec is not None and not isinstance(spec, (str, Mapping)):
+        from mxjax import policies  # only for a policy object (the config module stays light)
+
+        if isinstance(spec, policies.PrecisionPolicy):  # stored as its dict (YAML/JSON-safe)
+            raw = {**raw, "policy": jsonable(policies.to_dict(spec))}
     cfg = expand_user(build(Config, raw))
     check(cfg)
     return cfg
