@@ -199,12 +199,12 @@ def test_wrap_reaches_flax_attention_whose_code_we_did_not_write():
     x = jax.random.normal(jax.random.key(1), (2, 16, 32))
     m = Block()
     v = m.init(jax.random.key(0), x)
-    wrapped = mnn.wrap(m, [mnn.Rule(path="attn", policy="bf16", operands="activation"),
+    wrapped = mnn.wrap(m, [mnn.Rule(path="attn", policy="passthrough", operands="activation"),
                            mnn.Rule(path=".*", policy="mxfp4_all")])
     y, grads = jax.jit(jax.value_and_grad(lambda v: jnp.sum(wrapped.apply(v, x) ** 2)))(v)
     rep = wrapped.last_report
     assert rep.modules == {"attn/query": "mxfp4_all", "attn/key": "mxfp4_all",
-                           "attn/value": "mxfp4_all", "attn": "bf16",
+                           "attn/value": "mxfp4_all", "attn": "passthrough",
                            "attn/out": "mxfp4_all", "ffn": "mxfp4_all"}
     assert sum(s.path == "attn" for s in rep.sites) == 2  # q·k and probs·v einsums
     y0 = jax.jit(lambda v: jnp.sum(m.apply(v, x) ** 2))(v)
@@ -287,13 +287,13 @@ def test_wrap_nnx_reaches_flax_attention_whose_code_we_did_not_write():
 
     x = jax.random.normal(jax.random.key(1), (2, 16, 32))
     model = Model(nnx.Rngs(0))
-    wrapped = mnn.wrap(model, [mnn.Rule(path=r"blocks/1/.*", policy="bf16", operands="any"),
+    wrapped = mnn.wrap(model, [mnn.Rule(path=r"blocks/1/.*", policy="passthrough", operands="any"),
                                mnn.Rule(path=r"blocks/0/(attn/\w+|ffn)", policy="mxfp4_all")])
     rep = wrapped.report(x)
-    expected = {f"blocks/{i}/{n}": ("mxfp4_all", "bf16")[i] for i in (0, 1)
+    expected = {f"blocks/{i}/{n}": ("mxfp4_all", "passthrough")[i] for i in (0, 1)
                 for n in ("attn/query", "attn/key", "attn/value", "attn/out", "ffn")}
     expected["blocks/0/attn"] = None  # the score einsums of block 0: no rule matched
-    expected["blocks/1/attn"] = "bf16"
+    expected["blocks/1/attn"] = "passthrough"
     assert rep.modules == expected
     assert sum(s.path == "blocks/0/attn" for s in rep.sites) == 2
     loss_fn = lambda m: jnp.sum(m(x) ** 2)
@@ -387,13 +387,13 @@ def test_wrap_reaches_dots_inside_cond_loops_custom_jvp_and_vmap():
 # ----------------------------------------------------------------------------- errors
 def test_wrap_and_rule_errors():
     with pytest.raises(ValueError, match="not a valid regular expression"):
-        mnn.Rule(path="(", policy="bf16")
+        mnn.Rule(path="(", policy="passthrough")
     with pytest.raises(ValueError, match="unknown preset"):
         mnn.Rule(path=".*", policy="mxfp44")
     with pytest.raises(TypeError, match="policy_or_rules"):
         mnn.wrap(LinenMLP(), [])
     with pytest.raises(TypeError, match="model"):
-        mnn.wrap(3, "bf16")
+        mnn.wrap(3, "passthrough")
     with pytest.raises(ValueError, match="'mxjax' stream"):
         mnn.wrap(NnxMLP(rngs=nnx.Rngs(0)), "tseng")
     with pytest.raises(ValueError, match="mxjax_key"):
