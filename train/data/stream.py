@@ -637,6 +637,9 @@ def check_stream(data: DataSection) -> list[Path]:
         raise ConfigError("data.val_sources: data.loader grain needs a validation file (e.g. "
                           "C4's c4-validation_24567exp.json); holding out part of the sources "
                           "is the prepared loader's")
+    if data.format == "text":
+        raise ConfigError("data.format: 'text' is data.loader prepared's; the grain loader reads "
+                          "JSON lines (C4) and parquet")
     files = resolve_sources(data.sources)
     vals = resolve_sources(data.val_sources, "data.val_sources")
     for what, group in (("data.sources", files), ("data.val_sources", vals)):

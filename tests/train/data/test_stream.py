@@ -247,17 +247,32 @@ def test_skip_needs_the_grain_loader(tmp_path):
         load(tmp_path, tmp_path, "data.on_bad_record=skip")
 
 
-def test_parquet_without_pyarrow_names_the_package(tmp_path):
-    try:
-        import pyarrow  # noqa: F401
-    except ImportError:
-        p = tmp_path / "part-0.parquet"
-        p.write_bytes(b"PAR1")
-        reader = stream.RecordReader()
-        with pytest.raises(ConfigError, match="needs the 'pyarrow' package"):
-            next(reader.records(str(p)))
-    else:
-        pytest.skip("pyarrow is installed")
+def test_parquet_without_pyarrow_names_the_package(tmp_path, monkeypatch):
+    p = tmp_path / "part-0.parquet"
+    p.write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # as if not installed
+    with pytest.raises(ConfigError, match="needs the 'pyarrow' package"):
+        next(stream.RecordReader().records(str(p)))
+
+
+def test_parquet_rows_are_documents(shards, tmp_path):
+    """A parquet shard's text column, row by row (rows counted as lines), resumable mid-file."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    docs = list(S.iter_documents(Path(_files(shards)[0])))
+    path = tmp_path / "train-00000.parquet"
+    pq.write_table(pa.table({"text": docs, "id": list(range(len(docs)))}), path,
+                   row_group_size=7)
+    got = list(stream.RecordReader().records(str(path)))
+    assert [t for _, t, _ in got] == docs and got[-1][0] == len(docs)
+    assert [t for _, t, _ in stream.RecordReader().records(str(path), 10)] == docs[10:]
+    ref = _spec(shards, [_files(shards)[0]])
+    a = stream.StreamLoader(ref, global_batch=2)
+    b = stream.StreamLoader(_spec(shards, [str(path)]), global_batch=2)
+    for s in range(6):
+        np.testing.assert_array_equal(a.batch(s), b.batch(s))
+    with pytest.raises(S.DataError, match="no column 'body'"):
+        next(stream.RecordReader(text_key="body").records(str(path)))
 
 
 # ------------------------------------------------------------ --check, validation set
