@@ -378,6 +378,32 @@ def test_prepared_and_grain_do_not_resume_each_other(grain_run, tmp_path, data_c
         loop.run(load(out, data_cache, "train.steps=9", *SETS), verbose=False)
 
 
+@pytest.mark.slow  # a training run (~10-25 s); the loader's error is tested above
+def test_a_bad_record_in_training_stops_with_a_checkpoint(shards, tmp_path, data_cache):
+    """A bad JSON line in the second shard the stream reads: the run stops at a step boundary
+    (status data_error) naming the file and line, with a checkpoint of the last step that
+    holds the loader's state before the failed batch."""
+    from train.checkpoint import Checkpointer
+
+    bad = tmp_path / "c4"
+    shutil.copytree(shards["dir"], bad)
+    files = sorted(bad.glob("c4-train.*.json.gz"))
+    second = files[int(epoch_permutation(len(files), 0, 0)[1])]  # seed 0: fast_sets' seed
+    with gzip.open(second, "rt") as f:
+        lines = f.read().splitlines(keepends=True)
+    lines[2] = "{not json\n"
+    second.write_bytes(gzip.compress("".join(lines).encode()))
+    data = {**shards, "dir": bad}
+    out = tmp_path / "run"
+    s = loop.run(load(out, data_cache, "train.steps=40", *SETS, *grain_sets(data)),
+                 verbose=False)
+    assert s.status == "data_error" and 0 < s.steps < 40, s.message
+    assert f"{second}: line 3: invalid JSON" in s.message
+    with Checkpointer(out / "checkpoints", keep=3) as ck:
+        meta = ck.read_meta(ck.latest_step())
+    assert ck.latest_step() == s.steps and meta["data_state"][0]["step"] == s.steps
+
+
 # ------------------------------------------------------------------ SIGTERM / SIGKILL (slow)
 
 def _spawn(args) -> subprocess.Popen:
@@ -402,7 +428,7 @@ def _when(proc, out, ready) -> None:
     raise AssertionError(f"the run ended first: {proc.communicate()[1][-2000:]}")
 
 
-@pytest.mark.slow  # three CLI runs with two tokenizer workers each, ~60 s
+@pytest.mark.slow  # three CLI runs with two tokenizer workers each, ~110 s on 2 busy cores
 def test_grain_sigterm_sigkill_resume(shards, tmp_path):
     steps = 16
 
