@@ -255,8 +255,15 @@ def test_two_processes_on_the_grain_loader_resume_exactly(tmp_path):
     assert [[r[f] for f in fields] for r in two_recs] == \
         [[r[f] for f in fields] for r in ref_recs]
     assert [r["step"] for r in two_recs] == list(range(1, STEPS + 1)) and 0 < preempted_at
+    # a real two-process case of the host split: each process's state is of its own shards,
+    # files[i::2] (disjoint and complete: tests/train/data/test_stream.py)
+    from train.data import stream
+
+    files = sorted(str(p) for p in (tmp_path / "c4").glob("c4-train.*-of-01024.json.gz"))
     states = two_meta["data_state"]
-    assert len(states) == 2 and states[0] != states[1] and states == ref_meta["data_state"]
+    assert [st["shards"] for st in states] == \
+        [stream.shards_digest(stream.host_shards(files, i, 2)) for i in range(2)]
+    assert states == ref_meta["data_state"]
     assert set(two_arrays) == set(ref_arrays)
     for k, a in ref_arrays.items():
         assert np.array_equal(a, two_arrays[k]), k

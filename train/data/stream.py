@@ -533,7 +533,12 @@ class StreamLoader:
             inner = self._iter().get_state()
         else:
             raise RuntimeError(f"no loader state for step {step} (next step {self._next})")
-        return {"version": STATE_VERSION, "step": int(step), "iterator": inner}
+        return {"version": STATE_VERSION, "step": int(step), "shards": self.shards_digest(),
+                "iterator": inner}
+
+    def shards_digest(self) -> str:
+        """A digest of this process's shard list (names, in order): which shards a state is of."""
+        return shards_digest(self.spec.files)
 
     def restore(self, state: dict[str, Any], step: int) -> None:
         """Continue the stream from `state` (a `state_for(step)` of the same setup)."""
@@ -543,6 +548,9 @@ class StreamLoader:
         if int(state["step"]) != step:
             raise DataError(f"the checkpoint's data-loader state is for step {state['step']}, "
                             f"not {step}")
+        if state.get("shards") != self.shards_digest():
+            raise DataError("the checkpoint's data-loader state is of another list of shards "
+                            "for this process; it cannot be resumed exactly")
         self.close()
         self._it = self._ds.__iter__()
         self._it.set_state(state["iterator"])
@@ -563,6 +571,11 @@ class StreamLoader:
         if it is not None:
             with contextlib.suppress(Exception):
                 _close_tree(it)
+
+
+def shards_digest(files: Sequence[str]) -> str:
+    """16 hex digits of SHA-256 over the shards' file names, in order."""
+    return hashlib.sha256("\n".join(Path(f).name for f in files).encode()).hexdigest()[:16]
 
 
 def _close_tree(it: Any) -> None:

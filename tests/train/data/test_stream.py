@@ -176,6 +176,15 @@ def test_restore_with_worker_processes(shards, workers):
     assert same == (workers == 1)
 
 
+def test_a_state_of_other_shards_is_refused(shards):
+    files = _files(shards)
+    a = stream.StreamLoader(_spec(shards, files[0::2]), global_batch=2)
+    a.batch(0)
+    b = stream.StreamLoader(_spec(shards, files[1::2]), global_batch=2)
+    with pytest.raises(S.DataError, match="another list of shards"):
+        b.restore(a.state_for(1), 1)
+
+
 def test_state_before_a_read_that_failed_is_kept(shards, tmp_path):
     """A data error while reading step s's batch: state_for(s) is the state before it (what
     the trainer checkpoints before stopping)."""
