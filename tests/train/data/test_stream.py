@@ -251,6 +251,21 @@ def test_skip_counts_bad_records_and_reports_them(shards, tmp_path, kind, capfd)
     assert again.bad_records == 1
 
 
+def test_streaming_settings_leave_the_prepared_cache_key_alone():
+    """The prepared directory's fingerprint (hence its data, and the losses of runs on it)
+    does not depend on the grain loader's settings: caches and checkpoints made before
+    these settings existed stay valid."""
+    import dataclasses
+
+    from train.config import DataSection
+    from train.data.cache import fingerprint
+
+    d = DataSection()
+    other = dataclasses.replace(d, loader="grain", workers=7, on_bad_record="skip")
+    assert fingerprint(d)["hash"] == fingerprint(other)["hash"]
+    assert not {"loader", "workers", "on_bad_record"} & set(fingerprint(d))
+
+
 def test_skip_needs_the_grain_loader(tmp_path):
     with pytest.raises(ConfigError, match="data.on_bad_record: 'skip' is data.loader grain's"):
         load(tmp_path, tmp_path, "data.on_bad_record=skip")
