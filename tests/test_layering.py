@@ -84,7 +84,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("loop",),
         ("__main__",),
     ),
-    "train.data": (("sources", "tokenizer"), ("cache", "loader"), ("__main__",)),
+    "train.data": (("sources", "tokenizer"), ("cache", "loader"), ("stream",), ("__main__",)),
     "train.output": (("metrics", "mlperf", "tensorboard_log"), ("summary",), ("previous",)),
     "train.diagnostics": (("dynamics",), ("numerics",)),
     #  - the policies and the statistics need nothing of the study; the config names the

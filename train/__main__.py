@@ -13,6 +13,7 @@ import yaml
 from mxjax import policies
 from train import config as cfgmod
 from train import loop
+from train import plan as plan_mod
 from train.checkpoint import CheckpointError, CheckpointWriteError
 from train.config import ConfigError
 from train.data import DataError
@@ -118,9 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps({
                 "ok": True, "out_dir": str(cfg.out_path), "policy": plan.policy_name,
                 "mesh": dict(zip(("data", "fsdp", "tensor"), plan.mesh_axes)),
-                "vocab_size": plan.prepared.vocab_size, "prepared_data": str(plan.prepared.path),
-                "train_tokens": plan.prepared.meta["train_tokens"],
-                "val_tokens": plan.prepared.meta["val_tokens"],
+                **plan_mod.data_facts(plan),
                 "eval_batch": plan.eval_batch, "accum_steps": cfg.accum_steps}, indent=1))
             return 0
         summary = loop.run(cfg, verbose=not args.quiet)

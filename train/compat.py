@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from train.checkpoint import IncompatibleCheckpointError
+from train.data import stream as stream_data
 from train.jsonsafe import jsonable
 from train.plan import Plan
 
@@ -14,11 +15,17 @@ from train.plan import Plan
 def fingerprint(plan: Plan) -> dict[str, Any]:
     """The parts of a run a checkpoint must agree with to be resumed (stored in its meta)."""
     c = plan.config
+    if plan.stream is None:
+        data = {"fingerprint": plan.prepared.meta["fingerprint"]["hash"],
+                "seq_len": c.data.seq_len}
+    else:  # the stream's order depends on its settings and on the number of processes
+        import jax
+
+        data = stream_data.stream_fingerprint(c.data, jax.process_count())
     return {
         "model": jsonable(plan.model_config),
         "policy": plan.policy_record,
-        "data": {"fingerprint": plan.prepared.meta["fingerprint"]["hash"],
-                 "seq_len": c.data.seq_len},
+        "data": data,
         "seed": c.seed,
         "optim": {**jsonable(c.optim), "decay_steps": c.decay_steps},
         "global_batch": c.train.global_batch,

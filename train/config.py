@@ -12,7 +12,7 @@ name the offending key)::
     model:   {preset, overrides, compute_dtype}
     data:    {sources, val_sources, format, text_key, split, holdout_every,
               holdout_block, max_docs, tokenizer, vocab_size, eos_token,
-              add_bos, seq_len, cache_dir}
+              add_bos, seq_len, cache_dir, loader, workers, on_bad_record}
     optim:   {lr, warmup_steps, decay_steps, final_lr_ratio, b1, b2, eps,
               weight_decay, clip_norm}
     train:   {steps, global_batch, micro_batch, eval_every, eval_sequences,
@@ -96,6 +96,19 @@ class DataSection:
     add_bos: bool = _field(False, "also put the tokenizer's BOS before each document")
     seq_len: int = _field(128, "tokens per training sequence")
     cache_dir: str = _field("data_cache", "where prepared token files are cached")
+    loader: Literal["prepared", "grain"] = _field(
+        "prepared", "'prepared': tokenize the sources once into a cached stream before step 0 "
+        "(python -m train.data prepare; small corpora). 'grain': stream the shards (C4 "
+        "json.gz, JSONL, parquet), tokenize in worker processes, pack on the fly, resume "
+        "exactly from the checkpoint (needs data.val_sources and a tokenizer.json; "
+        "docs/DATA.md)")
+    workers: int = _field(
+        4, "data.loader grain: tokenizer worker processes per host (0: in the training "
+        "process); part of the data order, so fixed for a run")
+    on_bad_record: Literal["error", "skip"] = _field(
+        "error", "data.loader grain: a corrupt gzip stream or bad JSON line stops the run "
+        "naming file and line ('error'), or is skipped, reported and counted in the "
+        "metrics as data_bad_records ('skip')")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -474,6 +487,13 @@ def check(cfg: Config) -> None:
     need(d.holdout_every >= 2, f"data.holdout_every must be >= 2, got {d.holdout_every}")
     need(d.holdout_block >= 1, f"data.holdout_block must be >= 1, got {d.holdout_block}")
     need(len(d.sources) >= 1, "data.sources must name at least one file")
+    need(d.workers >= 0, f"data.workers must be >= 0, got {d.workers}")
+    if d.loader == "prepared":
+        need(d.on_bad_record == "error", "data.on_bad_record: 'skip' is data.loader grain's; "
+             "the prepared loader checks every record and stops at a bad one")
+    else:
+        need(d.max_docs is None, "data.max_docs: not used by data.loader grain (it streams "
+             "the shards); remove it or list fewer files")
     if d.max_docs is not None:
         need(d.max_docs >= 1, f"data.max_docs must be >= 1, got {d.max_docs}")
     need(c.every >= 0, f"checkpoint.every must be >= 0, got {c.every}")

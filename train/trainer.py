@@ -128,7 +128,8 @@ class Trainer:
         return {"status": status, "samples": step * c.train.global_batch,
                 "tokens": step * self.tokens_per_step, "epoch": self.loader.epoch(step),
                 "skipped": skipped, "time_s": time_s, "policy_name": self.plan.policy_name,
-                "config": c.to_dict(), "compat": fingerprint(self.plan)}
+                "config": c.to_dict(), "compat": fingerprint(self.plan),
+                **self.compiled.loader_record(self.loader, step)}
 
     def run(self) -> RunSummary:
         c, t = self.cfg, self.cfg.train
@@ -159,6 +160,7 @@ class Trainer:
                 check_compatible(meta, fingerprint(self.plan), ckpt.directory,
                                  self.plan.policy_name)
                 state = ckpt.restore(latest, self.abs_state, meta)
+                self.compiled.restore_loader(self.loader, meta, latest)
             except BaseException:
                 ckpt.close()
                 raise
@@ -200,10 +202,10 @@ class Trainer:
         self._log(f"run dir {self.out} | model {self.n_params / 1e6:.2f}M params | policy "
                   f"{self.plan.policy_name} | mesh data={self.plan.mesh_axes[0]} "
                   f"fsdp={self.plan.mesh_axes[1]} tensor={self.plan.mesh_axes[2]} | "
-                  f"{len(self.train_seqs)} train sequences of {c.data.seq_len} tokens")
+                  f"{self.compiled.data_summary()}")
         if resumed is None:
             mll.begin_init(mlperf.run_header(c, mlperf.plan_facts(
-                self.plan, train_samples=len(self.train_seqs),
+                self.plan, train_samples=self.compiled.train_samples,
                 config_filename=str(self.out / "config.yaml"))))
         with shd.use_mesh(self.mesh), StopSignals(log=self._log_here) as signals:
             if state is None:
@@ -216,7 +218,8 @@ class Trainer:
         rec = {"step": step, "tokens": step * self.tokens_per_step, "loss": None,
                "eval_loss": None, "lr": None, "grad_norm": None, "tokens_per_s": None,
                "skipped_steps": 0, "policy": self.plan.policy_name,
-               "epoch": round(self.loader.epoch(step), 4)}
+               "epoch": round(self.loader.epoch(step), 4),
+               **self.compiled.loader_metrics(self.loader)}
         rec.update(kw)
         return rec
 
@@ -319,6 +322,7 @@ class Trainer:
                 if stop:
                     break
         finally:
+            self.loader.close()
             prog.close()
             writer.close()
             if ckpt is not None:

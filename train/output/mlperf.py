@@ -107,7 +107,8 @@ class RunFacts:
     activation dtype. quantized_attention: whether the attention GEMMs run under
     the policy. tensor_parallelism: the mesh's tensor axis. micro_batch_per_replica:
     sequences per forward pass on one data-parallel replica. train_samples:
-    sequences in the training split. platform: e.g. '8xNVIDIA H200'.
+    sequences in the training split (None for a streamed corpus: not counted).
+    platform: e.g. '8xNVIDIA H200'.
     config_filename: where the run's resolved config was written.
     """
 
@@ -117,7 +118,7 @@ class RunFacts:
     quantized_attention: bool
     tensor_parallelism: int
     micro_batch_per_replica: int
-    train_samples: int
+    train_samples: int | None
     platform: str
     config_filename: str
 
@@ -176,7 +177,7 @@ def run_header(config: Any, facts: RunFacts) -> list[tuple[str, Any]]:
     ]
 
 
-def plan_facts(plan: Any, *, train_samples: int, config_filename: str) -> RunFacts:
+def plan_facts(plan: Any, *, train_samples: int | None, config_filename: str) -> RunFacts:
     """`RunFacts` of a validated `train.plan.Plan` on this process's devices.
 
     The platform is ``mlperf.platform`` or ``'<device count>x<device kind>'``.
