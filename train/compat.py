@@ -14,7 +14,9 @@ from train.plan import Plan
 def fingerprint(plan: Plan) -> dict[str, Any]:
     """The parts of a run a checkpoint must agree with to be resumed (stored in its meta)."""
     c = plan.config
+    init = {"init_from": c.model.init_from} if c.model.init_from is not None else {}
     return {
+        **init,  # only when set: checkpoints of runs without it stay resumable
         "model": jsonable(plan.model_config),
         "policy": plan.policy_record,
         "data": {"fingerprint": plan.prepared.meta["fingerprint"]["hash"],
