@@ -36,6 +36,7 @@ from models.hf_config import (
     CONFIG_FILE,
     config_from_hf,
     config_to_hf,
+    hf_max_position_embeddings,
     read_hf_config,
     read_json_object,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "config_from_hf",
     "config_to_hf",
     "export_hf",
+    "hf_max_position_embeddings",
     "hf_tensor_names",
     "load_hf",
     "load_hf_weights",
@@ -342,7 +344,8 @@ def export_hf(model: Llama, out_dir: str, *, layout: HFLayout | None = None,
     all fits), with the config.json of :func:`config_to_hf`.
 
     ``generation_config``: the ``generation_config.json`` to write (default: the
-    layout's, if any; none without a layout). ``hf_config_extra``: further
+    layout's, if any; none without a layout, which leaves a file of that name in
+    ``out_dir`` as it is, like the tokenizer's files). ``hf_config_extra``: further
     config.json fields, e.g. ``{"bos_token_id": 1, "eos_token_id": 2}``; a field
     that describes the architecture (one :func:`config_to_hf` writes) is refused.
 
@@ -441,8 +444,7 @@ def export_hf(model: Llama, out_dir: str, *, layout: HFLayout | None = None,
         raise
     # Commit: the old checkpoint stops being loadable, then the new one's files
     # land with its index (or single file) last.
-    stale = (INDEX_FILE, SINGLE_FILE, *(() if extra_files else (GENERATION_CONFIG_FILE,)))
-    for marker in stale:  # (an old generation_config.json belongs to the old checkpoint)
+    for marker in (INDEX_FILE, SINGLE_FILE):
         if os.path.lexists(os.path.join(out_dir, marker)):
             os.remove(os.path.join(out_dir, marker))
     written = []
