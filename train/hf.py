@@ -173,7 +173,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     if out.resolve() == run.resolve() or ckdir.resolve() in (out.resolve(), *out.resolve().parents):
         raise ExportError(f"OUT_DIR {out} is the run directory or inside its checkpoints/; "
                           "export elsewhere")
-    with Checkpointer(ckdir, keep=1, async_save=False) as ckpt:
+    with Checkpointer(ckdir, keep=1, async_save=False, read_only=True) as ckpt:
         steps = ckpt.steps()
         if not steps:
             raise ExportError(f"{ckdir} holds no complete checkpoint")

@@ -52,7 +52,7 @@ def exported(run_a, tmp_path_factory):
 
 def _checkpoint_params(run_dir, step):
     """{dotted param key: array} restored straight from the run's checkpoint."""
-    with Checkpointer(run_dir / "checkpoints", keep=1, async_save=False) as ck:
+    with Checkpointer(run_dir / "checkpoints", keep=1, async_save=False, read_only=True) as ck:
         meta = ck.read_meta(step)
         dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         like = {k: jax.ShapeDtypeStruct(tuple(s), jnp.dtype(d), sharding=dev)
@@ -100,6 +100,22 @@ def test_export_files_and_bitwise_round_trip(run_a, exported):
     tc = json.loads((exported / "tokenizer_config.json").read_text())
     assert tc["eos_token"] == "<|endoftext|>"
     assert layout.generation_config == gen
+
+
+def test_export_leaves_a_live_runs_save_alone(run_a, tmp_path):
+    """The temporary directory of a save in progress (a live run's) survives an export;
+    orbax's manager, opened to write, deletes it."""
+    cfg, _ = run_a
+    tmp = cfg.out_path / "checkpoints" / "5.orbax-checkpoint-tmp-1796000000"
+    tmp.mkdir()
+    (tmp / "partial").write_text("x")
+    try:
+        assert thf.export_run(cfg.out_path, tmp_path / "hf").step == 1
+        assert (tmp / "partial").is_file()
+        Checkpointer(cfg.out_path / "checkpoints", keep=3, async_save=False).close()
+        assert not tmp.exists()  # what a writing manager does (so the check above can fail)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_transformers_logits_of_an_export(exported):
@@ -176,6 +192,7 @@ def _fast(out, cache):
     return fast_sets(out, cache)
 
 
+@pytest.mark.long
 def test_init_from_an_export_then_resume_without_it(run_a, exported, data_cache, tmp_path):
     cfg_a, sum_a = run_a
     hf_dir = tmp_path / "hf"
