@@ -100,7 +100,7 @@ def _find_prepared(meta: Mapping[str, Any]) -> Path | None:
     """
     want = ((meta.get("compat") or {}).get("data") or {}).get("fingerprint")
     cache = ((meta.get("config") or {}).get("data") or {}).get("cache_dir")
-    if not want or not cache or not Path(cache).is_dir():
+    if not isinstance(want, str) or not cache or not Path(cache).is_dir():
         return None
     for d in sorted(Path(cache).glob(f"*-{want[:12]}")):
         try:
@@ -112,30 +112,64 @@ def _find_prepared(meta: Mapping[str, Any]) -> Path | None:
     return None
 
 
-def _write_tokenizer(meta: Mapping[str, Any], prepared: Path, out_dir: Path,
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _RunTokenizer:
+    """The run's tokenizer file, where it was found, and its EOS/BOS."""
+
+    path: Path
+    source: str
+    eos_token: str
+    eos_id: int
+    bos_token: str | None
+    bos_id: int | None
+
+
+def _run_tokenizer(meta: Mapping[str, Any]) -> _RunTokenizer | str:
+    """The run's tokenizer: the copy in its prepared data (the exact file it used: the
+    trained BPE, or its copy of an HF tokenizer.json), else the HF tokenizer.json its
+    config names; a str saying why there is none."""
+    from train.data.tokenizer import TokenizerError, load_hf
+
+    data = (meta.get("config") or {}).get("data") or {}
+    spec = data.get("tokenizer", "bpe")
+    prepared = _find_prepared(meta)
+    if prepared is not None:
+        path, source = prepared / TOKENIZER_FILE, f"the run's prepared data {prepared}"
+    elif spec != "bpe" and Path(spec).is_file():
+        path, source = Path(spec), f"data.tokenizer {spec}"
+    else:
+        return ("not exported: the run's prepared data (its BPE tokenizer) is gone from "
+                f"data.cache_dir {data.get('cache_dir')!r} (a relative path is read from the "
+                "current directory); prepare it again (python -m train.data prepare --config "
+                "RUN_DIR/config.yaml) and export again")
+    try:
+        tok = load_hf(path, eos_token=data.get("eos_token"), add_bos=bool(data.get("add_bos")))
+    except TokenizerError as e:
+        return f"not exported: {e}"
+    bos = tok.tok.id_to_token(tok.bos_id) if tok.bos_id is not None else None
+    return _RunTokenizer(path=path, source=source, eos_token=tok.eos_token, eos_id=tok.eos_id,
+                         bos_token=bos, bos_id=tok.bos_id)
+
+
+def _write_tokenizer(meta: Mapping[str, Any], tok: _RunTokenizer, out_dir: Path,
                      seq_len: int) -> list[str]:
     """Copy the run's tokenizer.json; add the HF tokenizer's own side files when the run
     used an HF tokenizer that has them, else write a tokenizer_config.json for
     ``transformers.PreTrainedTokenizerFast``."""
-    pm = json.loads((prepared / "meta.json").read_text())
     written = []
-    shutil.copyfile(prepared / TOKENIZER_FILE, out_dir / TOKENIZER_FILE)
+    shutil.copyfile(tok.path, out_dir / TOKENIZER_FILE)
     written.append(str(out_dir / TOKENIZER_FILE))
-    source = ((meta.get("config") or {}).get("data") or {}).get("tokenizer", "bpe")
-    side = [Path(source).parent / f for f in _TOKENIZER_SIDE_FILES] if source != "bpe" else []
+    spec = ((meta.get("config") or {}).get("data") or {}).get("tokenizer", "bpe")
+    side = [Path(spec).parent / f for f in _TOKENIZER_SIDE_FILES] if spec != "bpe" else []
     side = [p for p in side if p.is_file()]
     if any(p.name == TOKENIZER_CONFIG_FILE for p in side):
         for p in side:
             shutil.copyfile(p, out_dir / p.name)
             written.append(str(out_dir / p.name))
         return written
-    bos = None
-    if pm.get("bos_id") is not None:
-        from tokenizers import Tokenizer
-
-        bos = Tokenizer.from_file(str(prepared / TOKENIZER_FILE)).id_to_token(int(pm["bos_id"]))
-    tc = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": pm["eos_token"],
-          "bos_token": bos, "model_max_length": seq_len, "clean_up_tokenization_spaces": False}
+    tc = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eos_token,
+          "bos_token": tok.bos_token, "model_max_length": seq_len,
+          "clean_up_tokenization_spaces": False}
     (out_dir / TOKENIZER_CONFIG_FILE).write_text(json.dumps(tc, indent=2))
     written.append(str(out_dir / TOKENIZER_CONFIG_FILE))
     return written
@@ -201,27 +235,22 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     nnx.update(model, pstate)
     del flat
 
-    prepared = _find_prepared(meta)
+    tok = _run_tokenizer(meta)
     seq_len = int(((meta.get("config") or {}).get("data") or {}).get("seq_len") or mc.max_seq_len)
     extra: dict[str, Any] = {}
-    gen: dict[str, Any] = {"_from_model_config": True}
-    if prepared is not None:
-        pm = json.loads((prepared / "meta.json").read_text())
-        ids = {"eos_token_id": pm.get("eos_id"), "bos_token_id": pm.get("bos_id")}
+    if not isinstance(tok, str):
+        ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
         extra = {k: v for k, v in ids.items() if v is not None}
-        gen.update(extra)
+    gen = {"_from_model_config": True, **extra}
     out.mkdir(parents=True, exist_ok=True)
     files = mhf.export_hf(model, str(out), dtype=dtype, generation_config=gen,
                           hf_config_extra=extra)
-    if prepared is not None:
-        files += _write_tokenizer(meta, prepared, out, seq_len)
-        tok = f"tokenizer: {TOKENIZER_FILE} from {prepared}"
+    if isinstance(tok, str):
+        note = f"tokenizer: {tok}"
     else:
-        tok = ("tokenizer: not exported: the run's prepared data (under data.cache_dir "
-               f"{((meta.get('config') or {}).get('data') or {}).get('cache_dir')!r}, read from "
-               "the current directory) is gone; prepare it again (python -m train.data prepare "
-               "--config <the run's config.yaml>) and export again, or copy its tokenizer.json")
-    return ExportResult(step=step, out_dir=out, files=tuple(files), tokenizer=tok)
+        files += _write_tokenizer(meta, tok, out, seq_len)
+        note = f"tokenizer: {TOKENIZER_FILE} from {tok.source}"
+    return ExportResult(step=step, out_dir=out, files=tuple(files), tokenizer=note)
 
 
 # --------------------------------------------------------------------------- init_from

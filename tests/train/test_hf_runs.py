@@ -118,6 +118,16 @@ def test_export_leaves_a_live_runs_save_alone(run_a, tmp_path):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def test_export_without_the_prepared_data_says_so(tmp_path):
+    """A BPE run whose prepared data is gone (or a run whose data record names no prepared
+    directory) exports no tokenizer, and the note says how to get one."""
+    for fp in ("ab" * 32, {"stream": "settings"}):
+        meta = {"config": {"data": {"cache_dir": str(tmp_path), "tokenizer": "bpe"}},
+                "compat": {"data": {"fingerprint": fp}}}
+        why = thf._run_tokenizer(meta)
+        assert isinstance(why, str) and why.startswith("not exported") and "prepare" in why
+
+
 def test_transformers_logits_of_an_export(exported):
     """Only where torch and transformers are importable (not the project's venv)."""
     torch = pytest.importorskip("torch")
