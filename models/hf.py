@@ -11,7 +11,11 @@ half-split ``rotate_half`` RoPE convention, so q/k rows load unpermuted.
 Per-layer tensors are stacked along the model's leading ``layers`` axis.
 
     model, layout = load_hf("path/to/Llama-3.1-8B")          # fp32 params
-    export_hf(model, "out_dir", layout=layout)                # same files/names/dtypes
+    export_hf(model, "out_dir", layout=layout)                # same files/names/dtypes,
+                                                              # config and generation config
+
+A training run's checkpoint goes out with ``python -m train export-hf`` and HF
+weights start a run with ``model.init_from`` (``train/hf.py``, docs/HF.md).
 """
 
 from __future__ import annotations
