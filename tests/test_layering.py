@@ -73,14 +73,16 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     #    them (data, state layout, diagnostics hooks, checkpoints, optimizer); the plan
     #    (config + data validated), the traced step and what a run writes; then the
     #    compiled run (CompiledRun), the host loop (trainer), `loop.run` and the CLI.
-    #  - hf (runs <-> HF checkpoints: export, model.init_from) needs the config and the
-    #    checkpoints; the plan checks init_from with it, the compiled run loads it.
+    #  - hf (runs <-> HF checkpoints: export, model.init_from) needs the config, the
+    #    checkpoints and the data's tokenizer; the plan checks init_from with it, the
+    #    compiled run loads it.
     #    commands (the CLI's export-hf and mlperf-check) sit beside loop.
     "train": (
         ("jsonsafe",),
         ("config",),
         ("hooks", "process", "run_lock", "checkpoint", "optimizer", "preemption"),
-        ("data", "state", "diagnostics", "hf"),
+        ("data", "state", "diagnostics"),
+        ("hf",),
         ("output", "plan", "step"),
         ("compat", "run"),
         ("trainer",),
