@@ -330,7 +330,7 @@ def test_the_checker_sees_function_level_and_relative_imports(tmp_path, monkeypa
      r"mxjax.gemm -> models.llama"),
     # inside train: the config above the plan; inside train.data: sources above cache
     ("train.config", "from train.plan import validate\n", test_imports_follow_the_layer_order,
-     r"train.config -> train.plan \(config is in layer 1 of train, plan in 4\)"),
+     r"train.config -> train.plan \(config is in layer 1 of train, plan in 5\)"),
     ("train.data.sources", "from .cache import prepare\n", test_imports_follow_the_layer_order,
      r"train.data.sources -> train.data.cache \(sources is in layer 0 of train.data"),
     # a unit inside a package importing its own facade; two units of one layer
