@@ -22,7 +22,9 @@ def fingerprint(plan: Plan) -> dict[str, Any]:
         import jax
 
         data = stream_data.stream_fingerprint(c.data, jax.process_count())
+    init = {"init_from": c.model.init_from} if c.model.init_from is not None else {}
     return {
+        **init,  # only when set: checkpoints of runs without it stay resumable
         "model": jsonable(plan.model_config),
         "policy": plan.policy_record,
         "data": data,

@@ -9,7 +9,7 @@ name the offending key)::
     out_dir: null              # default runs/<name>
     jax_cache_dir: null        # persistent compilation cache
     policy: mxfp4_all_h16      # a preset name, a full policy dict, or null (no policy)
-    model:   {preset, overrides, compute_dtype}
+    model:   {preset, overrides, compute_dtype, init_from}
     data:    {sources, val_sources, format, text_key, split, holdout_every,
               holdout_block, max_docs, tokenizer, vocab_size, eos_token,
               add_bos, seq_len, cache_dir, loader, workers, on_bad_record}
@@ -64,6 +64,12 @@ class ModelSection:
         "defaults to the tokenizer's vocabulary size for the tiny preset"})
     compute_dtype: Literal["float32", "bfloat16", "float16"] = _field(
         "float32", "activation/compute dtype; master weights are always float32")
+    init_from: str | None = _field(
+        None, "a Hugging Face Llama checkpoint directory (config.json + safetensors) whose "
+        "weights start the run (continued pretraining): its architecture must match the "
+        "model's (checked, naming each differing field); its weights become the fp32 master "
+        "weights; the optimizer starts fresh. A resumed run continues from its own "
+        "checkpoint, not from these weights. See docs/HF.md")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -369,7 +375,7 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
 
 def expand_user(cfg: Config) -> Config:
     """`cfg` with ``~`` expanded in every path setting (out_dir, jax_cache_dir,
-    data.cache_dir, data.tokenizer, data.sources, data.val_sources).
+    data.cache_dir, data.tokenizer, data.sources, data.val_sources, model.init_from).
 
     Expanded once here, so every consumer (and config.yaml) sees the real path
     rather than a directory literally named ``~`` in the working directory.
@@ -384,7 +390,8 @@ def expand_user(cfg: Config) -> Config:
         sources=tuple(s if s.startswith("embedded:") else ex(s) for s in d.sources),
         val_sources=tuple(s if s.startswith("embedded:") else ex(s) for s in d.val_sources))
     return dataclasses.replace(cfg, out_dir=ex(cfg.out_dir), jax_cache_dir=ex(cfg.jax_cache_dir),
-                               data=data)
+                               data=data, model=dataclasses.replace(
+                                   cfg.model, init_from=ex(cfg.model.init_from)))
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -510,6 +517,9 @@ def check(cfg: Config) -> None:
              f"mesh.process_id must be in [0, mesh.num_processes), got {m.process_id}")
     if isinstance(cfg.policy, str):
         need(bool(cfg.policy), "policy: empty name (use null for no policy)")
+    if cfg.model.init_from is not None:
+        need(bool(cfg.model.init_from), "model.init_from: empty path (use null to start from "
+             "random weights)")
 
 
 def describe(width: int = 100) -> str:

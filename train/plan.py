@@ -148,12 +148,20 @@ def _nominal_vocab(config: Config) -> int:
     return load_hf(d.tokenizer, eos_token=d.eos_token).vocab_size
 
 
+def _has_checkpoint(config: Config) -> bool:
+    """Whether the run directory holds a checkpoint step (so the run resumes from it)."""
+    d = config.out_path / "checkpoints"
+    return d.is_dir() and any(p.is_dir() and p.name.isdigit() for p in d.iterdir())
+
+
 def validate(config: Config, *, verbose: bool = True) -> Plan:
     """Check everything that can be checked without compiling; prepare (cached) data.
 
     Raises ConfigError naming the problem: missing files, unknown policy, model
     overrides, sequence longer than the model supports, mesh/batch sizes,
-    too few validation sequences.
+    too few validation sequences, a model.init_from checkpoint of another
+    architecture (checked when the run starts fresh: a run with a checkpoint
+    resumes from it and never reads model.init_from again).
     """
     datamod.check_files(config.data)
     policy, name, record = resolve_policy(config.policy)
@@ -175,6 +183,10 @@ def validate(config: Config, *, verbose: bool = True) -> Plan:
     except datamod.DataError as e:
         raise ConfigError(f"data: {e}") from None
     mc = build_model_config(config, prepared.vocab_size, int(prepared.meta["max_token_id"]))
+    if config.model.init_from is not None and not _has_checkpoint(config):
+        from train.hf import check_init_from  # a resumed run never reads the HF weights again
+
+        check_init_from(config.model.init_from, mc)
     val = datamod.Sequences(prepared.tokens("val"), config.data.seq_len)
     if t.eval_sequences > len(val):
         raise ConfigError(f"train.eval_sequences={t.eval_sequences} but the validation split has "

@@ -113,9 +113,20 @@ class CompiledRun:
         return self._eval[policy]
 
     def init_state(self, seed: int) -> dict[str, Any]:
-        """The fresh, sharded train state of `seed` (one compilation for every seed)."""
+        """The fresh, sharded train state of `seed` (one compilation for every seed).
+
+        With ``model.init_from`` the parameters are the HF checkpoint's
+        (`train.hf.load_init_params`); the optimizer state is fresh either way.
+        """
         with shd.use_mesh(self.mesh):
-            return self.layout.init(jax.random.key(seed))
+            state = self.layout.init(jax.random.key(seed))
+        init_from = self.config.model.init_from
+        if init_from is not None:
+            from train.hf import load_init_params
+
+            state["params"] = load_init_params(init_from, self.plan.model_config, self.mesh,
+                                               self.layout.param_shardings)
+        return state
 
     def put(self, local: np.ndarray) -> jax.Array:
         """The global batch from this process's rows int32[b_local, T+1], on the mesh."""

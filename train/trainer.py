@@ -210,6 +210,9 @@ class Trainer:
         with shd.use_mesh(self.mesh), StopSignals(log=self._log_here) as signals:
             if state is None:
                 state = self.compiled.init_state(c.seed)
+                if c.model.init_from is not None:
+                    self._log(f"parameters from the HF checkpoint {c.model.init_from} "
+                              "(model.init_from); optimizer state fresh")
                 mll.begin_run()
             return self._loop(state, start, resumed, skipped, time_off, t_start, ckpt, writer,
                               mll, signals)
