@@ -8,7 +8,8 @@ A Llama decoder layer's train step (loss and gradients w.r.t. its parameters and
   sequence 8192, micro-batch 1, whose temp memory is at most 1.5 GB (the explicit
   form's is printed beside it: 21.6 GB on H200 when this was written);
 * v5e: Pallas splash attention's three Mosaic kernels (forward, dq, dk/dv);
-* a float32 layer does not lower for cuda (cuDNN takes bf16/fp16), naming the setting.
+* a float32 layer does not lower for cuda (cuDNN takes bf16/fp16), naming the setting;
+* the whole model with scanned layers and remat (as the MLPerf config runs it) on H200.
 
 The explicit form of the same small layer is compiled too: it has none of these calls,
 so the assertions can fail. Needs cuDNN in the venv (the ``aot-gpu`` extra).
@@ -88,3 +89,29 @@ def test_float32_layer_does_not_lower_for_cuda():
     with pytest.raises(ValueError, match=r"attention_impl='fused' cannot be compiled for "
                                          r"'cuda'.*fp16/bf16"):
         _compiled("h200", "small", "fused", "float32")
+
+
+def test_h200_whole_model_with_scan_and_remat_runs_cudnn_flash_attention():
+    # As configs/llama3_8b_mlperf.yaml runs it (scanned layers, remat), at a small size:
+    # the forward kernel also recomputes in the backward pass; one backward kernel.
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from models.llama import Llama
+
+    config, seq = _config("small", "fused")
+    config = config.replace(n_layers=2, scan_layers=True, remat=True)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))
+
+    def step(state, tokens):
+        def loss(state):
+            logits = nnx.merge(graphdef, state)(tokens)
+            return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(
+                logits, tokens[..., None], -1)[..., 0])
+
+        return jax.value_and_grad(loss)(state)
+
+    tokens = jax.ShapeDtypeStruct((2, seq), jnp.int32)
+    text = aot.compile_for(step, (state, tokens), require("h200")).as_text()
+    assert _calls(text, FMHA_FWD) >= 1 and _calls(text, FMHA_BWD) == 1
