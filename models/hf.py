@@ -11,7 +11,11 @@ half-split ``rotate_half`` RoPE convention, so q/k rows load unpermuted.
 Per-layer tensors are stacked along the model's leading ``layers`` axis.
 
     model, layout = load_hf("path/to/Llama-3.1-8B")          # fp32 params
-    export_hf(model, "out_dir", layout=layout)                # same files/names/dtypes
+    export_hf(model, "out_dir", layout=layout)                # same files/names/dtypes,
+                                                              # config and generation config
+
+A training run's checkpoint goes out with ``python -m train export-hf`` and HF
+weights start a run with ``model.init_from`` (``train/hf.py``, docs/HF.md).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from models.hf_config import (
     CONFIG_FILE,
     config_from_hf,
     config_to_hf,
+    hf_max_position_embeddings,
     read_hf_config,
     read_json_object,
 )
@@ -49,10 +54,12 @@ from models.hf_files import (
 from models.llama import Llama, LlamaConfig
 
 __all__ = [
+    "GENERATION_CONFIG_FILE",
     "HFLayout",
     "config_from_hf",
     "config_to_hf",
     "export_hf",
+    "hf_max_position_embeddings",
     "hf_tensor_names",
     "load_hf",
     "load_hf_weights",
@@ -61,6 +68,7 @@ __all__ = [
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 # (HF name template, model param path, transpose)
 _LAYER_TENSORS = (
@@ -83,14 +91,19 @@ _HEAD_TENSOR = ("lm_head.weight", ("lm_head", "kernel"), True)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
 class HFLayout:
     """How a checkpoint was laid out on disk, so :func:`export_hf` can reproduce it.
 
     ``weight_map``: tensor name -> file name (one file for unsharded checkpoints);
     ``dtypes``: tensor name -> numpy dtype name; ``index_metadata``: the index's
     ``metadata`` (None when unsharded); ``file_metadata``: file -> safetensors
-    header metadata; ``hf_config``: the original ``config.json`` dict.
+    header metadata; ``hf_config``: the original ``config.json`` dict;
+    ``generation_config``: the original ``generation_config.json`` dict (None
+    when the checkpoint has none).
+
+    Its ``repr`` is one line of counts (tensors, files, dtypes); the fields hold
+    the details.
     """
 
     weight_map: Mapping[str, str]
@@ -98,10 +111,22 @@ class HFLayout:
     index_metadata: Mapping[str, Any] | None
     file_metadata: Mapping[str, Mapping[str, str] | None]
     hf_config: Mapping[str, Any]
+    generation_config: Mapping[str, Any] | None = None
 
     @property
     def sharded(self) -> bool:
         return self.index_metadata is not None
+
+    def __repr__(self) -> str:
+        files = len(set(self.weight_map.values()))
+        counts: dict[str, int] = {}
+        for d in self.dtypes.values():
+            counts[d] = counts.get(d, 0) + 1
+        dtypes = ", ".join(f"{n} {d}" for d, n in sorted(counts.items()))
+        return (f"HFLayout({len(self.weight_map)} tensors in {files} "
+                f"{'shard' if self.sharded else 'file'}{'s' if files != 1 else ''}, {dtypes}; "
+                f"model_type={self.hf_config.get('model_type')!r}, generation_config="
+                f"{'yes' if self.generation_config is not None else 'no'})")
 
 
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -276,9 +301,11 @@ def load_hf_weights(model: Llama, path: str, *, mesh=None,
                          f"{extra[:10]}{' ...' if len(extra) > 10 else ''}")
     nnx.update(model, state)
     wm = reader.weight_map or {n: SINGLE_FILE for n in seen}
+    gen = os.path.join(path, GENERATION_CONFIG_FILE)
     return HFLayout(weight_map={n: wm[n] for n in sorted(seen)}, dtypes=dtypes,
                     index_metadata=reader.index_metadata,
-                    file_metadata=reader.file_metadata, hf_config=read_hf_config(path))
+                    file_metadata=reader.file_metadata, hf_config=read_hf_config(path),
+                    generation_config=read_json_object(gen) if os.path.isfile(gen) else None)
 
 
 def load_hf(path: str, *, mesh=None, rules: shd.Rules = shd.DEFAULT_RULES,
@@ -309,13 +336,22 @@ def _np_dtype(name: str) -> np.dtype:
 
 
 def export_hf(model: Llama, out_dir: str, *, layout: HFLayout | None = None,
-              dtype: str | None = None, max_shard_bytes: int = 5 * 2**30) -> list[str]:
+              dtype: str | None = None, max_shard_bytes: int = 5 * 2**30,
+              generation_config: Mapping[str, Any] | None = None,
+              hf_config_extra: Mapping[str, Any] | None = None) -> list[str]:
     """Write ``model`` as an HF checkpoint into ``out_dir``; returns the files written.
 
     With ``layout`` (from :func:`load_hf`): the same file names, tensor-to-file
-    assignment, dtypes, index/file metadata and config.json. Otherwise tensors
-    are written in ``dtype`` (default: the param dtype), sharded into files of
-    at most ``max_shard_bytes`` (one ``model.safetensors`` when it all fits).
+    assignment, dtypes, index/file metadata, config.json and generation_config.json.
+    Otherwise tensors are written in ``dtype`` (default: the param dtype), sharded
+    into files of at most ``max_shard_bytes`` (one ``model.safetensors`` when it
+    all fits), with the config.json of :func:`config_to_hf`.
+
+    ``generation_config``: the ``generation_config.json`` to write (default: the
+    layout's, if any; none without a layout, which leaves a file of that name in
+    ``out_dir`` as it is, like the tokenizer's files). ``hf_config_extra``: further
+    config.json fields, e.g. ``{"bos_token_id": 1, "eos_token_id": 2}``; a field
+    that describes the architecture (one :func:`config_to_hf` writes) is refused.
 
     A checkpoint already in ``out_dir`` is replaced, not mixed with: its
     ``model.safetensors`` / index go first, then config.json and the new
@@ -332,6 +368,13 @@ def export_hf(model: Llama, out_dir: str, *, layout: HFLayout | None = None,
         missing = sorted(set(names) - set(layout.weight_map))
         if missing or len(layout.weight_map) != len(names):
             raise ValueError(f"layout does not match this model's tensors (missing {missing[:5]})")
+    if hf_config_extra:
+        clash = sorted(set(hf_config_extra) & set(config_to_hf(cfg)))
+        if clash:
+            raise ValueError(f"hf_config_extra sets {clash}, which the model's own config "
+                             "decides; pass only fields such as bos_token_id/eos_token_id")
+    if generation_config is None and layout is not None:
+        generation_config = layout.generation_config
     if dtype is not None and dtype not in _FLOAT_DTYPES:
         raise ValueError(f"export_hf dtype={dtype!r}; expected one of {', '.join(_FLOAT_DTYPES)}")
     if layout is not None:
@@ -377,15 +420,20 @@ def export_hf(model: Llama, out_dir: str, *, layout: HFLayout | None = None,
         index_meta = {"total_size": int(sum(t.nbytes for t in tensors.values()))}
         file_meta = {fn: {"format": "pt"} for fn in set(weight_map.values())}
         hf_config = config_to_hf(cfg, torch_dtype=dtype or cfg.param_dtype.name)
+    hf_config.update(hf_config_extra or {})
 
     by_file: dict[str, dict[str, np.ndarray]] = {}
     for n, fn in weight_map.items():
         by_file.setdefault(fn, {})[n] = tensors[n]
-    for fn in (*by_file, *((INDEX_FILE,) if sharded else ()), CONFIG_FILE):
+    extra_files = (GENERATION_CONFIG_FILE,) if generation_config is not None else ()
+    for fn in (*by_file, *((INDEX_FILE,) if sharded else ()), CONFIG_FILE, *extra_files):
         check_resolves_inside(out_dir, fn, f"export target {fn!r}")
     # Every new file is staged under a temporary name first: a failed write (disk
     # full) leaves the old checkpoint as it was.
     to_write = [(CONFIG_FILE, functools.partial(_dump_json, hf_config))]
+    if generation_config is not None:
+        to_write.append((GENERATION_CONFIG_FILE,
+                         functools.partial(_dump_json, dict(generation_config))))
     to_write += [(fn, functools.partial(_save_safetensors, group, file_meta.get(fn)))
               for fn, group in sorted(by_file.items())]
     if sharded:

@@ -14,7 +14,8 @@ from typing import Any
 
 from models.llama import LlamaConfig, RopeScaling
 
-__all__ = ["CONFIG_FILE", "config_from_hf", "config_to_hf", "read_hf_config", "read_json_object"]
+__all__ = ["CONFIG_FILE", "config_from_hf", "config_to_hf", "hf_max_position_embeddings",
+           "read_hf_config", "read_json_object"]
 
 CONFIG_FILE = "config.json"
 
@@ -186,8 +187,33 @@ def config_from_hf(hf: Mapping[str, Any] | str, **overrides) -> LlamaConfig:
         raise ValueError(f"{where} describes no valid Llama: {e}") from None
 
 
+def hf_max_position_embeddings(config: LlamaConfig) -> int:
+    """The ``max_position_embeddings`` an HF config of ``config`` states.
+
+    ``config.max_seq_len`` (the longest sequence the model accepts), except when
+    llama3 RoPE scaling is on and ``max_seq_len`` does not exceed the scaling's
+    ``original_max_position_embeddings``: an HF llama3 config says "pretrained at
+    ``original`` positions, extended beyond", and transformers warns about one
+    whose ``original_max_position_embeddings >= max_position_embeddings``
+    (the tiny preset's 8192 over ``max_seq_len`` 256, or the 8B preset's 8192
+    over 8192). Then the context the scaling extends to, ``factor * original``
+    (at least ``original + 1``), is stated. transformers computes llama3 RoPE
+    frequencies from the scaling fields alone, so the exported model computes the
+    same logits either way.
+    """
+    s = config.rope_scaling
+    if s is None or config.max_seq_len > s.original_max_position_embeddings:
+        return config.max_seq_len
+    return max(s.original_max_position_embeddings + 1,
+               math.ceil(s.factor * s.original_max_position_embeddings))
+
+
 def config_to_hf(config: LlamaConfig, *, torch_dtype: str = "float32") -> dict:
-    """An HF ``config.json`` dict (transformers v4 style, as Meta's checkpoints ship)."""
+    """An HF ``config.json`` dict (transformers v4 style, as Meta's checkpoints ship).
+
+    ``max_position_embeddings`` is :func:`hf_max_position_embeddings` (above
+    ``original_max_position_embeddings`` whenever llama3 RoPE scaling is on).
+    """
     c = config
     rope_scaling = None
     if c.rope_scaling is not None:
@@ -209,7 +235,7 @@ def config_to_hf(config: LlamaConfig, *, torch_dtype: str = "float32") -> dict:
         "num_key_value_heads": c.n_kv_heads,
         "head_dim": c.head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": c.max_seq_len,
+        "max_position_embeddings": hf_max_position_embeddings(c),
         "rms_norm_eps": c.norm_eps,
         "rope_theta": c.rope_theta,
         "rope_scaling": rope_scaling,

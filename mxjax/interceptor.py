@@ -410,7 +410,7 @@ def _forward_mode_message(policy: PolicyRecipes) -> str:
         "defined by the policy's quantized dgrad/wgrad GEMMs, which are not the transpose of "
         "any tangent map. Use reverse mode (jax.grad, jax.vjp, jax.jacrev); for Hessian-vector "
         "products use jax.jvp of jax.grad (forward-over-reverse) or jax.grad of jax.grad, which "
-        "are supported (see docs/NUMERICS.md, 'Second-order derivatives'); or the 'bf16' "
-        "policy for exact forward-mode derivatives."
+        "are supported (see docs/NUMERICS.md, 'Second-order derivatives'); or the "
+        "'passthrough' policy for exact forward-mode derivatives."
     )
 

@@ -35,7 +35,10 @@ class OperandRecipe:
       fmt: a :class:`mxjax.formats.Format` (or its name, e.g. ``'mxfp4'``).
         ``BF16`` means pass-through: the operand is used as is.
       scale_rule: E8M0 scale rule (MX formats only; NVFP4, per-tensor FP8 and
-        BF16 have a fixed scale computation and accept only ``FLOOR``).
+        BF16 have a fixed scale computation and accept only ``FLOOR``). The
+        default is ``FLOOR``, OCP v1.0's rule and ``mxjax.quantize``'s default;
+        every ``mxfp4_*`` preset (the paper's kernels) uses ``EVEN`` instead, so
+        a recipe "like the paper's" must say ``scale_rule=ScaleRule.EVEN``.
       rounding: element rounding. ``STOCHASTIC`` needs a PRNG key at call time.
         BF16 accepts only ``NEAREST_EVEN`` (nothing is rounded).
       sr_prescale: multiply by 3/4 before stochastic rounding (Tseng et al.);
@@ -43,6 +46,8 @@ class OperandRecipe:
     """
 
     fmt: Format | str
+    # OCP v1.0's rule, as in ``mxjax.quantize``. The presets (the paper's recipe) use EVEN:
+    # ``OperandRecipe(fmt='mxfp4', scale_rule='even')``; describe() always names the rule.
     scale_rule: ScaleRule | str = ScaleRule.FLOOR
     rounding: Rounding | str = Rounding.NEAREST_EVEN
     sr_prescale: bool = False
@@ -71,6 +76,10 @@ class OperandRecipe:
         object.__setattr__(self, "fmt", fmt)
         object.__setattr__(self, "scale_rule", rule)
         object.__setattr__(self, "rounding", mode)
+
+    def replace(self, **changes: Any) -> OperandRecipe:
+        """A copy with some fields replaced (validated again)."""
+        return dataclasses.replace(self, **changes)
 
     @property
     def is_passthrough(self) -> bool:

@@ -6,11 +6,50 @@ linear layer (fprop, dgrad, wgrad). It runs through the interceptor
 :func:`dot_general` (which also takes a preset name) call it, so the recipe
 types never import the interceptor.
 
-Presets: ``bf16``, ``fp8``, ``mxfp4_fprop``, ``mxfp4_fprop_dgrad``, ``mxfp4_all``,
-``mxfp4_all_sr``, ``mxfp4_all_rht16``, ``mxfp4_all_h16`` (the paper's recipe),
-``mxfp4_all_h32``, ``mxfp4_wgrad_h16``, ``nvfp4``, ``tseng``. Each builder's
-docstring says where the recipe comes from and exactly what every operand gets;
-``print(get(name).describe())`` prints it as a table.
+Presets (``get(name)``; ``print(get(name).describe())`` prints what every operand
+gets; each builder's docstring says where the recipe comes from). "MXFP4" below is
+E2M1 with an E8M0 scale per 32 along the GEMM's contraction, EVEN scales,
+nearest-even; "H16" is the fixed Sylvester Hadamard of size 16 on both operands:
+
+========================  ==============================================================
+name                      what it does
+========================  ==============================================================
+passthrough               no quantization: plain ``lax.dot_general`` (nothing is cast)
+fp8                       FP8 per-tensor: E4M3 X, W; E5M2 dY (the paper's baseline)
+mxfp4_fprop               MXFP4 in fprop; dgrad, wgrad pass-through
+mxfp4_fprop_dgrad         MXFP4 in fprop and dgrad; wgrad pass-through
+mxfp4_all                 MXFP4 in all three GEMMs, no rotation
+mxfp4_all_sr              MXFP4 everywhere, stochastic rounding in dgrad and wgrad (key)
+mxfp4_all_rht16           MXFP4 everywhere, random-sign H16 on every GEMM (key)
+mxfp4_all_h16             the paper's recipe: MXFP4 everywhere, H16 on every GEMM
+mxfp4_all_h32             MXFP4 everywhere, H32 on every GEMM
+mxfp4_all_h16_fprop       MXFP4 everywhere, H16 on fprop only
+mxfp4_all_h16_dgrad       MXFP4 everywhere, H16 on dgrad only
+mxfp4_all_h16_wgrad       MXFP4 everywhere, H16 on wgrad only
+mxfp4_wgrad_only          MXFP4 in wgrad only (dY and X); fprop, dgrad pass-through
+mxfp4_wgrad_only_h16      MXFP4 in wgrad only, H16 there
+mxfp4_wgrad_only_rht16    MXFP4 in wgrad only, random-sign H16 there (key)
+mxfp4_wgrad_only_h32      MXFP4 in wgrad only, H32 there
+mxfp4_wgrad_only_dy       wgrad's dY in MXFP4 only (X and the other GEMMs pass-through)
+mxfp4_wgrad_only_dy_h16   as mxfp4_wgrad_only_dy, H16 on both wgrad operands
+mxfp4_wgrad_only_x        wgrad's X in MXFP4 only
+mxfp4_wgrad_only_x_h16    as mxfp4_wgrad_only_x, H16 on both wgrad operands
+passthrough_wgrad_h16     control: H16 on wgrad, no quantization (equals passthrough
+                          up to float rounding)
+nvfp4                     NVIDIA's NVFP4 recipe (SR on dY, fixed-sign H16 on wgrad; key)
+tseng                     Tseng et al.: bf16 fprop; MXFP4 backward, random H64, SR x3/4
+========================  ==============================================================
+
+Deprecated names (:data:`ALIASES`; they still work and warn with the new name):
+``bf16`` → ``passthrough`` (it never cast to bf16: an f32 model stays f32; to
+compute in bf16 set the model's dtype), ``mxfp4_wgrad_h16`` → ``mxfp4_all_h16_wgrad``.
+``"none"`` (:func:`resolve`) means no policy at all; it computes what
+``passthrough`` computes.
+
+One spec everywhere: :func:`resolve` takes a preset name, ``"none"``/None, a
+dict (:func:`to_dict`'s layout) or a PrecisionPolicy, and so do
+``mxjax.nn.wrap``, ``mxjax.nn.Rule``, the train config's ``policy:`` and the
+study's policy lists.
 
 The paper is "Pretraining large language models with MXFP4 on Native FP4
 Hardware" (arXiv 2605.09825). Its MI355X kernels compute E8M0 scales with the
@@ -22,6 +61,8 @@ EVEN scales and nearest-even rounding unless it says otherwise.
 from __future__ import annotations
 
 import dataclasses
+import types
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -33,14 +74,40 @@ from mxjax.formats import BF16, FP8_E4M3, FP8_E5M2, MXFP4, NVFP4, Rounding, Scal
 from mxjax.recipes import GEMMS, GemmRecipe, Hadamard, OperandRecipe
 from mxjax.validation import check_keys
 
-__all__ = ["PRESETS", "PrecisionPolicy", "dot_general", "from_dict", "get", "names", "resolve",
-           "to_dict"]
+__all__ = ["ABLATIONS", "ALIASES", "PRESETS", "PrecisionPolicy", "canonical_name", "dot_general",
+           "from_dict", "get", "names", "resolve", "to_dict"]
+
+
+GemmSpec = GemmRecipe | OperandRecipe | F.Format | str | None
+
+
+def _is_format(name: str) -> bool:
+    try:
+        F.get(name)
+    except (TypeError, ValueError, KeyError):
+        return False
+    return True
 
 
 def _coerce_gemm(value: Any, name: str) -> GemmRecipe:
-    if not isinstance(value, GemmRecipe):
-        raise TypeError(f"PrecisionPolicy: {name} must be a GemmRecipe, got {value!r}")
-    return value
+    """One GEMM's recipe from what ``PrecisionPolicy`` accepts for it (see there)."""
+    if isinstance(value, GemmRecipe):
+        return value
+    if value is None:
+        return GemmRecipe(lhs=BF16, rhs=BF16)
+    if isinstance(value, (OperandRecipe, F.Format, str)):
+        if isinstance(value, str) and value in (*PRESETS, *ALIASES) and not _is_format(value):
+            raise ValueError(
+                f"PrecisionPolicy: {name}={value!r} is a preset name, not a format; for that "
+                f"preset's {name} GEMM pass mxjax.policies.get({value!r}).{name}")
+        try:
+            return GemmRecipe(lhs=value, rhs=value)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"PrecisionPolicy: {name}={value!r}: {e}") from None
+    raise TypeError(
+        f"PrecisionPolicy: {name} must be a GemmRecipe, an OperandRecipe or a format name such "
+        f"as 'mxfp4' (both operands), or None / 'bf16' for pass-through; got "
+        f"{type(value).__name__} {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,18 +121,27 @@ class PrecisionPolicy:
       name: optional label (presets carry their name). Not part of equality or
         the hash: two policies with the same recipes are the same policy.
 
+    Each GEMM takes a :class:`GemmRecipe`, a preset's GEMM (``get('mxfp4_all_h16').wgrad``:
+    a GemmRecipe), an :class:`OperandRecipe`, a Format or a format name (``'mxfp4'``:
+    ``GemmRecipe(lhs='mxfp4', rhs='mxfp4')``, both operands, no Hadamard), or ``None`` /
+    ``'bf16'`` for pass-through (plain ``lax.dot_general``: nothing is cast, an f32
+    model stays f32). An omitted GEMM is pass-through. A format name takes
+    ``OperandRecipe``'s defaults, i.e. OCP's FLOOR scales; the presets use EVEN
+    (the paper's), so build the paper's recipe from ``OperandRecipe(fmt='mxfp4',
+    scale_rule='even')`` or start from a preset: ``get('mxfp4_all_h16').replace(fprop=None)``.
+
     Use ``policy.dot_general(key)`` for a drop-in ``lax.dot_general`` and
     ``print(policy.describe())`` for the 3×2 table of what each operand gets.
     """
 
-    fprop: GemmRecipe
-    dgrad: GemmRecipe
-    wgrad: GemmRecipe
+    fprop: GemmSpec = None
+    dgrad: GemmSpec = None
+    wgrad: GemmSpec = None
     name: str | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         for g in GEMMS:
-            _coerce_gemm(getattr(self, g), g)
+            object.__setattr__(self, g, _coerce_gemm(getattr(self, g), g))
         if self.name is not None and not isinstance(self.name, str):
             raise TypeError(f"PrecisionPolicy: name must be a str or None, got {self.name!r}")
 
@@ -132,8 +208,17 @@ class PrecisionPolicy:
         policy_dot_general.policy = policy
         return policy_dot_general
 
-    def replace(self, **changes) -> PrecisionPolicy:
-        """A copy with some fields replaced (re-validated)."""
+    def replace(self, **changes: Any) -> PrecisionPolicy:
+        """A copy with some fields replaced, each GEMM in any form the constructor takes.
+
+        The copy keeps ``name`` only if you pass it: a changed preset is no longer
+        that preset (``get('mxfp4_all_h16').replace(fprop=None).name is None``).
+        """
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise TypeError(f"PrecisionPolicy.replace: unknown field(s) {', '.join(unknown)}; "
+                            f"valid: {', '.join((*GEMMS, 'name'))}")
+        changes.setdefault("name", None)
         return dataclasses.replace(self, **changes)
 
 
@@ -151,12 +236,15 @@ def _mx_gemm(hadamard: Hadamard | None = None) -> GemmRecipe:
     return GemmRecipe(lhs=_MX, rhs=_MX, hadamard=hadamard)
 
 
-def bf16() -> PrecisionPolicy:
+def passthrough() -> PrecisionPolicy:
     """No quantization: all three GEMMs are plain ``lax.dot_general`` (bit for bit).
 
-    fprop (X, W), dgrad (dY, W), wgrad (dY, X): pass-through, no Hadamard.
+    fprop (X, W), dgrad (dY, W), wgrad (dY, X): pass-through, no Hadamard. Nothing
+    is cast: an f32 model stays f32, a bf16 model stays bf16 (to compute in bf16,
+    set the model's dtype). ``'none'`` (no policy) computes the same values. Formerly
+    ``bf16`` (still accepted, deprecated: it named a dtype it never cast to).
     """
-    return PrecisionPolicy(fprop=_PASS, dgrad=_PASS, wgrad=_PASS, name="bf16")
+    return PrecisionPolicy(fprop=_PASS, dgrad=_PASS, wgrad=_PASS, name="passthrough")
 
 
 def fp8() -> PrecisionPolicy:
@@ -251,17 +339,130 @@ def mxfp4_all_h32() -> PrecisionPolicy:
     return PrecisionPolicy(fprop=g, dgrad=g, wgrad=g, name="mxfp4_all_h32")
 
 
-def mxfp4_wgrad_h16() -> PrecisionPolicy:
-    """MXFP4 everywhere, deterministic H16 on wgrad only (tests the paper's claim
-    that the instability lives on the wgrad path).
+def _all_mx_h16_on(gemm: str, name: str) -> PrecisionPolicy:
+    return dataclasses.replace(mxfp4_all(), **{gemm: _mx_gemm(Hadamard(block_size=16))},
+                               name=name)
+
+
+def mxfp4_all_h16_fprop() -> PrecisionPolicy:
+    """Ablation: MXFP4 in all three GEMMs, deterministic H16 on fprop only.
+
+    fprop (X, W): fixed H16 along K, then MXFP4. dgrad (dY, W) and wgrad (dY, X):
+    MXFP4, no Hadamard. EVEN scales, nearest-even throughout. Deterministic.
+    """
+    return _all_mx_h16_on("fprop", "mxfp4_all_h16_fprop")
+
+
+def mxfp4_all_h16_dgrad() -> PrecisionPolicy:
+    """Ablation: MXFP4 in all three GEMMs, deterministic H16 on dgrad only.
+
+    dgrad (dY, W): fixed H16 along N, then MXFP4. fprop (X, W) and wgrad (dY, X):
+    MXFP4, no Hadamard. EVEN scales, nearest-even throughout. Deterministic.
+    """
+    return _all_mx_h16_on("dgrad", "mxfp4_all_h16_dgrad")
+
+
+def mxfp4_all_h16_wgrad() -> PrecisionPolicy:
+    """Ablation: MXFP4 in all three GEMMs, deterministic H16 on wgrad only (tests the
+    paper's claim that the instability lives on the wgrad path).
 
     fprop (X, W) and dgrad (dY, W): MXFP4, no Hadamard. wgrad (dY, X): fixed H16
     along M, then MXFP4. EVEN scales, nearest-even throughout. Deterministic.
+    Formerly ``mxfp4_wgrad_h16`` (still accepted, deprecated).
     """
-    return PrecisionPolicy(
-        fprop=_MXGEMM, dgrad=_MXGEMM, wgrad=_mx_gemm(Hadamard(block_size=16)),
-        name="mxfp4_wgrad_h16",
-    )
+    return _all_mx_h16_on("wgrad", "mxfp4_all_h16_wgrad")
+
+
+def _wgrad_only(name: str, *, dy: bool = True, x: bool = True,
+                hadamard: Hadamard | None = None) -> PrecisionPolicy:
+    """fprop and dgrad pass-through; wgrad's dY (lhs) and X (rhs) in MXFP4 (EVEN,
+    nearest-even) where asked, else pass-through; `hadamard` on both wgrad operands."""
+    wgrad = GemmRecipe(lhs=_MX if dy else _PT, rhs=_MX if x else _PT, hadamard=hadamard)
+    return PrecisionPolicy(fprop=_PASS, dgrad=_PASS, wgrad=wgrad, name=name)
+
+
+def mxfp4_wgrad_only() -> PrecisionPolicy:
+    """Ablation: MXFP4 in wgrad only (dY and X), no Hadamard.
+
+    fprop (X, W) and dgrad (dY, W): pass-through. wgrad (dY, X): MXFP4 blocked
+    along M, EVEN scales, nearest-even. Deterministic.
+    """
+    return _wgrad_only("mxfp4_wgrad_only")
+
+
+def mxfp4_wgrad_only_h16() -> PrecisionPolicy:
+    """Ablation: MXFP4 in wgrad only, deterministic H16 on both wgrad operands.
+
+    fprop and dgrad: pass-through. wgrad (dY, X): fixed H16 along M, then MXFP4,
+    EVEN scales, nearest-even. Deterministic.
+    """
+    return _wgrad_only("mxfp4_wgrad_only_h16", hadamard=Hadamard(block_size=16))
+
+
+def mxfp4_wgrad_only_rht16() -> PrecisionPolicy:
+    """Ablation: MXFP4 in wgrad only, random-sign H16 on both wgrad operands.
+
+    fprop and dgrad: pass-through. wgrad (dY, X): H16 with a fresh ±1 sign vector
+    per call along M, then MXFP4, EVEN scales, nearest-even. Needs a key.
+    """
+    return _wgrad_only("mxfp4_wgrad_only_rht16",
+                       hadamard=Hadamard(block_size=16, randomized=True))
+
+
+def mxfp4_wgrad_only_h32() -> PrecisionPolicy:
+    """Ablation: MXFP4 in wgrad only, deterministic H32 on both wgrad operands.
+
+    fprop and dgrad: pass-through. wgrad (dY, X): fixed H32 along M, then MXFP4,
+    EVEN scales, nearest-even. Deterministic.
+    """
+    return _wgrad_only("mxfp4_wgrad_only_h32", hadamard=Hadamard(block_size=32))
+
+
+def mxfp4_wgrad_only_dy() -> PrecisionPolicy:
+    """Ablation: only wgrad's dY in MXFP4 (X pass-through), no Hadamard.
+
+    fprop and dgrad: pass-through. wgrad: dY in MXFP4 along M (EVEN,
+    nearest-even), X pass-through. Deterministic.
+    """
+    return _wgrad_only("mxfp4_wgrad_only_dy", x=False)
+
+
+def mxfp4_wgrad_only_dy_h16() -> PrecisionPolicy:
+    """Ablation: only wgrad's dY in MXFP4, H16 on both wgrad operands.
+
+    fprop and dgrad: pass-through. wgrad: both operands rotated by the fixed H16
+    along M; dY then MXFP4 (EVEN, nearest-even), X pass-through. Deterministic.
+    """
+    return _wgrad_only("mxfp4_wgrad_only_dy_h16", x=False, hadamard=Hadamard(block_size=16))
+
+
+def mxfp4_wgrad_only_x() -> PrecisionPolicy:
+    """Ablation: only wgrad's X in MXFP4 (dY pass-through), no Hadamard.
+
+    fprop and dgrad: pass-through. wgrad: X in MXFP4 along M (EVEN,
+    nearest-even), dY pass-through. Deterministic.
+    """
+    return _wgrad_only("mxfp4_wgrad_only_x", dy=False)
+
+
+def mxfp4_wgrad_only_x_h16() -> PrecisionPolicy:
+    """Ablation: only wgrad's X in MXFP4, H16 on both wgrad operands.
+
+    fprop and dgrad: pass-through. wgrad: both operands rotated by the fixed H16
+    along M; X then MXFP4 (EVEN, nearest-even), dY pass-through. Deterministic.
+    """
+    return _wgrad_only("mxfp4_wgrad_only_x_h16", dy=False, hadamard=Hadamard(block_size=16))
+
+
+def passthrough_wgrad_h16() -> PrecisionPolicy:
+    """A control: H16 on both wgrad operands and no quantization anywhere.
+
+    fprop and dgrad: pass-through. wgrad (dY, X): fixed H16 along M on both
+    operands, no quantization (the rotation cancels: equals ``passthrough`` up to
+    float rounding). Deterministic.
+    """
+    return _wgrad_only("passthrough_wgrad_h16", dy=False, x=False,
+                       hadamard=Hadamard(block_size=16))
 
 
 def nvfp4() -> PrecisionPolicy:
@@ -302,38 +503,91 @@ def tseng() -> PrecisionPolicy:
     return PrecisionPolicy(fprop=_PASS, dgrad=g, wgrad=g, name="tseng")
 
 
-PRESETS: dict[str, Callable[[], PrecisionPolicy]] = {
+PRESETS: Mapping[str, Callable[[], PrecisionPolicy]] = types.MappingProxyType({
     f.__name__: f
-    for f in (bf16, fp8, mxfp4_fprop, mxfp4_fprop_dgrad, mxfp4_all, mxfp4_all_sr,
-              mxfp4_all_rht16, mxfp4_all_h16, mxfp4_all_h32, mxfp4_wgrad_h16, nvfp4, tseng)
+    for f in (
+        # the paper's ladder (fp8 is its baseline)
+        passthrough, fp8, mxfp4_fprop, mxfp4_fprop_dgrad, mxfp4_all, mxfp4_all_sr,
+        mxfp4_all_rht16, mxfp4_all_h16, mxfp4_all_h32,
+        # ablations: which GEMM, which operand, which rotation
+        mxfp4_all_h16_fprop, mxfp4_all_h16_dgrad, mxfp4_all_h16_wgrad,
+        mxfp4_wgrad_only, mxfp4_wgrad_only_h16, mxfp4_wgrad_only_rht16, mxfp4_wgrad_only_h32,
+        mxfp4_wgrad_only_dy, mxfp4_wgrad_only_dy_h16, mxfp4_wgrad_only_x,
+        mxfp4_wgrad_only_x_h16, passthrough_wgrad_h16,
+        # peers' recipes
+        nvfp4, tseng,
+    )
+})
+
+# The ablation presets: each changes one thing (a GEMM, an operand, a rotation) of a ladder
+# preset, from the same GEMM recipes (sweeps over "every recipe" may skip them).
+ABLATIONS: tuple[str, ...] = (
+    "mxfp4_all_h16_fprop", "mxfp4_all_h16_dgrad", "mxfp4_all_h16_wgrad",
+    "mxfp4_wgrad_only", "mxfp4_wgrad_only_h16", "mxfp4_wgrad_only_rht16", "mxfp4_wgrad_only_h32",
+    "mxfp4_wgrad_only_dy", "mxfp4_wgrad_only_dy_h16", "mxfp4_wgrad_only_x",
+    "mxfp4_wgrad_only_x_h16", "passthrough_wgrad_h16",
+)
+
+# Former preset names -> current ones. Still accepted (with a DeprecationWarning naming the
+# new name); the policy they give carries the new name.
+ALIASES: Mapping[str, str] = types.MappingProxyType({
+    "bf16": "passthrough",
+    "mxfp4_wgrad_h16": "mxfp4_all_h16_wgrad",
+})
+
+_ALIAS_WHY = {
+    "bf16": "it is a pass-through, not a cast to bf16 (an f32 model stays f32)",
+    "mxfp4_wgrad_h16": "it is MXFP4 in all three GEMMs with H16 on Wgrad only; MXFP4 in "
+                       "Wgrad only with H16 is 'mxfp4_wgrad_only_h16'",
 }
 
 
 def names() -> tuple[str, ...]:
-    """Names of all presets, in ladder order."""
+    """Names of all presets, in ladder order (the deprecated :data:`ALIASES` excluded)."""
     return tuple(PRESETS)
+
+
+def canonical_name(name: str, *, stacklevel: int = 2) -> str:
+    """`name`, or the current name of a deprecated alias (warning with DeprecationWarning).
+
+    Unknown names are returned unchanged (the caller reports them).
+    """
+    if name in ALIASES:
+        new = ALIASES[name]
+        warnings.warn(f"policy preset {name!r} is deprecated ({_ALIAS_WHY[name]}); use "
+                      f"{new!r}", DeprecationWarning, stacklevel=stacklevel + 1)
+        return new
+    return name
+
+
+def _valid_names(with_none: bool) -> str:
+    return ", ".join((("none",) if with_none else ()) + names())
 
 
 def get(name: str | PrecisionPolicy) -> PrecisionPolicy:
     """The preset called `name` (a PrecisionPolicy is returned unchanged).
+
+    Deprecated names (:data:`ALIASES`) give their new preset with a DeprecationWarning.
 
     Raises:
       ValueError: unknown name (the message lists the valid ones).
     """
     if isinstance(name, PrecisionPolicy):
         return name
-    if isinstance(name, str) and name in PRESETS:
-        return PRESETS[name]()
-    raise ValueError(f"policy: unknown preset {name!r}; valid names: {', '.join(PRESETS)}")
+    if isinstance(name, str):
+        name = canonical_name(name, stacklevel=3)
+        if name in PRESETS:
+            return PRESETS[name]()
+    raise ValueError(f"policy: unknown preset {name!r}; valid names: {_valid_names(False)}")
 
 
 def resolve(spec: str | Mapping[str, Any] | PrecisionPolicy | None) -> PrecisionPolicy | None:
     """The policy `spec` stands for: the one place a policy is looked up by name or dict.
 
     Args:
-      spec: a preset name (:func:`names`); ``None`` or ``"none"`` (any case) for no
-        policy; a dict in :func:`to_dict`'s layout (:func:`from_dict`); or a
-        PrecisionPolicy (returned unchanged).
+      spec: a preset name (:func:`names`; a deprecated :data:`ALIASES` name warns);
+        ``None`` or ``"none"`` (any case) for no policy; a dict in :func:`to_dict`'s
+        layout (:func:`from_dict`); or a PrecisionPolicy (returned unchanged).
     Returns:
       A PrecisionPolicy, or None for no policy.
     Raises:
@@ -346,10 +600,11 @@ def resolve(spec: str | Mapping[str, Any] | PrecisionPolicy | None) -> Precision
     if isinstance(spec, str):
         if spec.lower() == "none":
             return None
-        if spec in PRESETS:
-            return PRESETS[spec]()
-        raise ValueError(f"policy: unknown preset {spec!r}; valid names: none, "
-                         f"{', '.join(PRESETS)}")
+        name = canonical_name(spec, stacklevel=3)
+        if name in PRESETS:
+            return PRESETS[name]()
+        raise ValueError(f"policy: unknown preset {spec!r}; valid names: "
+                         f"{_valid_names(True)}")
     if isinstance(spec, Mapping):
         return from_dict(spec)
     raise TypeError(f"policy: expected a preset name, None or 'none', a policy dict or a "

@@ -103,6 +103,10 @@ class Hadamard:
     def needs_key(self) -> bool:
         return self.randomized
 
+    def replace(self, **changes: Any) -> Hadamard:
+        """A copy with some fields replaced (validated again)."""
+        return dataclasses.replace(self, **changes)
+
     def describe(self) -> str:
         if self.randomized:
             return f"random H{self.block_size}"
@@ -142,6 +146,10 @@ class GemmRecipe:
         object.__setattr__(self, "hadamard", had)
         if not isinstance(self.backend, str) or self.backend not in BACKENDS:
             raise ValueError(f"GemmRecipe: backend must be one of {BACKENDS}, got {self.backend!r}")
+
+    def replace(self, **changes: Any) -> GemmRecipe:
+        """A copy with some fields replaced (validated again; format names are accepted)."""
+        return dataclasses.replace(self, **changes)
 
     @property
     def is_passthrough(self) -> bool:

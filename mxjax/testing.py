@@ -125,11 +125,11 @@ def assert_matches_reference(make_fn: Callable[[PrecisionPolicy], Callable],
 
 def assert_passthrough_exact(fn: Callable, wrapped_fn: Callable, *args,
                              argnums: int | Sequence[int] = (0,), seed: int = 0) -> None:
-    """Asserts a pass-through policy (``bf16``) changes nothing: outputs and grads bit for bit.
+    """Asserts the pass-through policy changes nothing: outputs and grads bit for bit.
 
     `fn` is the unwrapped model (e.g. ``model.apply``), `wrapped_fn` the same
-    model with the pass-through policy (``mxjax.nn.wrap(model, 'bf16').apply``
-    or the model built with ``dot_general=policies.get('bf16').dot_general()``).
+    model with the pass-through policy (``mxjax.nn.wrap(model, 'passthrough').apply``
+    or the model built with ``dot_general=policies.get('passthrough').dot_general()``).
     """
     assert_equivalent(fn, wrapped_fn, *args, argnums=argnums, seed=seed)
 

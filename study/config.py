@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from mxjax import PrecisionPolicy, policies
 from study import policies as study_policies
 from train import config as C
 from train.config import Config, ConfigError, require, require_unique
@@ -46,7 +49,7 @@ class ScaleSection:
 
     widths: tuple[int, ...] = ()
     policies: tuple[str, ...] = ("mxfp4_all", "mxfp4_all_h16", "mxfp4_all_rht16",
-                                 "mxfp4_wgrad_h16")
+                                 "mxfp4_all_h16_wgrad")
     seeds: tuple[int, ...] = (0, 1)
     points: tuple[int, ...] | None = None  # None: branch.points
 
@@ -58,6 +61,13 @@ class StudyConfig:
     The reference and the baseline are evaluated every ``eval_every`` steps (their
     curves are what overheads are read off), the other rungs every
     ``rung_eval_every`` steps and at the end.
+
+    Policies (``reference``, ``baseline``, ``rungs``, ``ablations``,
+    ``branch.policies``, ``scale.policies``) are named; where a name goes, a
+    policy may also be given as anything ``mxjax.policies.resolve`` takes (a
+    policy dict, a PrecisionPolicy, null for ``none``): `from_dict` files it under
+    its ``name`` (or ``custom-<digest>`` without one) in ``custom_policies``
+    (name -> policy dict), which a config may also fill directly.
 
     ``run`` is a train config mapping (``python -m train --help``); the study
     sets ``seed``, ``policy``, ``out_dir`` and ``train.steps`` (= ``steps``, the
@@ -83,7 +93,12 @@ class StudyConfig:
     probe: bool = True
     branch: BranchSection = dataclasses.field(default_factory=BranchSection)
     scale: ScaleSection = dataclasses.field(default_factory=ScaleSection)
+    custom_policies: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     run: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def policy(self, name: str) -> PrecisionPolicy | None:
+        """The policy a name of this config stands for (None for ``none``)."""
+        return study_policies.get(name, self.custom_policies)
 
     @property
     def out_path(self) -> Path:
@@ -109,10 +124,90 @@ class StudyConfig:
         return self.scale.points if self.scale.points is not None else self.branch.points
 
 
+# The keys that hold policies: one (a str) or several (a list).
+POLICY_KEYS = ("reference", "baseline", "rungs", "ablations", "branch.policies", "scale.policies")
+
+
+def _policy_record(policy: PrecisionPolicy, name: str) -> dict[str, Any]:
+    return jsonable(policies.to_dict(policy.replace(name=name)))
+
+
+def _file_policy(spec: Any, where: str, custom: dict[str, dict[str, Any]]) -> str:
+    """The name under which `spec` (anything `mxjax.policies.resolve` takes) is run;
+    a policy given by value is filed in `custom`."""
+    if isinstance(spec, str):
+        name = study_policies.canonical_name(spec, stacklevel=4)
+        require(bool(name), f"{where}: empty policy name (use none for no policy)")
+        return name
+    try:
+        policy = policies.resolve(spec)
+    except (TypeError, ValueError, KeyError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if policy is None:
+        return "none"
+    record = _policy_record(policy, "")
+    if policy.name:
+        name = policy.name
+    elif (same := next((n for n, build in policies.PRESETS.items() if build() == policy),
+                       None)) is not None:
+        return same  # an unnamed policy that is a preset runs under the preset's name
+    else:
+        digest = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:8]
+        name = f"custom-{digest}"
+    require("/" not in name and name != "none", f"{where}: a policy name without '/' and other "
+            f"than 'none' is needed (it names the runs' files), got {name!r}")
+    if name in policies.PRESETS or name in study_policies.LEGACY or name in policies.ALIASES:
+        preset = study_policies.get(study_policies.canonical_name(name, stacklevel=4))
+        require(preset == policy, f"{where}: the policy named {name!r} differs from the preset "
+                f"of that name; give it another name")
+        return preset.name
+    record = _policy_record(policy, name)
+    require(custom.get(name, record) == record,
+            f"{where}: two different policies are both named {name!r}")
+    custom[name] = record
+    return name
+
+
+def _file_policies(raw: dict[str, Any]) -> None:
+    """Replaces the policies given by value under POLICY_KEYS with names, filed in
+    ``raw['custom_policies']`` (checked there too)."""
+    given = raw.get("custom_policies") or {}
+    require(isinstance(given, Mapping), f"custom_policies: expected a mapping of name -> "
+            f"policy dict, got {type(given).__name__}")
+    custom: dict[str, dict[str, Any]] = {}
+    for name, spec in given.items():
+        require(isinstance(name, str) and isinstance(spec, (Mapping, PrecisionPolicy)),
+                f"custom_policies.{name}: expected a policy dict, got {type(spec).__name__}")
+        try:
+            policy = policies.resolve(spec)
+        except (TypeError, ValueError, KeyError) as e:
+            raise ConfigError(f"custom_policies.{name}: {e}") from None
+        filed = _file_policy(policy.replace(name=name), f"custom_policies.{name}", custom)
+        require(filed == name, f"custom_policies.{name}: the preset {filed!r}; use that name")
+    for key in POLICY_KEYS:
+        head, _, tail = key.partition(".")
+        section = raw if not tail else raw.get(head)
+        field = tail or head
+        if not isinstance(section, Mapping) or section.get(field) is None:
+            continue
+        value = section[field]
+        if key in ("reference", "baseline"):
+            section[field] = _file_policy(value, key, custom)
+        elif isinstance(value, (list, tuple)):
+            section[field] = [_file_policy(v, f"{key}[{i}]", custom) for i, v in enumerate(value)]
+    if custom:
+        raw["custom_policies"] = custom
+
+
 def from_dict(raw: Mapping[str, Any]) -> StudyConfig:
-    """Builds and validates a StudyConfig (unknown keys and bad values raise ConfigError)."""
+    """Builds and validates a StudyConfig (unknown keys and bad values raise ConfigError).
+
+    Policies may be given by value where a name goes (see `StudyConfig`).
+    """
     require(isinstance(raw, Mapping), f"study config must be a mapping, got {type(raw).__name__}")
-    cfg = C.build(StudyConfig, copy.deepcopy(dict(raw)), what="study")
+    raw = copy.deepcopy(dict(raw))
+    _file_policies(raw)
+    cfg = C.build(StudyConfig, raw, what="study")
     check(cfg)
     return cfg
 
@@ -121,7 +216,7 @@ def check(cfg: StudyConfig) -> None:
     """The study's value rules (types are checked by the builder)."""
     require(bool(cfg.name) and "/" not in cfg.name, f"name: a non-empty name without '/', got "
           f"{cfg.name!r}")
-    known = set(study_policies.names())
+    known = set(study_policies.names()) | set(cfg.custom_policies)
     for key in ("rungs", "ablations", "branch.policies", "scale.policies"):
         obj: Any = cfg
         for part in key.split("."):
@@ -134,7 +229,8 @@ def check(cfg: StudyConfig) -> None:
     require(cfg.reference in known, f"reference: unknown policy {cfg.reference!r}")
     require(cfg.baseline in cfg.rungs, f"baseline: {cfg.baseline!r} must be one of rungs")
     require_unique(cfg.seeds, "seeds")
-    require(len(cfg.seeds) >= 2, "seeds: at least 2 (intervals need them); the issue asks for 4")
+    require(len(cfg.seeds) >= 2, "seeds: at least 2 (the confidence intervals need them; the "
+            "study's protocol uses 4)")
     for k in ("steps", "eval_every", "rung_eval_every", "eval_sequences", "width", "ffn_multiple",
               "workers"):
         require(getattr(cfg, k) >= 1, f"{k}: expected an integer >= 1, got {getattr(cfg, k)!r}")

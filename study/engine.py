@@ -26,7 +26,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -92,12 +92,13 @@ Log = Callable[[str], None]
 def _train(run: CompiledRun, policy: str, state: Any, batch_at: Callable[[int], np.ndarray],
            steps: int, seed: int, eval_at: Callable[[int], bool], *, first_step: int = 0,
            digest_steps: int = 0, on_step: Callable[[int, Any], None] | None = None,
-           log: Log | None = None):
+           custom_policies: Mapping[str, Any] | None = None, log: Log | None = None):
     """Trains `state` for `steps` steps on ``batch_at(k)`` (read one at a time, so a long run
     holds one batch on the host); returns (state, per-step losses, [(k, exact eval)], digest of
     the first `digest_steps` batches, seconds spent compiling the train step: nonzero only
-    when this call compiled it, which `log` announces before and after)."""
-    pol = study_policies.get(policy)
+    when this call compiled it, which `log` announces before and after). `policy` is a study
+    policy name (`custom_policies`: the config's inline ones)."""
+    pol = study_policies.get(policy, custom_policies)
     compiles = not run.has_train_step(pol)
     step_fn = run.train_step(pol)
     compile_s = 0.0
@@ -132,6 +133,7 @@ def _train(run: CompiledRun, policy: str, state: Any, batch_at: Callable[[int], 
 
 def fixed_budget_run(run: CompiledRun, policy: str, seed: int, steps: int, eval_every: int,
                      save: Callable[[int, Any], None] | None = None, *,
+                     custom_policies: Mapping[str, Any] | None = None,
                      log: Log | None = None) -> dict[str, Any]:
     """One run of the fixed-budget ladder (see the module docstring); `log` announces a
     compilation of the train step (its seconds are the record's ``compile_s``)."""
@@ -140,8 +142,10 @@ def fixed_budget_run(run: CompiledRun, policy: str, seed: int, steps: int, eval_
     loader = run.loader(seed)
     state, losses, curve, digest, compile_s = _train(
         run, policy, state, loader.batch, steps, seed,
-        lambda k: k % eval_every == 0 or k == steps, digest_steps=steps, on_step=save, log=log)
-    own = run.evaluate(state["params"], study_policies.get(policy), policy_base_key(seed))
+        lambda k: k % eval_every == 0 or k == steps, digest_steps=steps, on_step=save,
+        custom_policies=custom_policies, log=log)
+    own = run.evaluate(state["params"], study_policies.get(policy, custom_policies),
+                       policy_base_key(seed))
     return {"kind": "run", "policy": policy, "seed": seed, "steps": steps,
             "tokens_per_step": run.tokens_per_step,
             "curve": curve, "final_eval": curve[-1][1], "final_eval_own_forward": own,
@@ -151,17 +155,19 @@ def fixed_budget_run(run: CompiledRun, policy: str, seed: int, steps: int, eval_
 
 
 def replay_state(run: CompiledRun, policy: str, seed: int, point: int, path: Path, *,
+                 custom_policies: Mapping[str, Any] | None = None,
                  log: Log | None = None) -> None:
     """Re-creates a reference state missing from `path` by replaying the reference run's
     first `point` steps (the same init, batches and keys, so the same state) and saves it."""
     state = run.init_state(seed)
     state, _, _, _, _ = _train(run, policy, state, run.loader(seed).batch, point, seed,
-                               lambda k: False, log=log)
+                               lambda k: False, custom_policies=custom_policies, log=log)
     save_state(path, state, run, step=point)
 
 
 def branch(run: CompiledRun, policy: str, start: Any, seed: int, point: int, batch_set: int,
            steps: int, pair_steps: int, eval_every: int | None = None, *,
+           custom_policies: Mapping[str, Any] | None = None,
            log: Log | None = None) -> dict[str, Any]:
     """One branch: `steps` steps of `policy` from the reference state `start` at `point`.
 
@@ -176,7 +182,7 @@ def branch(run: CompiledRun, policy: str, start: Any, seed: int, point: int, bat
     state, losses, curve, digest, compile_s = _train(
         run, policy, start, lambda k: loader.batch(point + k), steps, seed,
         lambda k: k % every == 0 if eval_every else k == steps, first_step=point,
-        digest_steps=pair_steps, log=log)
+        digest_steps=pair_steps, custom_policies=custom_policies, log=log)
     return {"kind": "branch", "policy": policy, "seed": seed, "point": point,
             "batch_set": batch_set, "steps": steps, "curve": curve, "train_loss": losses,
             "skipped": int(fetch(state["skipped"])),

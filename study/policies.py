@@ -1,111 +1,89 @@
 """The policies of the ladder study: the paper's rungs and the ablations that locate an effect.
 
-Rungs are presets of ``mxjax.policies``. Ablations are presets changed with
-``dataclasses.replace`` (``mxfp4_all``'s MXFP4 operand recipe, EVEN scales and
-nearest-even; ``bf16``'s pass-through): each changes one thing against a rung,
-so a difference in training can be pinned on one GEMM, one operand, or the
-rotation itself. Names are looked up by `get` (ablations first, then
-``mxjax.policies.resolve``).
+Rungs and ablations are presets of ``mxjax.policies`` (the ablations are the
+library's ``mxfp4_all_h16_<gemm>`` and ``mxfp4_wgrad_only*`` presets and the
+``passthrough_wgrad_h16`` control): each changes one thing against a rung, so a
+difference in training can be pinned on one GEMM, one operand, or the rotation
+itself. A study config may also define its own policies inline (a policy dict or
+a PrecisionPolicy where a name goes: ``study.config``); `get` takes those as
+``custom`` (name -> policy dict).
+
+The study's former private names (``wgrad_mx_h16``, ``h16_fprop_only``, ...) are
+still read, with a DeprecationWarning naming the library preset (:data:`LEGACY`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import types
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Mapping
+from typing import Any
 
-from mxjax import Hadamard, PrecisionPolicy
+from mxjax import PrecisionPolicy
 from mxjax import policies as presets
 
 # The paper's Table 1, in reading order (fp8 is its baseline).
 RUNGS: tuple[str, ...] = ("fp8", "mxfp4_fprop", "mxfp4_fprop_dgrad", "mxfp4_all",
                           "mxfp4_all_sr", "mxfp4_all_rht16", "mxfp4_all_h16", "mxfp4_all_h32")
 
-_H16 = Hadamard(block_size=16)
+# The ablations: library presets (mxjax.policies.ABLATIONS), in the order the study reports.
+ABLATIONS: tuple[str, ...] = presets.ABLATIONS
 
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Ablation:
-    """One ablation: how to build it and one line on what it quantizes."""
-
-    build: Callable[[], PrecisionPolicy]
-    description: str
-
-
-def _all_mx_with_h16_on(gemm: str, name: str) -> PrecisionPolicy:
-    mx = presets.get("mxfp4_all")
-    return dataclasses.replace(mx, **{gemm: dataclasses.replace(mx.gemms[gemm], hadamard=_H16)},
-                               name=name)
-
-
-def _wgrad_only(name: str, *, dy: bool = True, x: bool = True,
-                hadamard: Hadamard | None = None) -> PrecisionPolicy:
-    """fprop and dgrad exact (``bf16``); wgrad's lhs dY and rhs X in MXFP4 where asked
-    (``mxfp4_all``'s wgrad operands), else pass-through, with `hadamard`."""
-    exact, mx = presets.get("bf16"), presets.get("mxfp4_all")
-    wgrad = dataclasses.replace(
-        mx.wgrad, lhs=(mx if dy else exact).wgrad.lhs, rhs=(mx if x else exact).wgrad.rhs,
-        hadamard=hadamard)
-    return dataclasses.replace(exact, wgrad=wgrad, name=name)
-
-
-def _ablation(build: Callable[[], PrecisionPolicy], description: str) -> Ablation:
-    return Ablation(build=build, description=description)
-
-
-ABLATIONS: Mapping[str, Ablation] = types.MappingProxyType({
-    "h16_fprop_only": _ablation(lambda: _all_mx_with_h16_on("fprop", "h16_fprop_only"),
-                                "MXFP4 in all three GEMMs, H16 on Fprop only"),
-    "h16_dgrad_only": _ablation(lambda: _all_mx_with_h16_on("dgrad", "h16_dgrad_only"),
-                                "MXFP4 in all three GEMMs, H16 on Dgrad only"),
-    "mxfp4_wgrad_h16": _ablation(lambda: presets.get("mxfp4_wgrad_h16"),
-                                 "MXFP4 in all three GEMMs, H16 on Wgrad only (preset)"),
-    "wgrad_mx": _ablation(lambda: _wgrad_only("wgrad_mx"),
-                          "MXFP4 in Wgrad only (dY and X), no rotation"),
-    "wgrad_mx_h16": _ablation(lambda: _wgrad_only("wgrad_mx_h16", hadamard=_H16),
-                              "MXFP4 in Wgrad only, H16 on both operands"),
-    "wgrad_mx_rht16": _ablation(
-        lambda: _wgrad_only("wgrad_mx_rht16", hadamard=Hadamard(block_size=16, randomized=True)),
-        "MXFP4 in Wgrad only, random-sign H16"),
-    "wgrad_mx_h32": _ablation(lambda: _wgrad_only("wgrad_mx_h32", hadamard=Hadamard(block_size=32)),
-                              "MXFP4 in Wgrad only, H32"),
-    "wgrad_dy_h16": _ablation(lambda: _wgrad_only("wgrad_dy_h16", x=False, hadamard=_H16),
-                              "Wgrad H16, only dY in MXFP4 (X exact)"),
-    "wgrad_x_h16": _ablation(lambda: _wgrad_only("wgrad_x_h16", dy=False, hadamard=_H16),
-                             "Wgrad H16, only X in MXFP4 (dY exact)"),
-    "wgrad_dy": _ablation(lambda: _wgrad_only("wgrad_dy", x=False),
-                          "Wgrad, only dY in MXFP4, no rotation"),
-    "wgrad_x": _ablation(lambda: _wgrad_only("wgrad_x", dy=False),
-                         "Wgrad, only X in MXFP4, no rotation"),
-    "wgrad_rot16": _ablation(lambda: _wgrad_only("wgrad_rot16", dy=False, x=False, hadamard=_H16),
-                             "Wgrad H16 rotation with no quantization (must match exact)"),
+# The study's former names of its ablations -> the library presets they became.
+LEGACY: Mapping[str, str] = types.MappingProxyType({
+    "h16_fprop_only": "mxfp4_all_h16_fprop",
+    "h16_dgrad_only": "mxfp4_all_h16_dgrad",
+    "wgrad_mx": "mxfp4_wgrad_only",
+    "wgrad_mx_h16": "mxfp4_wgrad_only_h16",
+    "wgrad_mx_rht16": "mxfp4_wgrad_only_rht16",
+    "wgrad_mx_h32": "mxfp4_wgrad_only_h32",
+    "wgrad_dy": "mxfp4_wgrad_only_dy",
+    "wgrad_dy_h16": "mxfp4_wgrad_only_dy_h16",
+    "wgrad_x": "mxfp4_wgrad_only_x",
+    "wgrad_x_h16": "mxfp4_wgrad_only_x_h16",
+    "wgrad_rot16": "passthrough_wgrad_h16",
 })
 
 
+def canonical_name(name: str, *, stacklevel: int = 2) -> str:
+    """`name`, or the library preset a former study name or deprecated preset name became
+    (with a DeprecationWarning naming it); other names unchanged."""
+    if name in LEGACY:
+        warnings.warn(f"study policy {name!r} is now the library preset {LEGACY[name]!r}; "
+                      "use that name", DeprecationWarning, stacklevel=stacklevel + 1)
+        return LEGACY[name]
+    return presets.canonical_name(name, stacklevel=stacklevel + 1)
+
+
 def names() -> tuple[str, ...]:
-    """Every policy name the study knows: ``none``, the presets, then the ablations."""
-    return ("none",) + presets.names() + tuple(a for a in ABLATIONS if a not in presets.PRESETS)
+    """Every policy name the study knows: ``none`` and the library's presets."""
+    return ("none",) + presets.names()
 
 
-def get(name: str) -> PrecisionPolicy | None:
+def get(name: str, custom: Mapping[str, Any] | None = None) -> PrecisionPolicy | None:
     """The policy called `name` (None for ``none``, the exact reference).
 
+    Args:
+      name: ``none``, a preset name, or a key of `custom`.
+      custom: a study config's inline policies (``StudyConfig.custom_policies``:
+        name -> policy dict).
     Raises:
       ValueError: unknown name (the message lists the valid ones).
     """
-    if name in ABLATIONS:
-        return ABLATIONS[name].build()
+    if custom and name in custom:
+        return presets.resolve(custom[name])
     try:
-        return presets.resolve(name)
+        return presets.resolve(canonical_name(name, stacklevel=2))
     except ValueError:
+        valid = names() + tuple(custom or ())
         raise ValueError(f"policy: unknown study policy {name!r}; valid: "
-                         f"{', '.join(names())}") from None
+                         f"{', '.join(valid)}") from None
 
 
-def describe(name: str) -> str:
+def describe(name: str, custom: Mapping[str, Any] | None = None) -> str:
     """One line on what `name` quantizes."""
-    if name in ABLATIONS:
-        return ABLATIONS[name].description
+    if custom and name in custom:
+        return "a policy defined in the study config (custom_policies)"
     if name == "none":
         return "exact (fp32, no policy)"
     doc = (presets.PRESETS[name].__doc__ or "").strip().splitlines()

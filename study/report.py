@@ -267,7 +267,7 @@ def render(rep: Mapping[str, Any], cfg: StudyConfig) -> str:
             pct_iv(t[p].get(f"step{pt}", {}).get("vs_exact")) for pt in points) + " |")
     lines += ["", "What each ablation changes:", ""]
     for p in cfg.ablations:
-        lines.append(f"- `{p}`: {study_policies.describe(p)}")
+        lines.append(f"- `{p}`: {study_policies.describe(p, cfg.custom_policies)}")
     lines += ["", "## The paper's Table 1 beside this study", "",
               (f"Overhead vs `{cfg.baseline}` from branch-and-compare (all replicates) | the "
               "paper's figure:"), "",

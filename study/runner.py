@@ -46,17 +46,20 @@ def execute(cfg: SC.StudyConfig, run: CompiledRun, unit: Unit,
         every = (cfg.eval_every if unit.policy in (cfg.reference, cfg.baseline)
                  else cfg.rung_eval_every)
         rec = E.fixed_budget_run(run, unit.policy, unit.seed, cfg.steps, every,
-                                 save if saving else None, log=log)
+                                 save if saving else None, custom_policies=cfg.custom_policies,
+                                 log=log)
     else:
         spath = state_path(root, unit.width, unit.seed, unit.point)
         if not spath.exists():  # a branch point added after the reference run: replay it
-            E.replay_state(run, cfg.reference, unit.seed, unit.point, spath, log=log)
+            E.replay_state(run, cfg.reference, unit.seed, unit.point, spath,
+                           custom_policies=cfg.custom_policies, log=log)
         start = load_state(spath, run)
         exact = unit.policy == cfg.reference
         b = cfg.branch
         rec = E.branch(run, unit.policy, start, unit.seed, unit.point, unit.batch_set,
                        b.exact_steps if exact else b.steps, b.steps,
-                       b.exact_eval_every if exact else None, log=log)
+                       b.exact_eval_every if exact else None,
+                       custom_policies=cfg.custom_policies, log=log)
     rec.update(width=unit.width, n_params=run.n_params)
     E.write_json(unit.path(root), rec)
     return time.time() - t0, float(rec.get("compile_s", 0.0))

@@ -68,23 +68,28 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("nn",),
         ("testing",),
     ),
-    "models": (("sharding",), ("llama",), ("hf_config", "hf_files"), ("hf",)),
+    "models": (("sharding",), ("attention",), ("llama",), ("hf_config", "hf_files"), ("hf",)),
     #  - the config and the run's extension points first; then the pieces that need only
     #    them (data, state layout, diagnostics hooks, checkpoints, optimizer); the plan
     #    (config + data validated), the traced step and what a run writes; then the
     #    compiled run (CompiledRun), the host loop (trainer), `loop.run` and the CLI.
+    #  - hf (runs <-> HF checkpoints: export, model.init_from) needs the config, the
+    #    checkpoints and the data's tokenizer; the plan checks init_from with it, the
+    #    compiled run loads it.
+    #    commands (the CLI's export-hf and mlperf-check) sit beside loop.
     "train": (
         ("jsonsafe",),
         ("config",),
         ("hooks", "process", "run_lock", "checkpoint", "optimizer", "preemption", "memory"),
         ("data", "state", "diagnostics"),
+        ("hf",),
         ("output", "plan", "step"),
         ("compat", "run"),
         ("trainer",),
-        ("loop",),
+        ("loop", "commands"),
         ("__main__",),
     ),
-    "train.data": (("sources", "tokenizer"), ("cache", "loader"), ("__main__",)),
+    "train.data": (("sources", "tokenizer"), ("cache", "loader"), ("stream",), ("__main__",)),
     "train.output": (("metrics", "mlperf", "tensorboard_log"), ("summary",), ("previous",)),
     "train.diagnostics": (("dynamics",), ("numerics",)),
     #  - the policies and the statistics need nothing of the study; the config names the
@@ -325,7 +330,7 @@ def test_the_checker_sees_function_level_and_relative_imports(tmp_path, monkeypa
      r"mxjax.gemm -> models.llama"),
     # inside train: the config above the plan; inside train.data: sources above cache
     ("train.config", "from train.plan import validate\n", test_imports_follow_the_layer_order,
-     r"train.config -> train.plan \(config is in layer 1 of train, plan in 4\)"),
+     r"train.config -> train.plan \(config is in layer 1 of train, plan in 5\)"),
     ("train.data.sources", "from .cache import prepare\n", test_imports_follow_the_layer_order,
      r"train.data.sources -> train.data.cache \(sources is in layer 0 of train.data"),
     # a unit inside a package importing its own facade; two units of one layer

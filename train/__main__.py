@@ -1,4 +1,8 @@
-"""Command line: ``python -m train --config configs/tiny.yaml [options]``."""
+"""Command line: ``python -m train --config configs/tiny.yaml [options]``.
+
+Subcommands (`train.commands`): ``python -m train export-hf RUN_DIR OUT_DIR`` and
+``python -m train mlperf-check RUN_DIR``.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,9 @@ import yaml
 from mxjax import policies
 from train import config as cfgmod
 from train import loop, memory
+from train import plan as plan_mod
 from train.checkpoint import CheckpointError, CheckpointWriteError
+from train.commands import SUBCOMMANDS
 from train.config import ConfigError
 from train.data import DataError
 from train.preemption import PREEMPTED_EXIT
@@ -21,6 +27,10 @@ from train.process import INIT_TIMEOUT_EXIT, DistributedInitError
 from train.run_lock import RunLockError
 
 _EPILOG = """\
+subcommands (each with its own --help):
+  python -m train export-hf RUN_DIR OUT_DIR [--step N]   a checkpoint as an HF Llama directory
+  python -m train mlperf-check RUN_DIR                    MLPerf compliance check of mllog.txt
+
 what a run writes (in --out, default runs/<name>):
   config.yaml     the resolved config
   metrics.jsonl   one JSON record per step: step, tokens, loss, eval_loss, lr,
@@ -97,6 +107,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[argv[0]](argv[1:])
     args = _parser().parse_args(argv)
     if args.list_policies:
         print("\n".join(("none",) + tuple(policies.names())))
@@ -123,9 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps({
                 "ok": too_big is None, "out_dir": str(cfg.out_path), "policy": plan.policy_name,
                 "mesh": dict(zip(("data", "fsdp", "tensor"), plan.mesh_axes)),
-                "vocab_size": plan.prepared.vocab_size, "prepared_data": str(plan.prepared.path),
-                "train_tokens": plan.prepared.meta["train_tokens"],
-                "val_tokens": plan.prepared.meta["val_tokens"],
+                **plan_mod.data_facts(plan),
                 "eval_batch": plan.eval_batch, "accum_steps": cfg.accum_steps,
                 "n_params": est.n_params, "memory_per_device": est.as_dict(),
                 "device_memory": memory.device_memory()[1], "fits": too_big is None}, indent=1))

@@ -182,10 +182,14 @@ class Checkpointer:
       keep: number of most recent checkpoints to keep; the most recent good one
         (see `save`) is kept as well.
       async_save: write in a background thread after the device-to-host copy.
+      read_only: only read (``python -m train export-hf``): nothing is created, and
+        the temporary directory of a save in progress (a live run's) is left alone.
     """
 
-    def __init__(self, directory: str | Path, *, keep: int, async_save: bool = True):
+    def __init__(self, directory: str | Path, *, keep: int, async_save: bool = True,
+                 read_only: bool = False):
         self.directory = Path(directory).absolute()
+        self.read_only = read_only
         if self.directory.exists() and not self.directory.is_dir():
             raise CheckpointWriteError(f"{self.directory} is a file, not a directory: no "
                                        "checkpoint could be saved. Move it away or use another "
@@ -200,7 +204,8 @@ class Checkpointer:
             pp.BestN(get_metric_fn=good_step, n=1, keep_checkpoints_without_metrics=False)])
         opts = ocp.CheckpointManagerOptions(
             preservation_policy=keep_policy, best_fn=good_step,  # best_fn: persist the metric
-            create=True, enable_async_checkpointing=async_save, cleanup_tmp_directories=True)
+            create=not read_only, enable_async_checkpointing=async_save and not read_only,
+            cleanup_tmp_directories=not read_only)
         try:
             self.mngr = ocp.CheckpointManager(self.directory, options=opts,
                                               item_names=("state", "meta"))
@@ -245,6 +250,8 @@ class Checkpointer:
         Raises CheckpointWriteError when this save, or the previous asynchronous one
         (whose failure orbax reports here), could not be written.
         """
+        if self.read_only:
+            raise CheckpointWriteError(f"{self.directory} was opened read-only; nothing saved")
         if self._failed is not None:
             raise self._failed
         flat, _ = flatten(state)

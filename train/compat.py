@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from train.checkpoint import IncompatibleCheckpointError
+from train.data import stream as stream_data
 from train.jsonsafe import jsonable
 from train.plan import Plan
 
@@ -14,11 +15,19 @@ from train.plan import Plan
 def fingerprint(plan: Plan) -> dict[str, Any]:
     """The parts of a run a checkpoint must agree with to be resumed (stored in its meta)."""
     c = plan.config
+    if plan.stream is None:
+        data = {"fingerprint": plan.prepared.meta["fingerprint"]["hash"],
+                "seq_len": c.data.seq_len}
+    else:  # the stream's order depends on its settings and on the number of processes
+        import jax
+
+        data = stream_data.stream_fingerprint(c.data, jax.process_count())
+    init = {"init_from": c.model.init_from} if c.model.init_from is not None else {}
     return {
+        **init,  # only when set: checkpoints of runs without it stay resumable
         "model": jsonable(plan.model_config),
         "policy": plan.policy_record,
-        "data": {"fingerprint": plan.prepared.meta["fingerprint"]["hash"],
-                 "seq_len": c.data.seq_len},
+        "data": data,
         "seed": c.seed,
         "optim": {**jsonable(c.optim), "decay_steps": c.decay_steps},
         "global_batch": c.train.global_batch,
@@ -27,12 +36,20 @@ def fingerprint(plan: Plan) -> dict[str, Any]:
     }
 
 
+def _comparable(key: str, value: Any) -> Any:
+    """A fingerprint entry as compared: a policy without its name (a policy is its recipes;
+    a renamed preset, e.g. mxfp4_wgrad_h16 -> mxfp4_all_h16_wgrad, resumes its runs)."""
+    if key == "policy" and isinstance(value, Mapping):
+        return {k: v for k, v in value.items() if k != "name"}
+    return value
+
+
 def check_compatible(meta: Mapping[str, Any], want: Mapping[str, Any], where: Path,
                      policy_name: str) -> None:
     """Raise IncompatibleCheckpointError listing what differs between a checkpoint's
     ``meta['compat']`` and this run's `fingerprint` (`want`)."""
     have = meta.get("compat", {})
-    diffs = [k for k, v in want.items() if have.get(k) != v]
+    diffs = [k for k, v in want.items() if _comparable(k, have.get(k)) != _comparable(k, v)]
     if not diffs:
         return
     lines = []

@@ -9,10 +9,10 @@ name the offending key)::
     out_dir: null              # default runs/<name>
     jax_cache_dir: null        # persistent compilation cache
     policy: mxfp4_all_h16      # a preset name, a full policy dict, or null (no policy)
-    model:   {preset, overrides, compute_dtype}
+    model:   {preset, overrides, compute_dtype, init_from}
     data:    {sources, val_sources, format, text_key, split, holdout_every,
               holdout_block, max_docs, tokenizer, vocab_size, eos_token,
-              add_bos, seq_len, cache_dir}
+              add_bos, seq_len, cache_dir, loader, workers, on_bad_record}
     optim:   {lr, warmup_steps, decay_steps, final_lr_ratio, b1, b2, eps,
               weight_decay, clip_norm}
     train:   {steps, global_batch, micro_batch, eval_every, eval_sequences,
@@ -64,6 +64,12 @@ class ModelSection:
         "defaults to the tokenizer's vocabulary size for the tiny preset"})
     compute_dtype: Literal["float32", "bfloat16", "float16"] = _field(
         "float32", "activation/compute dtype; master weights are always float32")
+    init_from: str | None = _field(
+        None, "a Hugging Face Llama checkpoint directory (config.json + safetensors) whose "
+        "weights start the run (continued pretraining): its architecture must match the "
+        "model's (checked, naming each differing field); its weights become the fp32 master "
+        "weights; the optimizer starts fresh. A resumed run continues from its own "
+        "checkpoint, not from these weights. See docs/HF.md")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,6 +102,19 @@ class DataSection:
     add_bos: bool = _field(False, "also put the tokenizer's BOS before each document")
     seq_len: int = _field(128, "tokens per training sequence")
     cache_dir: str = _field("data_cache", "where prepared token files are cached")
+    loader: Literal["prepared", "grain"] = _field(
+        "prepared", "'prepared': tokenize the sources once into a cached stream before step 0 "
+        "(python -m train.data prepare; small corpora). 'grain': stream the shards (C4 "
+        "json.gz, JSONL, parquet), tokenize in worker processes, pack on the fly, resume "
+        "exactly from the checkpoint (needs data.val_sources and a tokenizer.json; "
+        "docs/DATA.md)")
+    workers: int = _field(
+        4, "data.loader grain: tokenizer worker processes per host (0: in the training "
+        "process); part of the data order, so fixed for a run")
+    on_bad_record: Literal["error", "skip"] = _field(
+        "error", "data.loader grain: a corrupt gzip stream or bad JSON line stops the run "
+        "naming file and line ('error'), or is skipped, reported and counted in the "
+        "metrics as data_bad_records ('skip')")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -196,8 +215,10 @@ class Config:
     seed: int = _field(0, "seed for init, data order and randomized-policy keys")
     out_dir: str | None = _field(None, "output directory (default runs/<name>)")
     policy: str | dict[str, Any] | None = dataclasses.field(default=None, metadata={
-        "help": "precision policy: preset name (see mxjax.policies.names()), a full policy "
-        "dict (mxjax.policies.to_dict format), or null for no policy"})
+        "help": "precision policy: what mxjax.policies.resolve takes: a preset name (see "
+        "mxjax.policies.names()), none or null for no policy, a policy dict "
+        "(mxjax.policies.to_dict format; from Python also a PrecisionPolicy, stored as its "
+        "dict)"})
     jax_cache_dir: str | None = _field(
         None, "persistent JAX compilation cache directory (re-runs, resumes and study runs "
         "skip recompiling; null: off)")
@@ -361,6 +382,12 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
     """Build and validate a `Config` from a nested mapping (as read from YAML)."""
     if not isinstance(raw, Mapping):
         raise ConfigError(f"config must be a mapping, got {type(raw).__name__}")
+    spec = raw.get("policy")
+    if spec is not None and not isinstance(spec, (str, Mapping)):
+        from mxjax import policies  # only for a policy object (the config module stays light)
+
+        if isinstance(spec, policies.PrecisionPolicy):  # stored as its dict (YAML/JSON-safe)
+            raw = {**raw, "policy": jsonable(policies.to_dict(spec))}
     cfg = expand_user(build(Config, raw))
     check(cfg)
     return cfg
@@ -368,7 +395,7 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
 
 def expand_user(cfg: Config) -> Config:
     """`cfg` with ``~`` expanded in every path setting (out_dir, jax_cache_dir,
-    data.cache_dir, data.tokenizer, data.sources, data.val_sources).
+    data.cache_dir, data.tokenizer, data.sources, data.val_sources, model.init_from).
 
     Expanded once here, so every consumer (and config.yaml) sees the real path
     rather than a directory literally named ``~`` in the working directory.
@@ -383,7 +410,8 @@ def expand_user(cfg: Config) -> Config:
         sources=tuple(s if s.startswith("embedded:") else ex(s) for s in d.sources),
         val_sources=tuple(s if s.startswith("embedded:") else ex(s) for s in d.val_sources))
     return dataclasses.replace(cfg, out_dir=ex(cfg.out_dir), jax_cache_dir=ex(cfg.jax_cache_dir),
-                               data=data)
+                               data=data, model=dataclasses.replace(
+                                   cfg.model, init_from=ex(cfg.model.init_from)))
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -486,6 +514,13 @@ def check(cfg: Config) -> None:
     need(d.holdout_every >= 2, f"data.holdout_every must be >= 2, got {d.holdout_every}")
     need(d.holdout_block >= 1, f"data.holdout_block must be >= 1, got {d.holdout_block}")
     need(len(d.sources) >= 1, "data.sources must name at least one file")
+    need(d.workers >= 0, f"data.workers must be >= 0, got {d.workers}")
+    if d.loader == "prepared":
+        need(d.on_bad_record == "error", "data.on_bad_record: 'skip' is data.loader grain's; "
+             "the prepared loader checks every record and stops at a bad one")
+    else:
+        need(d.max_docs is None, "data.max_docs: not used by data.loader grain (it streams "
+             "the shards); remove it or list fewer files")
     if d.max_docs is not None:
         need(d.max_docs >= 1, f"data.max_docs must be >= 1, got {d.max_docs}")
     need(c.every >= 0, f"checkpoint.every must be >= 0, got {c.every}")
@@ -502,6 +537,9 @@ def check(cfg: Config) -> None:
              f"mesh.process_id must be in [0, mesh.num_processes), got {m.process_id}")
     if isinstance(cfg.policy, str):
         need(bool(cfg.policy), "policy: empty name (use null for no policy)")
+    if cfg.model.init_from is not None:
+        need(bool(cfg.model.init_from), "model.init_from: empty path (use null to start from "
+             "random weights)")
 
 
 def describe(width: int = 100) -> str:

@@ -19,6 +19,7 @@ from models.llama import LlamaConfig, RopeScaling
 from mxjax import PrecisionPolicy, policies
 from train import data as datamod
 from train.config import Config, ConfigError
+from train.data import stream as stream_data
 from train.data.tokenizer import TokenizerError, load_hf
 from train.jsonsafe import jsonable
 
@@ -38,8 +39,9 @@ class Plan:
     policy_name: str
     policy_record: dict[str, Any] | None
     mesh_axes: tuple[int, int, int]
-    prepared: datamod.PreparedData
+    prepared: datamod.PreparedData | None
     eval_batch: int
+    stream: stream_data.StreamData | None = None  # data.loader grain (then prepared is None)
 
 
 def resolve_policy(
@@ -159,12 +161,20 @@ def _nominal_vocab(config: Config) -> int:
     return load_hf(d.tokenizer, eos_token=d.eos_token).vocab_size
 
 
+def _has_checkpoint(config: Config) -> bool:
+    """Whether the run directory holds a checkpoint step (so the run resumes from it)."""
+    d = config.out_path / "checkpoints"
+    return d.is_dir() and any(p.is_dir() and p.name.isdigit() for p in d.iterdir())
+
+
 def validate(config: Config, *, verbose: bool = True) -> Plan:
     """Check everything that can be checked without compiling; prepare (cached) data.
 
     Raises ConfigError naming the problem: missing files, unknown policy, model
     overrides, sequence longer than the model supports, mesh/batch sizes,
-    too few validation sequences.
+    too few validation sequences, a model.init_from checkpoint of another
+    architecture (checked when the run starts fresh: a run with a checkpoint
+    resumes from it and never reads model.init_from again).
     """
     check_out_dir(config)
     datamod.check_files(config.data)
@@ -180,11 +190,17 @@ def validate(config: Config, *, verbose: bool = True) -> Plan:
     if eval_batch % (mesh_axes[0] * mesh_axes[1]):
         raise ConfigError(f"train.eval_batch={eval_batch} must be divisible by mesh data*fsdp = "
                           f"{mesh_axes[0] * mesh_axes[1]}")
+    if config.data.loader == "grain":
+        return _validate_stream(config, policy, name, record, mesh_axes, eval_batch)
     try:
         prepared = datamod.prepare(config.data, verbose=verbose)
     except datamod.DataError as e:
         raise ConfigError(f"data: {e}") from None
     mc = build_model_config(config, prepared.vocab_size, int(prepared.meta["max_token_id"]))
+    if config.model.init_from is not None and not _has_checkpoint(config):
+        from train.hf import check_init_from  # a resumed run never reads the HF weights again
+
+        check_init_from(config.model.init_from, mc)
     val = datamod.Sequences(prepared.tokens("val"), config.data.seq_len)
     if t.eval_sequences > len(val):
         raise ConfigError(f"train.eval_sequences={t.eval_sequences} but the validation split has "
@@ -197,3 +213,42 @@ def validate(config: Config, *, verbose: bool = True) -> Plan:
     return Plan(config=config, model_config=mc, policy=policy, policy_name=name,
                 policy_record=record, mesh_axes=mesh_axes, prepared=prepared,
                 eval_batch=eval_batch)
+
+
+def _validate_stream(config: Config, policy: PrecisionPolicy | None, name: str,
+                     record: dict[str, Any] | None, mesh_axes: tuple[int, int, int],
+                     eval_batch: int) -> Plan:
+    """`validate`'s data.loader grain branch: no document of the training shards is read."""
+    d, t = config.data, config.train
+    files = stream_data.check_stream(d)
+    stream_data.host_shards(files, jax.process_index(), jax.process_count())
+    tok = load_hf(d.tokenizer, eos_token=d.eos_token, add_bos=d.add_bos)
+    # every id the tokenizer can produce must fit the model
+    mc = build_model_config(config, tok.vocab_size, tok.vocab_size - 1)
+    try:
+        val_tokens = stream_data.validation_tokens(d, t.eval_sequences, tokenizer=tok)
+    except datamod.DataError as e:
+        raise ConfigError(f"data.val_sources: {e}") from None
+    val = datamod.Sequences(val_tokens, d.seq_len)
+    if t.eval_sequences > len(val):
+        raise ConfigError(f"train.eval_sequences={t.eval_sequences} but data.val_sources hold "
+                          f"only {len(val)} sequences of {d.seq_len + 1} tokens")
+    if t.eval_sequences % eval_batch:
+        raise ConfigError(f"train.eval_sequences ({t.eval_sequences}) must be a multiple of the "
+                          f"eval batch ({eval_batch})")
+    return Plan(config=config, model_config=mc, policy=policy, policy_name=name,
+                policy_record=record, mesh_axes=mesh_axes, prepared=None, eval_batch=eval_batch,
+                stream=stream_data.StreamData(vocab_size=tok.vocab_size, n_sources=len(files),
+                                              val_tokens=val_tokens))
+
+
+def data_facts(plan: Plan) -> dict[str, Any]:
+    """The data part of ``--check``'s report."""
+    if plan.stream is None:
+        p = plan.prepared
+        return {"vocab_size": p.vocab_size, "prepared_data": str(p.path),
+                "train_tokens": p.meta["train_tokens"], "val_tokens": p.meta["val_tokens"]}
+    return {"vocab_size": plan.stream.vocab_size, "loader": "grain",
+            "train_shards": plan.stream.n_sources,
+            "workers_per_process": plan.config.data.workers,
+            "val_tokens": int(plan.stream.val_tokens.size)}

@@ -21,7 +21,7 @@ class DistributedInitError(RuntimeError):
 # JAX's own deadline is set this much later than ours: its expiry is a C++ CHECK
 # failure (SIGABRT and a stack trace) that Python cannot catch, so ours must fire first.
 _JAX_DEADLINE_GRACE_S = 30
-INIT_TIMEOUT_EXIT = 8  # the exit code of a cluster that did not form in time (see README)
+INIT_TIMEOUT_EXIT = 8  # the exit code of a cluster that did not form in time (docs/RELIABILITY.md)
 
 
 def init_distributed(mesh: MeshSection | None = None, *, verbose: bool = True) -> None:

@@ -136,7 +136,8 @@ class Trainer:
         return {"status": status, "samples": step * c.train.global_batch,
                 "tokens": step * self.tokens_per_step, "epoch": self.loader.epoch(step),
                 "skipped": skipped, "time_s": time_s, "policy_name": self.plan.policy_name,
-                "config": c.to_dict(), "compat": fingerprint(self.plan), "segments": segments}
+                "config": c.to_dict(), "compat": fingerprint(self.plan), "segments": segments,
+                **self.compiled.loader_record(self.loader, step)}
 
     def run(self) -> RunSummary:
         """Trains (or resumes) the run; returns its summary. XLA's out-of-memory becomes a
@@ -195,6 +196,7 @@ class Trainer:
                 check_compatible(meta, fingerprint(self.plan), ckpt.directory,
                                  self.plan.policy_name)
                 state = ckpt.restore(latest, self.abs_state, meta)
+                self.compiled.restore_loader(self.loader, meta, latest)
             except BaseException:
                 ckpt.close()
                 raise
@@ -237,11 +239,11 @@ class Trainer:
         self._log(f"run dir {self.out} | model {self.n_params / 1e6:.2f}M params | policy "
                   f"{self.plan.policy_name} | mesh data={self.plan.mesh_axes[0]} "
                   f"fsdp={self.plan.mesh_axes[1]} tensor={self.plan.mesh_axes[2]} | "
-                  f"{len(self.train_seqs)} train sequences of {c.data.seq_len} tokens | memory "
-                  f"estimate {memory.gib(memory.for_plan(self.plan).total)} per device")
+                  f"{self.compiled.data_summary()} | memory estimate "
+                  f"{memory.gib(memory.for_plan(self.plan).total)} per device")
         if resumed is None:
             mll.begin_init(mlperf.run_header(c, mlperf.plan_facts(
-                self.plan, train_samples=len(self.train_seqs),
+                self.plan, train_samples=self.compiled.train_samples,
                 config_filename=str(self.out / "config.yaml"))))
         with shd.use_mesh(self.mesh), StopSignals(log=self._log_here) as signals:
             if state is None:
@@ -252,6 +254,9 @@ class Trainer:
                     if ckpt is not None:
                         ckpt.close()
                     raise
+                if c.model.init_from is not None:
+                    self._log(f"parameters from the HF checkpoint {c.model.init_from} "
+                              "(model.init_from); optimizer state fresh")
                 mll.begin_run()
             return self._loop(state, start, resumed, skipped, time_off, t_start, ckpt, writer,
                               mll, signals, history)
@@ -260,7 +265,8 @@ class Trainer:
         rec = {"step": step, "tokens": step * self.tokens_per_step, "loss": None,
                "eval_loss": None, "lr": None, "grad_norm": None, "tokens_per_s": None,
                "skipped_steps": 0, "policy": self.plan.policy_name,
-               "epoch": round(self.loader.epoch(step), 4)}
+               "epoch": round(self.loader.epoch(step), 4),
+               **self.compiled.loader_metrics(self.loader)}
         rec.update(kw)
         return rec
 
@@ -388,6 +394,7 @@ class Trainer:
                 if stop:
                     break
         finally:
+            self.loader.close()
             prog.close()
             writer.close()
             if ckpt is not None:

@@ -12,7 +12,7 @@
   module path and operand kind (``'weight'``: the linear layers, the default;
   ``'activation'``: attention; ``'head'``: the output head; ``'any'``). Module
   paths: ``mxjax.nn.paths``; ``wrapped.report(*call_args)`` says what each
-  matmul got (look before training: a rule matching nothing only warns).
+  matmul got (look before training: a rule matching nothing only warns, once).
 """
 
 from mxjax.nn.frontend import RNG_STREAM

@@ -2,21 +2,22 @@
 
 One place for the RNG stream name, whether a set of rules needs a key, the
 "randomized policy needs a key" error, ``report()`` / ``last_report``, and the
-warning when no rule matched anything.
+warning when a rule matched nothing.
 """
 
 from __future__ import annotations
 
+import difflib
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
-from mxjax.nn.rules import Rule, WrapReport
+from mxjax.nn.rules import NOT_GEMM, Rule, WrapReport
 
 __all__ = ["RNG_STREAM", "ReportBox", "Reporting", "missing_key_error", "rules_need_key",
-           "unmatched_message"]
+           "unmatched_message", "unused_rules_message"]
 
 # The RNG collection (Linen) / nnx.Rngs stream randomized policies draw from.
 RNG_STREAM = "mxjax"
@@ -50,6 +51,41 @@ def unmatched_message(report: WrapReport, limit: int = 12) -> str:
     )
 
 
+def unused_rules_message(report: WrapReport, limit: int = 3) -> str | None:
+    """The warning when some (not all) rules of `report` matched nothing; None if all matched.
+
+    For each unused rule: why (its path matches no module path, or what it matches
+    is of another kind, or was taken by an earlier rule) and the nearest paths seen
+    (``difflib``).
+    """
+    used = {s.rule for s in report.sites if s.rule is not None}
+    unused = [(i, r) for i, r in enumerate(report.rules) if i not in used]
+    if not unused:
+        return None
+    gemms = [s for s in report.sites if s.kind != NOT_GEMM]
+    paths = list(dict.fromkeys(s.path or "(root)" for s in gemms))
+    lines = []
+    for i, rule in unused:
+        hits = [s for s in gemms if rule.matches(s.path)]
+        if not hits:
+            near = difflib.get_close_matches(rule.path, paths, n=limit, cutoff=0.4) or paths[:limit]
+            why = (f"its path matches no module path; nearest paths seen: "
+                   f"{', '.join(map(repr, near)) or 'none'}")
+        elif not any(s.kind in rule.kinds for s in hits):
+            kinds = sorted({s.kind for s in hits})
+            why = (f"its path matches {len(hits)} dot_general(s), of kind {', '.join(kinds)}, "
+                   f"not in its operands (add operands={kinds[0]!r} or 'any')")
+        else:
+            earlier = sorted({s.rule for s in hits if s.rule is not None and s.rule < i})
+            why = ("every dot_general it selects was taken by an earlier rule "
+                   f"({', '.join(f'rule {j}: {report.rules[j].describe()}' for j in earlier)})")
+        lines.append(f"rule {i}, {rule.describe()}: {why}")
+    return ("mxjax.nn.wrap: " + ("a rule" if len(unused) == 1 else f"{len(unused)} rules")
+            + " matched no matmul: " + "; ".join(lines) + ". A rule's path is a regex matched "
+            "with re.fullmatch against the module paths; print(wrapped.report(*call_args)) "
+            "shows them.")
+
+
 class ReportBox:
     """Mutable holder for the last report (kept outside NNX state and pytrees)."""
 
@@ -76,11 +112,17 @@ class Reporting:
         raise NotImplementedError
 
     def _record(self, report: WrapReport) -> None:
-        """Keeps a call's report; warns (once per wrapped model) when no rule matched."""
+        """Keeps a call's report; warns (once per wrapped model) when a rule matched nothing:
+        every rule (`unmatched_message`) or some (`unused_rules_message`)."""
         self._box.report = report
-        if not self._box.warned and len(report.unused_rules) == len(report.rules):
-            self._box.warned = True
-            warnings.warn(unmatched_message(report), UserWarning, stacklevel=3)
+        if self._box.warned or not report.unused_rules:
+            return
+        self._box.warned = True
+        if len(report.unused_rules) == len(report.rules):
+            message = unmatched_message(report)
+        else:
+            message = unused_rules_message(report)
+        warnings.warn(message, UserWarning, stacklevel=3)
 
     def report(self, *args, **kwargs) -> WrapReport:
         """The WrapReport: of the last call without arguments, else of a call with these.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mxjax import policies
@@ -22,7 +22,7 @@ NOT_GEMM = "not_gemm"
 HEAD_NAMES = r"lm_head|head|output_head|unembed|unembedding"
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
 class Rule:
     """Apply `policy` to every dot_general whose module path fully matches `path`.
 
@@ -33,7 +33,8 @@ class Rule:
         the format and where it comes from: ``mxjax.nn.paths``). ``'.*'``
         matches everything. To see the paths of a model:
         ``print(mxjax.nn.wrap(model, rules).report(*call_args))``.
-      policy: a PrecisionPolicy, a preset name, or None to leave the matched
+      policy: anything ``mxjax.policies.resolve`` takes: a PrecisionPolicy, a
+        preset name, a policy dict, or None / ``'none'`` to leave the matched
         dot_generals untouched (plain ``lax.dot_general``).
       operands: which dot_generals the rule selects by what their operands are
         (``Site.kind``): ``'weight'`` (default: one operand is computed from
@@ -64,8 +65,10 @@ class Rule:
         except re.error as e:
             raise ValueError(
                 f"Rule: path {self.path!r} is not a valid regular expression: {e}") from None
-        if self.policy is not None:
-            object.__setattr__(self, "policy", policies.get(self.policy))
+        try:
+            object.__setattr__(self, "policy", policies.resolve(self.policy))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"Rule: policy: {str(e).removeprefix('policy:').lstrip()}") from None
         kinds = (self.operands,) if isinstance(self.operands, str) else self.operands
         if not isinstance(kinds, tuple) or not kinds or not all(
                 isinstance(k, str) and k in (*KINDS, "any") for k in kinds):
@@ -86,23 +89,40 @@ class Rule:
         return re.fullmatch(self.path, path) is not None and (kind is None or kind in self.kinds)
 
     def describe(self) -> str:
+        """One line: ``Rule('path' -> policy name, operands=kinds)``."""
         name = "unchanged" if self.policy is None else (self.policy.name or "custom policy")
         kinds = "any" if self.kinds == KINDS else ",".join(self.kinds)
         return f"Rule({self.path!r} -> {name}, operands={kinds})"
 
+    def __repr__(self) -> str:
+        if self.policy is None:
+            pol = "None"
+        elif self.policy.name:
+            pol = repr(self.policy.name)
+        else:
+            pol = "<custom PrecisionPolicy>"
+        kinds = "'any'" if self.kinds == KINDS else repr(
+            self.kinds[0] if len(self.kinds) == 1 else self.kinds)
+        return f"Rule(path={self.path!r}, policy={pol}, operands={kinds})"
+
 
 def as_rules(policy_or_rules: Any) -> tuple[Rule, ...]:
-    """A policy (object or preset name), a Rule, or a sequence of Rules -> tuple of Rules."""
-    if isinstance(policy_or_rules, (PrecisionPolicy, str)):
-        return (Rule(path=".*", policy=policy_or_rules),)
+    """A policy spec (what ``mxjax.policies.resolve`` takes: a PrecisionPolicy, a preset
+    name, a policy dict, None or ``'none'``), a Rule, or a sequence of Rules -> tuple of
+    Rules (a policy spec becomes ``Rule(path='.*', policy=spec)``)."""
+    if policy_or_rules is None or isinstance(policy_or_rules, (PrecisionPolicy, str, Mapping)):
+        try:
+            return (Rule(path=".*", policy=policy_or_rules),)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"policy_or_rules: {str(e).removeprefix('Rule: ')}") from None
     if isinstance(policy_or_rules, Rule):
         return (policy_or_rules,)
     if isinstance(policy_or_rules, Sequence) and policy_or_rules and all(
             isinstance(r, Rule) for r in policy_or_rules):
         return tuple(policy_or_rules)
     raise TypeError(
-        "policy_or_rules: expected a PrecisionPolicy, a preset name, a Rule or a non-empty "
-        f"sequence of Rules, got {policy_or_rules!r}"
+        "policy_or_rules: expected a PrecisionPolicy, a preset name, a policy dict, None or "
+        f"'none', a Rule or a non-empty sequence of Rules, got {policy_or_rules!r}"
     )
 
 

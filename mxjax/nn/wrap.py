@@ -64,9 +64,11 @@ def wrap(model: Any, policy_or_rules: Any, *, rngs: nnx.Rngs | None = None,
 
     Args:
       model: a Flax Linen module, an NNX module, or a plain function.
-      policy_or_rules: a PrecisionPolicy or a preset name (``Rule(path='.*',
-        policy=...)``: every weight matmul, i.e. the linear layers; attention
-        and the output head stay unchanged), a ``Rule`` or a sequence of Rules
+      policy_or_rules: anything ``mxjax.policies.resolve`` takes (a
+        PrecisionPolicy, a preset name, a policy dict, or None / ``'none'``
+        for no policy), meaning ``Rule(path='.*', policy=...)``: every weight
+        matmul, i.e. the linear layers; attention and the output head stay
+        unchanged. Or a ``Rule`` or a sequence of Rules
         (the first rule whose path regex fully matches the module path and
         whose ``operands`` include the site's kind wins; dot_generals no rule
         selects stay unchanged). ``Rule(..., operands='any')`` adds attention
@@ -85,8 +87,9 @@ def wrap(model: Any, policy_or_rules: Any, *, rngs: nnx.Rngs | None = None,
       After each call ``.last_report`` (and ``.report()``) holds the WrapReport:
       each dot_general's module path, operand kind, policy and why, and unused
       rules. ``.report(*call_args)`` traces a call abstractly instead. The
-      first call in which no rule matched anything warns (UserWarning), naming
-      the rules and the paths seen.
+      first call in which a rule matched nothing warns (UserWarning, once per
+      wrapped model, even when other rules matched), naming the rule, why, and
+      the nearest module paths seen.
 
     Module paths (``mxjax.nn.paths``) are read from the traced program, so JAX's
     trace caches do not change them, and ``wrap`` changes nothing on `model`:

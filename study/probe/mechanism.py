@@ -206,7 +206,7 @@ def format_table(probe: Mapping[str, Any]) -> str:
 
 
 PROBE_POLICIES = ("mxfp4_all", "mxfp4_all_h16", "mxfp4_all_rht16", "mxfp4_all_h32",
-                  "mxfp4_wgrad_h16", "wgrad_mx_h16")
+                  "mxfp4_all_h16_wgrad", "mxfp4_wgrad_only_h16")
 
 
 def run_probe(cfg: SC.StudyConfig, out: Path) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 Run in a subprocess (libtpu reads the profile flag when it starts). For blocks along
 lanes the fused kernel is one op and cheaper than the separate convert plus kernel
-(the README's figures); the separate form really has two ops.
+(the figures in docs/PERFORMANCE.md); the separate form really has two ops.
 """
 
 from __future__ import annotations

@@ -55,6 +55,6 @@ def test_traced_out_of_vocab_ids_give_nan_on_the_one_hot_path():
 
     cfg = small(quantize_embed_head=True)
     m = Llama(cfg, rngs=nnx.Rngs(0))
-    f = nnx.jit(lambda m, t: m(t, policy=mxjax.policies.get("bf16")))
+    f = nnx.jit(lambda m, t: m(t, policy=mxjax.policies.get("passthrough")))
     logits = np.asarray(f(m, _tokens(-1)))
     assert np.isnan(logits[0, 3:]).all() and np.isfinite(logits[1]).all()

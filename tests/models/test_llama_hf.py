@@ -208,7 +208,12 @@ def test_config_v4_style_and_to_hf_round_trip():
                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
     assert hf.config_from_hf(v4) == hf.config_from_hf(base)
     for cfg in (LlamaConfig.llama3_8b(), LlamaConfig.llama3_1b(), LlamaConfig.tiny()):
-        assert hf.config_from_hf(hf.config_to_hf(cfg)) == cfg
+        # max_seq_len comes back as the max_position_embeddings the HF config states (above
+        # the llama3 scaling's original context; see test_llama3_scaling_below_...)
+        want = cfg.replace(max_seq_len=hf.hf_max_position_embeddings(cfg))
+        assert hf.config_from_hf(hf.config_to_hf(cfg)) == want
+    fixture_cfg = hf.config_from_hf(base)  # max_seq_len 256 > original 64: kept as it is
+    assert hf.config_from_hf(hf.config_to_hf(fixture_cfg)) == fixture_cfg
     assert hf.config_from_hf(base, dtype="bfloat16").dtype == jnp.bfloat16
 
 
@@ -220,3 +225,78 @@ def test_load_into_mesh_places_shards(loaded):
     q = model.layers.q_proj.kernel.get_value()
     assert isinstance(q.sharding, jax.sharding.NamedSharding)
     assert tuple(q.sharding.spec) == (None, "fsdp", "tensor")
+
+
+def test_layout_repr_is_one_short_line(loaded):
+    """Issue 37 item 13: the repr was the whole weight map and metadata (kilobytes)."""
+    _, layout = loaded
+    r = repr(layout)
+    assert "\n" not in r and len(r) < 160, r
+    assert r == ("HFLayout(21 tensors in 3 shards, 21 float32; model_type='llama', "
+                 "generation_config=yes)")
+    assert len(layout.weight_map) == 21  # the details stay in the fields
+
+
+def test_generation_config_kept_on_re_export(loaded, tmp_path):
+    """Issue 37 item 13: import -> export kept config.json but dropped generation_config.json."""
+    model, layout = loaded
+    with open(os.path.join(FIXTURE, hf.GENERATION_CONFIG_FILE)) as f:
+        want = json.load(f)
+    assert layout.generation_config == want
+    hf.export_hf(model, str(tmp_path), layout=layout)
+    with open(tmp_path / hf.GENERATION_CONFIG_FILE) as f:
+        assert json.load(f) == want
+    _, again = hf.load_hf(str(tmp_path))
+    assert again.generation_config == want
+    # one given replaces it; config.json fields beside the architecture's go in too
+    hf.export_hf(model, str(tmp_path), generation_config={"eos_token_id": 2},
+                 hf_config_extra={"eos_token_id": 2})
+    assert json.loads((tmp_path / hf.GENERATION_CONFIG_FILE).read_text()) == {"eos_token_id": 2}
+    assert hf.read_hf_config(str(tmp_path))["eos_token_id"] == 2
+    with pytest.raises(ValueError, match="hidden_size"):
+        hf.export_hf(model, str(tmp_path), hf_config_extra={"hidden_size": 8})
+
+
+@pytest.mark.parametrize("preset, kw", [("tiny", {"max_seq_len": 256}), ("tiny", {}),
+                                        ("llama3_8b", {}), ("llama3_1b", {})])
+def test_llama3_scaling_below_original_context_exports_coherently(preset, kw):
+    """Issue 37 item 13: the tiny preset (llama3 scaling, original 8192) with max_seq_len 256
+    exported max_position_embeddings 256 < 8192, which transformers warns about (it does for
+    original >= max_position_embeddings: the 8B preset's 8192 = 8192 too). The exported config
+    now states the context the scaling extends to; the RoPE frequencies, which transformers
+    computes from the scaling fields alone, are unchanged."""
+    cfg = getattr(LlamaConfig, preset)(**kw)
+    d = hf.config_to_hf(cfg)
+    orig = d["rope_scaling"]["original_max_position_embeddings"]
+    assert orig == 8192 and d["max_position_embeddings"] > orig
+    assert d["max_position_embeddings"] == int(d["rope_scaling"]["factor"] * orig)
+    assert d["max_position_embeddings"] >= cfg.max_seq_len
+    back = hf.config_from_hf(d)
+    assert back.replace(max_seq_len=cfg.max_seq_len) == cfg
+
+
+def test_llama3_export_logits_unchanged_and_transformers_quiet(tmp_path):
+    """The tiny preset at max_seq_len 64 exported and imported back: bitwise-equal logits.
+    Where transformers is importable, its config of the export raises no RoPE warning."""
+    cfg = LlamaConfig.tiny(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                           ffn_dim=48, max_seq_len=64)
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    hf.export_hf(model, str(tmp_path))
+    again, _ = hf.load_hf(str(tmp_path))
+    assert again.config.rope_scaling == cfg.rope_scaling and again.config.max_seq_len == 65536
+    toks = jnp.arange(48, dtype=jnp.int32)[None] % 64
+    fwd = nnx.jit(lambda m, t: m(t))
+    assert np.asarray(fwd(model, toks)).tobytes() == np.asarray(fwd(again, toks)).tobytes()
+    transformers = pytest.importorskip("transformers")
+    import logging
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: seen.append(rec.getMessage())
+    logger = transformers.logging.get_logger()
+    logger.addHandler(handler)
+    try:
+        transformers.LlamaConfig.from_pretrained(str(tmp_path))
+    finally:
+        logger.removeHandler(handler)
+    assert not [m for m in seen if "original_max_position_embeddings" in m], seen

@@ -136,7 +136,7 @@ CASES = {
 FULL_POLICIES = ("mxfp4_all",)
 FULL_CASES = ("attention", "two_contracting", "non_trailing")
 SOME_CASES = {"tseng": ("attention",), "mxfp4_all_h16": ("attention",)}
-TWO_D_POLICIES = ("mxfp4_all_sr", "fp8", "nvfp4", "mxfp4_wgrad_h16")
+TWO_D_POLICIES = ("mxfp4_all_sr", "fp8", "nvfp4", "mxfp4_all_h16_wgrad")
 
 
 def _inputs(case, dtype=F32, seed=0, integer=False):
@@ -237,7 +237,7 @@ class VariantsTest(chex.TestCase):
             g = g.astype(pet or g.dtype)
 
             ours_fn = functools.partial(mxjax.dot_general, dimension_numbers=dims,
-                                        preferred_element_type=pet, policy="bf16")
+                                        preferred_element_type=pet, policy="passthrough")
             lax_fn = functools.partial(lax.dot_general, dimension_numbers=dims,
                                        preferred_element_type=pet)
 
@@ -494,7 +494,7 @@ def test_observe_sees_each_quantized_call_once_and_keeps_values():
     want = step()(w, "mxfp4_all")
     with DG.observe(hook):
         got = step()(w, "mxfp4_all")
-        jax.make_jaxpr(jax.value_and_grad(loss), static_argnums=1)(w, "bf16")  # never observed
+        jax.make_jaxpr(jax.value_and_grad(loss), static_argnums=1)(w, "passthrough")  # unseen
     chex.assert_trees_all_equal(got, want)
     assert seen == [(normalize_dimension_numbers(MATMUL_DIMS, x.shape, w.shape), "mxfp4_all")]
     with pytest.raises(TypeError, match="hook: expected a callable"), DG.observe(None):
@@ -566,7 +566,7 @@ def test_bad_operands_policies_and_keys():
     with pytest.raises(TypeError, match="lhs: .*floating"):
         mxjax.dot_general(jnp.ones((32, 32), jnp.int32), w, dims, policy="mxfp4_all")
     with pytest.raises(TypeError, match="rhs: .*floating"):
-        mxjax.dot_general(x, jnp.ones((32, 32), jnp.int8), dims, policy="bf16")
+        mxjax.dot_general(x, jnp.ones((32, 32), jnp.int8), dims, policy="passthrough")
     with pytest.raises(ValueError, match="unknown preset 'mxfp9'.*mxfp4_all_h16"):
         mxjax.dot_general(x, w, dims, policy="mxfp9")
     with pytest.raises(TypeError, match="policy"):

@@ -146,15 +146,15 @@ CALLS = [
     ("mxfp4_all_h16", jnp.bfloat16, jnp.float32, jnp.bfloat16, None),
     ("mxfp4_all_h16", jnp.float32, jnp.float32, jnp.bfloat16, jnp.float32),
     ("mxfp4_all_sr", jnp.bfloat16, jnp.float32, jnp.bfloat16, None),
-    ("bf16", jnp.bfloat16, jnp.float32, jnp.bfloat16, None),
+    ("passthrough", jnp.bfloat16, jnp.float32, jnp.bfloat16, None),
     pytest.param(("nvfp4", jnp.float32, jnp.float32, jnp.float16, None), marks=_SLOW),
     pytest.param(("fp8", jnp.bfloat16, jnp.float32, jnp.bfloat16, jnp.float32), marks=_SLOW),
-    pytest.param(("mxfp4_wgrad_h16", jnp.float32, jnp.bfloat16, jnp.float32, None),
+    pytest.param(("mxfp4_all_h16_wgrad", jnp.float32, jnp.bfloat16, jnp.float32, None),
                  marks=_SLOW),
 ]
 # Without jit (each op dispatched on its own, ~20 s a quantizing call): a pass-through
 # call and MXFP4 on fprop only in the default run.
-EAGER_CALLS = [("bf16", jnp.bfloat16, jnp.float32, jnp.bfloat16, None),
+EAGER_CALLS = [("passthrough", jnp.bfloat16, jnp.float32, jnp.bfloat16, None),
                ("mxfp4_fprop", jnp.bfloat16, jnp.float32, jnp.bfloat16, jnp.float32)] + [
     pytest.param(*(c.values if hasattr(c, "values") else (c,)), marks=_SLOW) for c in CALLS]
 

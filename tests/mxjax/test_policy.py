@@ -17,8 +17,13 @@ from mxjax.recipes import GemmRecipe, Hadamard, OperandRecipe
 from mxjax.validation import check_keys
 
 EXPECTED_PRESETS = (
-    "bf16", "fp8", "mxfp4_fprop", "mxfp4_fprop_dgrad", "mxfp4_all", "mxfp4_all_sr",
-    "mxfp4_all_rht16", "mxfp4_all_h16", "mxfp4_all_h32", "mxfp4_wgrad_h16", "nvfp4", "tseng",
+    "passthrough", "fp8", "mxfp4_fprop", "mxfp4_fprop_dgrad", "mxfp4_all", "mxfp4_all_sr",
+    "mxfp4_all_rht16", "mxfp4_all_h16", "mxfp4_all_h32",
+    "mxfp4_all_h16_fprop", "mxfp4_all_h16_dgrad", "mxfp4_all_h16_wgrad",
+    "mxfp4_wgrad_only", "mxfp4_wgrad_only_h16", "mxfp4_wgrad_only_rht16", "mxfp4_wgrad_only_h32",
+    "mxfp4_wgrad_only_dy", "mxfp4_wgrad_only_dy_h16", "mxfp4_wgrad_only_x",
+    "mxfp4_wgrad_only_x_h16", "passthrough_wgrad_h16",
+    "nvfp4", "tseng",
 )
 
 
@@ -98,7 +103,7 @@ def test_precision_policy_validation_equality_and_static_jit_use():
     q = PrecisionPolicy(fprop=g, dgrad=g, wgrad=g, name="b")
     assert p == q and hash(p) == hash(q)  # the name is a label, not part of identity
     with pytest.raises(TypeError, match="dgrad must be a GemmRecipe"):
-        PrecisionPolicy(fprop=g, dgrad="mxfp4", wgrad=g)
+        PrecisionPolicy(fprop=g, dgrad=3, wgrad=g)
     with pytest.raises(TypeError):
         PrecisionPolicy(g, g, g)
     with pytest.raises(TypeError, match="name"):
@@ -158,7 +163,7 @@ def test_resolve_no_policy():
 
 
 @pytest.mark.parametrize("spec, exc, match", [
-    ("mxfp3_all", ValueError, r"unknown preset 'mxfp3_all'; valid names: none, bf16, fp8, "),
+    ("mxfp3_all", ValueError, r"unknown preset 'mxfp3_all'; valid names: none, passthrough, "),
     ("", ValueError, r"unknown preset ''"),
     ("MXFP4_ALL", ValueError, r"unknown preset 'MXFP4_ALL'"),  # only 'none' ignores case
     ({"fprop": {"lhs": "mxfp4", "rhs": "mxfp4"}}, ValueError, r"policy dict: missing"),
@@ -179,10 +184,10 @@ def test_dot_general_resolves_names_and_dicts_through_resolve(monkeypatch):
     seen = []
     real = policies.resolve
     monkeypatch.setattr(policies, "resolve", lambda spec: seen.append(spec) or real(spec))
-    by_name = mxjax.dot_general(x, w, dims, policy="bf16")
-    by_dict = mxjax.dot_general(x, w, dims, policy=policies.to_dict("bf16"))
-    by_policy = mxjax.dot_general(x, w, dims, policy=policies.get("bf16"))
-    assert seen == ["bf16", policies.to_dict("bf16")]
+    by_name = mxjax.dot_general(x, w, dims, policy="passthrough")
+    by_dict = mxjax.dot_general(x, w, dims, policy=policies.to_dict("passthrough"))
+    by_policy = mxjax.dot_general(x, w, dims, policy=policies.get("passthrough"))
+    assert seen == ["passthrough", policies.to_dict("passthrough")]
     assert (by_name == by_policy).all() and (by_dict == by_policy).all()
     for spec in ("none", None):
         with pytest.raises(TypeError, match="expected a PrecisionPolicy, a preset name or a "
@@ -193,7 +198,7 @@ def test_dot_general_resolves_names_and_dicts_through_resolve(monkeypatch):
 def test_preset_contents_match_design():
     mx_even = OperandRecipe(fmt=MXFP4, scale_rule=ScaleRule.EVEN)
     pt = GemmRecipe(lhs=BF16, rhs=BF16)
-    assert policies.get("bf16").is_passthrough
+    assert policies.get("passthrough").is_passthrough
     fp8 = policies.get("fp8")
     assert (fp8.fprop.lhs.fmt, fp8.fprop.rhs.fmt) == (FP8_E4M3, FP8_E4M3)
     assert (fp8.dgrad.lhs.fmt, fp8.dgrad.rhs.fmt) == (FP8_E5M2, FP8_E4M3)
@@ -210,7 +215,7 @@ def test_preset_contents_match_design():
         assert r.hadamard == Hadamard(block_size=16, randomized=False, seed=None)
     assert not h16.needs_key
     assert all(r.hadamard.block_size == 32 for r in policies.get("mxfp4_all_h32").gemms.values())
-    wg = policies.get("mxfp4_wgrad_h16")
+    wg = policies.get("mxfp4_all_h16_wgrad")
     assert wg.fprop.hadamard is None and wg.dgrad.hadamard is None
     assert wg.wgrad.hadamard == Hadamard(block_size=16)
     sr = policies.get("mxfp4_all_sr")

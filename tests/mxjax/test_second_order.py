@@ -54,7 +54,7 @@ def test_hvp_of_quadratic_equals_bf16_under_every_policy(policy):
     # straight-through rule every policy must give bf16's Hessian-vector product
     # (today: silently zero under every quantizing policy).
     x, w, vx, _ = _inputs()
-    want = _quadratic_hvps("bf16", x, w, vx)
+    want = _quadratic_hvps("passthrough", x, w, vx)
     got = _quadratic_hvps(policy, x, w, vx)
     chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-5)
     assert float(jnp.max(jnp.abs(got[0]))) > 1.0  # not the silent zeros of before
@@ -91,13 +91,13 @@ def test_mixed_second_derivative_is_not_zero():
     def mixed(policy):
         return jax.jacrev(jax.grad(lambda a, b: jnp.sum(_dot(policy, a, b)), 0), 1)(x, w)
 
-    chex.assert_trees_all_close(mixed("mxfp4_all"), mixed("bf16"), rtol=0, atol=0)
-    assert float(jnp.sum(mixed("bf16"))) == x.size * w.shape[1]
+    chex.assert_trees_all_close(mixed("mxfp4_all"), mixed("passthrough"), rtol=0, atol=0)
+    assert float(jnp.sum(mixed("passthrough"))) == x.size * w.shape[1]
 
 
 def test_hessian_of_bf16_policy_still_exact():
     x, w, _, _ = _inputs()
-    h = jax.jit(jax.hessian(lambda z: 0.5 * jnp.sum(_dot("bf16", z[None], w) ** 2)))(x[0])
+    h = jax.jit(jax.hessian(lambda z: 0.5 * jnp.sum(_dot("passthrough", z[None], w) ** 2)))(x[0])
     chex.assert_trees_all_close(h, np.asarray(w @ w.T), rtol=1e-6, atol=1e-5)
 
 
@@ -125,5 +125,5 @@ def test_forward_mode_through_constants_and_bf16_still_works():
     _, t = jax.jit(lambda: jax.jvp(lambda s: s * _dot("mxfp4_all", x, w), (2.0,), (1.0,)))()
     chex.assert_trees_all_equal(t, jax.jit(_dot, static_argnums=0)("mxfp4_all", x, w))
     # bf16 is lax.dot_general itself, forward mode included.
-    _, t = jax.jit(lambda: jax.jvp(lambda z: _dot("bf16", z, w), (x,), (vx,)))()
+    _, t = jax.jit(lambda: jax.jvp(lambda z: _dot("passthrough", z, w), (x,), (vx,)))()
     chex.assert_trees_all_equal(t, jax.lax.dot_general(vx, w, DIMS))

@@ -36,7 +36,7 @@ def test_wrapped_equals_injected_and_passthrough_is_exact():
     wrapped = mnn.wrap(MLP(), policy)
     mt.assert_equivalent(wrapped.apply, MLP(dot_general=policy.dot_general()).apply, PARAMS, X,
                          argnums=(0, 1))
-    mt.assert_passthrough_exact(MLP().apply, mnn.wrap(MLP(), "bf16").apply, PARAMS, X,
+    mt.assert_passthrough_exact(MLP().apply, mnn.wrap(MLP(), "passthrough").apply, PARAMS, X,
                                 argnums=(0, 1))
     mt.assert_quantized_weight_matmuls(wrapped.report(PARAMS, X), policy, paths=("up", "down"))
     # The helpers fail when they should: quantized vs exact, a layer left out.
@@ -81,7 +81,7 @@ def test_wrapping_under_bf16_compiles_to_the_unwrapped_program():
 
     m = Stack()
     v = m.init(jax.random.key(0), XS)
-    wrapped = mnn.wrap(m, mnn.Rule(path=".*", policy="bf16", operands="any"))
+    wrapped = mnn.wrap(m, mnn.Rule(path=".*", policy="passthrough", operands="any"))
     assert all(s.policy is not None for s in wrapped.report(v, XS).sites)
 
     def step(apply):

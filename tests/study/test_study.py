@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from pathlib import Path
@@ -29,7 +28,7 @@ TINY = {"dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 96,
 
 def _raw(tmp: Path, cache: Path, **top) -> dict:
     return {"name": "t", "out_dir": str(tmp), "rungs": ["fp8", "mxfp4_all"],
-            "ablations": ["wgrad_mx_rht16"], "seeds": [0, 1], "steps": 12, "eval_every": 4,
+            "ablations": ["mxfp4_wgrad_only_rht16"], "seeds": [0, 1], "steps": 12, "eval_every": 4,
             "rung_eval_every": 4, "eval_sequences": 8, "width": 32, "workers": 1,
             "probe": False,
             "branch": {"points": [4, 6], "late_from": 5, "steps": 2, "exact_steps": 4,
@@ -88,27 +87,64 @@ def test_units_cover_every_run_and_branch_and_group_by_policy(tmp_path):
         assert len({(u.phase, u.width, u.kind, u.policy) for u in group}) == 1
 
 
-def test_ablations_change_one_thing():
-    rot = SP.get("wgrad_rot16")
-    assert rot.wgrad.hadamard.block_size == 16
-    assert rot.wgrad.lhs.is_passthrough and rot.wgrad.rhs.is_passthrough
-    assert rot.fprop.is_passthrough and rot.dgrad.is_passthrough
-    dy = SP.get("wgrad_dy_h16")
-    assert not dy.wgrad.lhs.is_passthrough and dy.wgrad.rhs.is_passthrough
-    f = SP.get("h16_fprop_only")
-    assert f.fprop.hadamard is not None and f.dgrad.hadamard is None and f.wgrad.hadamard is None
-    # built from the library's presets: only the named GEMM differs from them
-    mx, exact = policies.get("mxfp4_all"), policies.get("bf16")
-    assert SP.get("wgrad_mx") == dataclasses.replace(exact, wgrad=mx.wgrad)
-    assert SP.get("h16_dgrad_only").gemms == {**mx.gemms, "dgrad": dataclasses.replace(
-        mx.dgrad, hadamard=policies.get("mxfp4_all_h16").dgrad.hadamard)}
-    assert SP.get("mxfp4_wgrad_h16") == policies.get("mxfp4_wgrad_h16")
-    assert all(SP.get(n).name == n for n in SP.ABLATIONS)
+def test_ablations_are_library_presets_and_former_names_still_read():
+    assert set(SP.ABLATIONS) <= set(policies.names())
+    assert all(SP.get(n) == policies.get(n) and SP.get(n).name == n for n in SP.ABLATIONS)
     assert SP.get("none") is None
+    for old, new in SP.LEGACY.items():
+        with pytest.warns(DeprecationWarning, match=f"study policy '{old}' is now the library "
+                                                    f"preset '{new}'"):
+            assert SP.get(old) == policies.get(new)
     with pytest.raises(ValueError, match="unknown study policy 'mxfp5'"):
         SP.get("mxfp5")
     with pytest.raises(TypeError):
-        SP.ABLATIONS["mine"] = SP.ABLATIONS["wgrad_mx"]  # the registry is read-only
+        SP.LEGACY["mine"] = "mxfp4_all"  # the registry is read-only
+
+
+def _mine():
+    return {**policies.to_dict("mxfp4_wgrad_only_rht16"), "name": "mine"}
+
+
+@pytest.mark.parametrize("form", ["name", "dict", "policy", "unnamed", "none"])
+def test_study_policy_lists_take_every_form_resolve_takes(tmp_path, form):
+    # issue 37 item 8: "rungs[1]: expected a string, got dict" before.
+    spec = {"name": "mxfp4_all_h16", "dict": _mine(), "none": None,
+            "policy": policies.from_dict(_mine()),
+            "unnamed": policies.get("mxfp4_all_h16").replace(fprop=None)}[form]
+    raw = _raw(tmp_path, tmp_path, rungs=["fp8", spec], ablations=[spec],
+               scale={"widths": [16], "seeds": [0], "policies": [spec]})
+    cfg = SC.from_dict(raw)
+    name = cfg.rungs[1]
+    assert cfg.ablations == (name,) and cfg.scale.policies == (name,)
+    assert cfg.policy(name) == policies.resolve(spec)
+    if form in ("dict", "policy"):
+        assert name == "mine" and set(cfg.custom_policies) == {"mine"}
+    elif form == "unnamed":
+        assert name.startswith("custom-") and set(cfg.custom_policies) == {name}
+    else:
+        assert name == ("none" if spec is None else spec) and cfg.custom_policies == {}
+    assert SC.from_dict(json.loads(json.dumps(SC.to_dict(cfg)))) == cfg  # what workers get
+    assert {u.policy for u in SU.plan_units(cfg)} >= {name}
+
+
+def test_study_policy_dict_errors_name_the_key(tmp_path):
+    def bad(**top):
+        return SC.from_dict(_raw(tmp_path, tmp_path, **top))
+
+    with pytest.raises(ConfigError, match=r"rungs\[1\]: policy dict: missing keys"):
+        bad(rungs=["fp8", {"fprop": {"lhs": "mxfp4", "rhs": "mxfp4"}}])
+    with pytest.raises(ConfigError, match=r"ablations\[0\]: the policy named 'mxfp4_all' "
+                                          r"differs from the preset"):
+        bad(ablations=[{**_mine(), "name": "mxfp4_all"}])
+    with pytest.raises(ConfigError, match=r"two different policies are both named 'mine'"):
+        bad(ablations=[_mine(), {**policies.to_dict("mxfp4_all"), "name": "mine"}])
+    with pytest.raises(ConfigError, match=r"rungs\[1\]: policy: expected a preset name"):
+        bad(rungs=["fp8", 3])
+    with pytest.raises(ConfigError, match="seeds: at least 2") as e:
+        bad(seeds=[0])
+    assert "issue" not in str(e.value)
+    with pytest.warns(DeprecationWarning, match="'wgrad_mx_h16' is now the library preset"):
+        assert bad(ablations=["wgrad_mx_h16"]).ablations == ("mxfp4_wgrad_only_h16",)
 
 
 # --------------------------------------------------------------------------- engine
@@ -152,15 +188,19 @@ def test_branches_are_paired_and_the_exact_branch_continues_the_reference(bench,
     # Set 0 continues the reference run's own batches and keys: bit-identical losses.
     np.testing.assert_array_equal(exact["train_loss"], ref["train_loss"][4:8])
     assert exact["curve"][2][1] == ref["curve"][2][1]  # the held-out loss at step 8
-    rht = go("wgrad_mx_rht16", 2)
-    again = go("wgrad_mx_rht16", 2)
+    rht = go("mxfp4_wgrad_only_rht16", 2)
+    again = go("mxfp4_wgrad_only_rht16", 2)
     # Same batches and keys in every branch of the point (the digest), and a randomized
     # policy's noise is a function of (seed, step): re-running gives the same numbers.
     assert rht["batch_digest"] == exact["batch_digest"]
     assert rht["curve"] == again["curve"] and rht["train_loss"] == again["train_loss"]
     assert rht["curve"][-1][1] != exact["curve"][1][1]  # the rotation + MXFP4 changed it
-    other = go("wgrad_mx_rht16", 2, batch_set=1)
+    other = go("mxfp4_wgrad_only_rht16", 2, batch_set=1)
     assert other["batch_digest"] != rht["batch_digest"]
+    # A policy defined in the study config runs by its name: the same policy, the same numbers.
+    start = ST.load_state(tmp_path / "s4", b)
+    mine = E.branch(b, "mine", start, 0, 4, 0, 2, 2, custom_policies={"mine": _mine()})
+    assert mine["train_loss"] == rht["train_loss"] and mine["policy"] == "mine"
 
 
 def test_load_state_refuses_another_layout(bench, tmp_path):

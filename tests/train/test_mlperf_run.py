@@ -37,7 +37,8 @@ CANNOT_PASS_AT_CPU_SIZE = {
 SHRINK = [
     "policy=bf16", "model.preset=tiny",
     f"model.overrides={MODEL}",
-    "data.sources=[embedded:austen]", "data.val_sources=[]", "data.format=auto",
+    "data.loader=prepared", "data.sources=[embedded:austen]", "data.val_sources=[]",
+    "data.format=auto",
     "data.tokenizer=bpe", "data.eos_token=null", "data.vocab_size=512", "data.max_docs=3000",
     "data.seq_len=64",
     "train.steps=4", "train.global_batch=8", "train.micro_batch=4", "train.eval_every=2",

@@ -76,15 +76,15 @@ def _kill(procs: list[subprocess.Popen]) -> None:
             p.communicate(timeout=30)
 
 
-def _sigterm_one(out: Path, tmp: Path) -> int:
+def _sigterm_one(out: Path, tmp: Path, extra: tuple[str, ...] = ()) -> int:
     """Start both processes; SIGTERM process 1 only, mid-run. Both must stop at the same step
     (a preemption notice reaches one host; the stop flag is agreed on every step), save a
     joint checkpoint of it and exit 75. Returns that step."""
     env = _env(2)
     port = _free_port()
     procs = [_spawn([*_args(out, tmp, f"mesh.coordinator_address=127.0.0.1:{port}",
-                            "mesh.num_processes=2", f"mesh.process_id={i}"), "--distributed"],
-                    env) for i in range(2)]
+                            "mesh.num_processes=2", f"mesh.process_id={i}", *extra),
+                     "--distributed"], env) for i in range(2)]
     try:
         deadline = time.time() + 600
         while time.time() < deadline and all(p.poll() is None for p in procs):
@@ -107,14 +107,15 @@ def _sigterm_one(out: Path, tmp: Path) -> int:
         _kill(procs)
 
 
-def _two_process_run(out: Path, tmp: Path, *, kill_after_checkpoint: bool) -> list[str]:
+def _two_process_run(out: Path, tmp: Path, *, kill_after_checkpoint: bool,
+                     extra: tuple[str, ...] = ()) -> list[str]:
     """Start both processes; optionally SIGKILL both once a joint checkpoint is committed and
     training has gone past it. Returns process 0's stdout of a run left to finish."""
     port = _free_port()
     env = _env(2)
     procs = [_spawn([*_args(out, tmp, f"mesh.coordinator_address=127.0.0.1:{port}",
-                            "mesh.num_processes=2", f"mesh.process_id={i}"), "--distributed"],
-                    env) for i in range(2)]
+                            "mesh.num_processes=2", f"mesh.process_id={i}", *extra),
+                     "--distributed"], env) for i in range(2)]
     try:
         if kill_after_checkpoint:
             deadline = time.time() + 600
@@ -227,3 +228,42 @@ def test_two_processes_preempted_killed_and_resumed_match_one_process(tmp_path):
     redone = [r for r in before_kill if r["step"] > resume_from]
     assert redone and [[r[f] for f in fields] for r in redone] == \
         [[r[f] for f in fields] for r in two_recs[resume_from:len(before_kill)]]
+
+
+@pytest.mark.slow  # 7 two-process launches with the grain loader, ~2-3 min on 2 cores
+def test_two_processes_on_the_grain_loader_resume_exactly(tmp_path):
+    """data.loader grain on two processes: each streams its own half of the shards (the
+    checkpoint holds both loader states); SIGTERM to one process, SIGKILL of both after a
+    later checkpoint, and the same command again give bit-identical losses, grad norms and
+    eval losses against an uninterrupted two-process run (the stream depends on the number
+    of processes, so the reference is two processes too), and the same final state."""
+    from tests.train.data.stream_testutil import grain_sets, write_shards
+
+    shards = write_shards(tmp_path / "c4")
+    extra = tuple(grain_sets(shards, 1))
+    ref = tmp_path / "ref"
+    stdout = _two_process_run(ref, tmp_path, kill_after_checkpoint=False, extra=extra)
+    assert any(line.startswith("status: completed") for line in stdout), stdout
+    two = tmp_path / "two"
+    preempted_at = _sigterm_one(two, tmp_path, extra)
+    _two_process_run(two, tmp_path, kill_after_checkpoint=True, extra=extra)
+    stdout = _two_process_run(two, tmp_path, kill_after_checkpoint=False, extra=extra)
+    assert any(line.startswith("status: completed") for line in stdout), stdout
+    ref_recs, ref_meta, ref_arrays = _final(ref)
+    two_recs, two_meta, two_arrays = _final(two)
+    fields = ("step", "loss", "grad_norm", "eval_loss", "lr", "data_bad_records")
+    assert [[r[f] for f in fields] for r in two_recs] == \
+        [[r[f] for f in fields] for r in ref_recs]
+    assert [r["step"] for r in two_recs] == list(range(1, STEPS + 1)) and 0 < preempted_at
+    # a real two-process case of the host split: each process's state is of its own shards,
+    # files[i::2] (disjoint and complete: tests/train/data/test_stream.py)
+    from train.data import stream
+
+    files = sorted(str(p) for p in (tmp_path / "c4").glob("c4-train.*-of-01024.json.gz"))
+    states = two_meta["data_state"]
+    assert [st["shards"] for st in states] == \
+        [stream.shards_digest(stream.host_shards(files, i, 2)) for i in range(2)]
+    assert states == ref_meta["data_state"]
+    assert set(two_arrays) == set(ref_arrays)
+    for k, a in ref_arrays.items():
+        assert np.array_equal(a, two_arrays[k]), k

@@ -34,8 +34,9 @@ globs, text/JSONL readers, the train/validation split, file digests),
 ``tokenizer`` (the byte-level BPE trainer and the HF tokenizer wrapper),
 ``cache`` (the prepared directory: fingerprint, ``prepare``, ``open_prepared``),
 ``loader`` (packing, the deterministic shuffle, train and eval batches),
-``__main__`` (the CLI). The names below are re-exported so ``from train import
-data; data.prepare(...)`` works.
+``stream`` (``data.loader: grain``: shards streamed, tokenized in grain worker
+processes, packed on the fly, resumable; docs/DATA.md), ``__main__`` (the CLI).
+The names below are re-exported so ``from train import data; data.prepare(...)`` works.
 """
 
 from train.data.cache import (

@@ -44,7 +44,9 @@ def _file_id(path: Path) -> dict[str, Any]:
 def fingerprint(spec: DataSection) -> dict[str, Any]:
     """Everything the prepared files depend on (not seq_len: packing happens at load time)."""
     d = dataclasses.asdict(spec)
-    for k in ("seq_len", "cache_dir"):
+    # not the prepared files' inputs: packing happens at load time; the streaming
+    # loader's settings (absent from this fingerprint before they existed)
+    for k in ("seq_len", "cache_dir", "loader", "workers", "on_bad_record"):
         d.pop(k)
     d["sources"] = [_file_id(p) for p in resolve_sources(spec.sources)]
     d["val_sources"] = [_file_id(p) for p in resolve_sources(spec.val_sources, "data.val_sources")]

@@ -114,6 +114,9 @@ class TrainLoader:
     def epoch(self, step: int) -> float:
         return step * self.global_batch / len(self.seqs)
 
+    def close(self) -> None:
+        """Nothing to release (the streaming loader's workers are; one interface)."""
+
 
 def eval_batches(seqs: Sequences, n_sequences: int, batch: int) -> list[np.ndarray]:
     """The fixed validation set: first `n_sequences` sequences, in `batch`-sized chunks."""

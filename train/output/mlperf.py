@@ -19,7 +19,13 @@ sequences trained so far (the reference logs epoch numbers in sequences).
 Every record also carries ``metadata.step`` so that a resumed run can drop the
 records of the steps it redoes.
 
-`check_compliance` runs the package's compliance checker on such a file.
+`check_compliance` runs the package's compliance checker on such a file;
+`check_run_log` picks the rules for a run's log: the full rules of its benchmark
+when the ruleset has them (``llama31_8b``), else, for a run that is no MLPerf
+benchmark (``configs/tiny.yaml``'s logs ``submission_benchmark: tiny``, for which
+the checker has no rules file and stops with ``FileNotFoundError``), the log's
+structure under ``llama31_8b``'s rules, with that benchmark's hyper-parameter
+rules reported apart (``python -m train mlperf-check RUN_DIR``).
 """
 
 from __future__ import annotations
@@ -27,13 +33,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+import yaml
 from mlperf_logging.compliance_checker import mlp_compliance
 from mlperf_logging.mllog import constants as K
 from mlperf_logging.mllog.mllog import MLLogger
@@ -107,7 +116,8 @@ class RunFacts:
     activation dtype. quantized_attention: whether the attention GEMMs run under
     the policy. tensor_parallelism: the mesh's tensor axis. micro_batch_per_replica:
     sequences per forward pass on one data-parallel replica. train_samples:
-    sequences in the training split. platform: e.g. '8xNVIDIA H200'.
+    sequences in the training split (None for a streamed corpus: not counted).
+    platform: e.g. '8xNVIDIA H200'.
     config_filename: where the run's resolved config was written.
     """
 
@@ -117,7 +127,7 @@ class RunFacts:
     quantized_attention: bool
     tensor_parallelism: int
     micro_batch_per_replica: int
-    train_samples: int
+    train_samples: int | None
     platform: str
     config_filename: str
 
@@ -176,7 +186,7 @@ def run_header(config: Any, facts: RunFacts) -> list[tuple[str, Any]]:
     ]
 
 
-def plan_facts(plan: Any, *, train_samples: int, config_filename: str) -> RunFacts:
+def plan_facts(plan: Any, *, train_samples: int | None, config_filename: str) -> RunFacts:
     """`RunFacts` of a validated `train.plan.Plan` on this process's devices.
 
     The platform is ``mlperf.platform`` or ``'<device count>x<device kind>'``.
@@ -343,3 +353,94 @@ def check_compliance(path: str | Path, *, ruleset: str = RULESET) -> ComplianceR
         failures[m.group(1) if m and m.group(1) not in failures else f"*{i}"] = msg
     return ComplianceResult(passed=not failures, failures=failures,
                             warnings=dict(checker.warnings))
+
+
+def ruleset_dir(ruleset: str = RULESET) -> Path:
+    """The checker's rules directory of a training ruleset (``training_<ruleset>``)."""
+    return Path(mlp_compliance.__file__).parent / f"training_{ruleset}"
+
+
+def benchmark_rule_keys(benchmark: str, *, division: str = "closed",
+                        ruleset: str = RULESET) -> frozenset[str]:
+    """The log keys the rules file of one benchmark (``<division>_<benchmark>.yaml``) checks."""
+    p = ruleset_dir(ruleset) / f"{division}_{benchmark}.yaml"
+    rules = yaml.safe_load(p.read_text()) or []
+    return frozenset(r["KEY"]["NAME"] for r in rules if isinstance(r, dict) and "KEY" in r)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LogCheck:
+    """`check_run_log`'s verdict on one log.
+
+    benchmark/division: what the log's submission records say. checked_as: the
+    benchmark whose rules applied (``benchmark`` itself when the ruleset has its
+    rules, else `BENCHMARK`). result: the checker's result on the log (as
+    ``checked_as``). benchmark_differences: for a log that is no MLPerf
+    benchmark, the failures of ``checked_as``'s own hyper-parameter rules (a
+    CPU config differs from the benchmark by design); empty otherwise.
+    passed: no other failure (the structure, order and required records, and
+    for a real benchmark every rule).
+    """
+
+    path: Path
+    ruleset: str
+    benchmark: str | None
+    division: str | None
+    checked_as: str
+    result: ComplianceResult
+    benchmark_differences: dict[str, str]
+    passed: bool
+
+    @property
+    def is_benchmark(self) -> bool:
+        return self.benchmark == self.checked_as
+
+
+def check_run_log(path: str | Path, *, ruleset: str = RULESET) -> LogCheck:
+    """Check a run's ``mllog.txt`` with the rules that apply to it (see the module doc).
+
+    A log naming a benchmark the ruleset has rules for is checked as it is. Any
+    other (e.g. ``tiny``, whose rules file the checker would fail to open) is
+    checked as `BENCHMARK` in a temporary copy whose ``submission_benchmark``
+    says so; failures of that benchmark's own rules (``closed_llama31_8b.yaml``:
+    sequence length, optimizer, eval size, target, steps) are reported in
+    ``benchmark_differences`` and do not fail the check; everything else
+    (record order, required records, precision disclosure) must pass.
+    Raises FileNotFoundError when ``path`` does not exist, ValueError for an
+    unknown ruleset.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"no MLPerf log at {p}")
+    if not ruleset_dir(ruleset).is_dir():
+        raise ValueError(f"ruleset {ruleset!r}: mlperf_logging has no training_{ruleset} rules")
+    values = {r.get("key"): r.get("value") for r in read_records(p)}
+    bench, division = values.get(K.SUBMISSION_BENCHMARK), values.get(K.SUBMISSION_DIVISION)
+    div = division if division in ("closed", "open") else "closed"
+    known = isinstance(bench, str) and (ruleset_dir(ruleset) / f"{div}_{bench}.yaml").is_file()
+    if known:
+        res = check_compliance(p, ruleset=ruleset)
+        return LogCheck(path=p, ruleset=ruleset, benchmark=bench, division=division,
+                        checked_as=bench, result=res, benchmark_differences={},
+                        passed=res.passed)
+    lines = []
+    for line in p.read_text().splitlines(keepends=True):
+        if line.startswith(PREFIX):
+            try:
+                rec = json.loads(line[len(PREFIX):])
+            except json.JSONDecodeError:
+                rec = None
+            if isinstance(rec, dict) and rec.get("key") == K.SUBMISSION_BENCHMARK:
+                rec["value"] = BENCHMARK
+                line = PREFIX + json.dumps(rec) + "\n"
+        lines.append(line)
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = os.path.join(tmp, p.name)
+        Path(copy).write_text("".join(lines))
+        res = check_compliance(copy, ruleset=ruleset)
+    own = benchmark_rule_keys(BENCHMARK, division=div, ruleset=ruleset)
+    differences = {k: v for k, v in res.failures.items() if k in own}
+    rest = {k: v for k, v in res.failures.items() if k not in own}
+    return LogCheck(path=p, ruleset=ruleset, benchmark=bench, division=division,
+                    checked_as=BENCHMARK, result=res, benchmark_differences=differences,
+                    passed=not rest)

@@ -78,14 +78,14 @@ def test_rules_select_attention_and_the_head_by_operand_kind():
     heads = mnn.wrap(m, mnn.Rule(path=".*", policy="fp8", operands=("weight", "head")))
     assert [k for _, k, p in _kinds(heads.report(v, TOKENS)) if p == "fp8"] == [
         "weight", "weight", "head"]
-    attn = mnn.wrap(m, [mnn.Rule(path=".*", policy="bf16", operands="activation"),
+    attn = mnn.wrap(m, [mnn.Rule(path=".*", policy="passthrough", operands="activation"),
                         mnn.Rule(path=".*", policy="mxfp4_all")])
     got = _kinds(attn.report(v, TOKENS))
-    assert [p for _, k, p in got if k == "activation"] == ["bf16", "bf16"]
+    assert [p for _, k, p in got if k == "activation"] == ["passthrough", "passthrough"]
     with pytest.raises(AssertionError, match="quantized although not a weight matmul"):
         mt.assert_quantized_weight_matmuls(every)
     with pytest.raises(ValueError, match="operands"):
-        mnn.Rule(path=".*", policy="bf16", operands="weights")
+        mnn.Rule(path=".*", policy="passthrough", operands="weights")
 
 
 def test_untied_head_by_structure_or_name_and_nnx_and_functions():
@@ -134,7 +134,7 @@ def test_untied_head_by_structure_or_name_and_nnx_and_functions():
     assert [s.kind for s in mnn.wrap(f, "mxfp4_all").report(w_closed, x).sites] == [
         "activation", "activation", "weight"]
     with pytest.raises(ValueError, match="params_argnums"):
-        mnn.wrap(m, "bf16", params_argnums=0)
+        mnn.wrap(m, "passthrough", params_argnums=0)
 
 
 @pytest.mark.parametrize("tied", [False, True])

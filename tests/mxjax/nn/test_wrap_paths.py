@@ -155,7 +155,7 @@ def _nnx_model():
 
 
 NNX_PATHS = [("first/up", "weight", "fp8"), ("layers/up", "weight", "fp8"),
-             ("q", "weight", "fp8"), ("", "activation", "bf16")]
+             ("q", "weight", "fp8"), ("", "activation", "passthrough")]
 
 
 @pytest.mark.parametrize("plain_first", [True, False])
@@ -168,7 +168,7 @@ def test_nnx_caches_change_nothing_in_either_order(plain_first):
         return _lowered(nnx.jit(lambda m, x: m(x)), m, X)
 
     plain_before = program(model) if plain_first else None
-    wrapped = mnn.wrap(model, [mnn.Rule(path=".*", policy="bf16", operands="activation"),
+    wrapped = mnn.wrap(model, [mnn.Rule(path=".*", policy="passthrough", operands="activation"),
                                mnn.Rule(path=".*", policy="fp8")])
     assert _quantizes(program(wrapped))
     assert _sites(wrapped.last_report) == NNX_PATHS
@@ -279,7 +279,7 @@ def test_case2_nnx_with_linen_inside_through_to_nnx_and_nothing_changes_on_it():
     wrapped = mnn.wrap(m, "mxfp4_all_h16")
     assert _snapshot(m)[0] == before[0]
     wrapped.report(x)  # traced with the policy, abstractly
-    mnn.wrap(m, "bf16")(x)  # called eagerly (a pass-through policy: cheap op by op)
+    mnn.wrap(m, "passthrough")(x)  # called eagerly (a pass-through policy: cheap op by op)
     twin(x)
     _assert_untouched(m, before, _snapshot(twin))
 
@@ -323,7 +323,7 @@ def test_nnx_graph_with_bridge_list_attention_is_untouched():
         "blocks/0/k": "weight", "blocks/0": "activation", "": "activation", "out": "weight"}
     # The values einsum: probabilities (from blocks/0) x the block's input (from enc).
     assert [s.path for s in rep.sites if s.kind == "activation"] == ["blocks/0", ""]
-    mnn.wrap(model, "bf16")(x)
+    mnn.wrap(model, "passthrough")(x)
     twin(x)
     _assert_untouched(model, before, _snapshot(twin))
 
@@ -392,15 +392,15 @@ class _Encoded(nn.Module):
 def test_method_calls_and_method_functions_drop_method_names():
     m = _TiedByApply()
     v = m.init(jax.random.key(0), TOKENS)
-    wrapped = mnn.wrap(m, mnn.Rule(path=".*", policy="bf16", operands="any"))
+    wrapped = mnn.wrap(m, mnn.Rule(path=".*", policy="passthrough", operands="any"))
     attend = wrapped.report(v, TOKENS, method=lambda mod, t: mod.wte.attend(mod.wte(t)))
-    assert _sites(attend) == [("wte", "head", "bf16")]  # Flax's scope: 'wte.attend'
+    assert _sites(attend) == [("wte", "head", "passthrough")]  # Flax's scope: 'wte.attend'
     # A module calling its own method; a class lifted by nn.jit (scope: the inner class).
     for model in (_Encoded(), nn.jit(_Encoded)()):
         v = model.init(jax.random.key(0), X)
-        wrapped = mnn.wrap(model, "bf16")
-        assert _sites(wrapped.report(v, X)) == [("enc", "weight", "bf16")]
-        assert _sites(wrapped.report(v, X, method="encode")) == [("enc", "weight", "bf16")]
+        wrapped = mnn.wrap(model, "passthrough")
+        assert _sites(wrapped.report(v, X)) == [("enc", "weight", "passthrough")]
+        assert _sites(wrapped.report(v, X, method="encode")) == [("enc", "weight", "passthrough")]
 
 
 def test_without_flax_module_scopes_wrap_says_so():
@@ -478,14 +478,39 @@ def test_when_no_rule_matches_wrap_warns_once_with_rules_and_paths():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jax.eval_shape(wrapped.apply, v, TOKENS)  # once per wrapped model
-        one = mnn.wrap(m, [mnn.Rule(path="model/up", policy="mxfp4_all"),
-                           mnn.Rule(path="up", policy="fp8")])
-        jax.eval_shape(one.apply, v, TOKENS)  # one rule matched: no warning
+        every = mnn.wrap(m, [mnn.Rule(path="up", policy="mxfp4_all"),
+                             mnn.Rule(path="down", policy="fp8")])
+        jax.eval_shape(every.apply, v, TOKENS)  # every rule matched: no warning
     rep = wrapped.last_report
     assert [r.path for r in rep.unused_rules] == ["model/up", "down"]
-    fn = mnn.wrap(lambda x: x @ x.T, mnn.Rule(path="nowhere", policy="bf16"))
+    fn = mnn.wrap(lambda x: x @ x.T, mnn.Rule(path="nowhere", policy="passthrough"))
     with pytest.warns(UserWarning, match=re.escape("'(root)' (activation, 1 dot)")):
         jax.eval_shape(fn, X)
+
+
+def test_a_rule_matching_nothing_warns_once_even_when_others_matched():
+    # issue 37 item 9: a typo in one rule's path was silent when another rule matched.
+    m = _LM()
+    v = m.init(jax.random.key(0), TOKENS)
+    wrapped = mnn.wrap(m, [mnn.Rule(path="dwon", policy=None),  # typo for 'down'
+                           mnn.Rule(path="up", policy="fp8", operands="activation"),
+                           mnn.Rule(path=".*", policy="mxfp4_all")])
+    with pytest.warns(UserWarning, match="2 rules matched no matmul") as caught:
+        jax.eval_shape(wrapped.apply, v, TOKENS)
+    assert len(caught) == 1
+    msg = str(caught[0].message)
+    assert "rule 0, Rule('dwon' -> unchanged, operands=weight): its path matches no " in msg
+    assert "nearest paths seen: 'down'" in msg  # difflib: the typo's nearest path first
+    assert "rule 1, Rule('up' -> fp8, operands=activation)" in msg
+    assert "of kind weight, not in its operands" in msg
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.eval_shape(wrapped.apply, v, TOKENS)  # once per wrapped model
+    shadowed = mnn.wrap(m, [mnn.Rule(path=".*", policy="fp8"),
+                            mnn.Rule(path="up", policy="mxfp4_all")])
+    with pytest.warns(UserWarning, match=re.escape(
+            "every dot_general it selects was taken by an earlier rule (rule 0: Rule('.*'")):
+        jax.eval_shape(shadowed.apply, v, TOKENS)
 
 
 # ----------------------------------------------------------------------------- op_name agreement
@@ -519,7 +544,7 @@ def test_hlo_op_names_end_with_the_reported_paths():
         assert any(n.endswith(p) for n in names), (p, names)
     assert "mxjax" not in " ".join(names)
     model = _nnx_model()
-    nnx_wrapped = mnn.wrap(model, [mnn.Rule(path=".*", policy="bf16", operands="activation"),
+    nnx_wrapped = mnn.wrap(model, [mnn.Rule(path=".*", policy="passthrough", operands="activation"),
                                    mnn.Rule(path=".*", policy="fp8")])
     gw, sw = nnx.split(nnx_wrapped)
     hlo = jax.jit(lambda s, x: nnx.merge(gw, s)(x)).lower(sw, X).as_text(dialect="hlo",

@@ -299,6 +299,7 @@ def test_mlperf_config_with_the_llama3_tokenizer_on_c4_shards(tmp_path):
         f"data.sources=['{tmp_path}/c4/c4-train.*-of-01024.json.gz']",
         f"data.val_sources=['{va}']", f"data.tokenizer={tok_path}",
         f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={tmp_path / 'run'}",
+        "data.loader=prepared",  # the prepared cache's tokens are checked below
         "data.seq_len=128", "train.global_batch=8", "train.micro_batch=8",
         "train.eval_sequences=8", "train.eval_batch=8"])
     plan = loop.validate(cfg, verbose=False)

@@ -150,3 +150,38 @@ def test_bad_precision_inputs():
     with pytest.raises(ValueError, match="no fprop.lhs.fmt"):
         M.policy_precision({}, "float32")
     assert M.lowest(["fp32", "fp8", "bfloat16"]) == "fp8"
+
+
+def test_check_run_log_picks_the_rules(tmp_path, mlperf_cfg):
+    """Issue 37 item 3: configs/tiny.yaml logs submission_benchmark 'tiny', for which the
+    checker has no rules file (its command line stops with FileNotFoundError
+    .../closed_tiny.yaml). `check_run_log` checks such a log as llama31_8b: the structure
+    must pass, that benchmark's own rules are listed apart. A llama31_8b log is checked as
+    it is."""
+    tiny = C.load(ROOT / "configs" / "tiny.yaml", [])
+    path = tmp_path / "tiny.txt"
+    recs = _write_run(path, tiny, [(25, 5.1), (50, 4.7)], success=False)
+    assert {r["key"]: r["value"] for r in recs}["submission_benchmark"] == "tiny"
+    raw = M.check_compliance(path)
+    assert not raw.passed and any("closed_tiny.yaml" in v for v in raw.failures.values())
+    chk = M.check_run_log(path)
+    assert chk.passed and not chk.is_benchmark and chk.checked_as == "llama31_8b"
+    assert set(chk.benchmark_differences) == {
+        "max_sequence_length", "eval_samples", "max_steps", "opt_learning_rate_decay_steps",
+        "eval_accuracy"}, chk.benchmark_differences
+    assert set(chk.benchmark_differences) <= M.benchmark_rule_keys("llama31_8b")
+    # a structural fault in such a log fails
+    bad = tmp_path / "bad.txt"
+    bad.write_text("".join(line for line in path.read_text().splitlines(keepends=True)
+                           if '"key": "init_stop"' not in line))
+    assert not M.check_run_log(bad).passed
+    # the MLPerf config's log: every rule, passed
+    full = tmp_path / "full.txt"
+    _write_run(full, mlperf_cfg, [(768, 3.9), (1536, 3.29)], success=True)
+    chk = M.check_run_log(full)
+    assert chk.is_benchmark and chk.passed and chk.benchmark_differences == {}
+    # ... and failed when one of its rules is broken
+    broken = tmp_path / "broken.txt"
+    _write_run(broken, C.load(MLPERF_YAML, ["optim.b2=0.99"]), [(768, 3.29)], success=True)
+    chk = M.check_run_log(broken)
+    assert chk.is_benchmark and not chk.passed and "opt_adamw_beta_2" in chk.result.failures

@@ -1,0 +1,742 @@
+"""The streaming input pipeline (``data.loader: grain``): shards in, packed batches out.
+
+For corpora too large to tokenize once before step 0 (C4: 1024 ``json.gz`` shards,
+~156B tokens), this reads the source shards as they are, tokenizes in grain worker
+processes and packs on the fly; nothing reads the corpus before the first batch.
+
+The pipeline of one process (host), in order:
+
+1. **Shards.** The resolved ``data.sources`` (sorted within each glob, in the order
+   given) are split across hosts: process ``i`` of ``n`` reads ``files[i::n]``
+   (`host_shards`: disjoint, and together complete). Each host reads its shards in a
+   per-epoch order fixed by the seed (`train.data.loader.epoch_permutation`), epoch
+   after epoch, forever.
+2. **Chunks** (in the workers). Each shard is read line by line (C4 JSONL, ``.gz`` or
+   not) or row by row (parquet, through pyarrow); every ``CHUNK_DOCS`` documents form
+   one chunk, tokenized with the HF ``tokenizer.json`` (each document followed by EOS,
+   preceded by BOS with ``data.add_bos``) into one uint32 array. With
+   ``data.workers: W > 0`` grain's ``mp_prefetch`` runs W processes; worker ``w`` reads
+   shards ``w, w+W, ...`` of the host's order and the output takes one chunk from each
+   worker in turn. The order is therefore fixed by (files, seed, process count,
+   workers): ``workers: 0`` (in the training process) gives the order of ``workers: 1``.
+3. **Packing** (in the training process), Megatron-style as in the prepared path:
+   the chunks' tokens are one stream, cut into sequences of ``seq_len + 1`` tokens
+   overlapping by one (sequence i is ``stream[i*T : i*T + T + 1]``), no masking at
+   document boundaries. A process's rows of a step are its next ``global_batch / n``
+   sequences.
+
+Exact resume: the iterator's state (the shard and line each worker is at, which worker
+is next, the token offset into the chunk the packer is in) is a small JSON dict;
+`StreamLoader.state_for` gives the state before any step's batch and `restore`
+reopens the stream there (re-reading the current shard up to its line). The trainer
+stores every process's state in the checkpoint's record (`gather_states`).
+
+Bad records: a corrupt gzip stream, invalid UTF-8, a bad JSON line or a missing text
+field raises `DataError` naming the file and line (``data.on_bad_record: error``, the
+default). With ``skip`` the record is skipped (the rest of the shard for a corrupt
+gzip stream, which cannot be read past), reported on stderr with file and line, and
+counted (`StreamLoader.bad_records`, the ``data_bad_records`` metric).
+
+Validation (`validation_tokens`): the first documents of ``data.val_sources``, read in
+order in the training process until ``eval_sequences`` packed sequences are full: the
+same set whatever the number of hosts (each takes its rows of every eval batch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import gzip
+import hashlib
+import json
+import os
+import sys
+import zlib
+from collections import deque
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from train.config import ConfigError, DataSection
+from train.data.loader import epoch_permutation
+from train.data.sources import DataError, resolve_sources
+from train.data.tokenizer import TextTokenizer, TokenizerError, load_hf
+
+CHUNK_DOCS = 64  # documents per tokenized chunk (part of the data order: in the fingerprint)
+STATE_VERSION = 1
+
+
+# ------------------------------------------------------------------------------ shards
+
+def host_shards(files: Sequence[Any], process_index: int, process_count: int) -> list[Any]:
+    """The shards process `process_index` of `process_count` reads: ``files[i::n]``.
+
+    Over all processes the lists are disjoint and together hold every file once.
+    Raises ConfigError when there are fewer files than processes (a host with nothing to
+    read).
+    """
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index must be in [0, {process_count}), got {process_index}")
+    if len(files) < process_count:
+        raise ConfigError(f"data.sources: {len(files)} file(s) for {process_count} processes; "
+                          "the grain loader gives each process whole shards, so it needs at "
+                          "least one file per process")
+    return list(files[process_index::process_count])
+
+
+def shard_format(path: Path) -> str:
+    """'jsonl' for .json/.jsonl(.gz), 'parquet' for .parquet; DataError otherwise."""
+    name = path.name.lower().removesuffix(".gz")
+    if name.endswith((".json", ".jsonl")):
+        return "jsonl"
+    if path.name.lower().endswith(".parquet"):
+        return "parquet"
+    raise DataError(f"{path}: data.loader grain reads JSON lines (.json/.jsonl, .gz or not; C4 "
+                    "shards) and parquet files; for plain text use data.loader: prepared")
+
+
+def _require_pyarrow(what: str) -> Any:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(f"{what}: reading parquet needs the 'pyarrow' package, which is not "
+                          "installed (pip install pyarrow)") from None
+    return pq
+
+
+@functools.lru_cache(maxsize=4)
+def _order(n: int, seed: int, epoch: int) -> np.ndarray:
+    return epoch_permutation(n, seed, epoch)
+
+
+# ----------------------------------------------------------------------------- records
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RecordReader:
+    """Reads the documents of one shard from a line (row) on; see `records`."""
+
+    text_key: str = "text"
+    on_bad_record: str = "error"
+
+    def records(self, path: str, start: int = 0) -> Iterator[tuple[int, str | None, str | None]]:
+        """Yield ``(lines consumed so far, text or None, problem or None)`` from line (row)
+        ``start`` on (0-based; the lines before it are read and dropped).
+
+        A problem raises DataError naming the file and line under ``on_bad_record:
+        error``; under ``skip`` it is yielded as the problem of that line (text None).
+        Empty documents yield ``(n, None, None)``.
+        """
+        p = Path(path)
+        kind = shard_format(p)
+        gen = self._parquet(p, start) if kind == "parquet" else self._jsonl(p, start)
+        for n, text, problem in gen:
+            if problem is not None and self.on_bad_record == "error":
+                raise DataError(f"{problem} (data.on_bad_record: skip would skip it and count "
+                                "it in the metrics)")
+            yield n, text, problem
+
+    def _jsonl(self, p: Path, start: int) -> Iterator[tuple[int, str | None, str | None]]:
+        gz = p.name.lower().endswith(".gz")
+        n = 0
+        try:
+            f = gzip.open(p, "rb") if gz else open(p, "rb")  # noqa: SIM115 (closed below)
+        except OSError as e:
+            raise DataError(f"{p}: cannot open ({e})") from None
+        with f:
+            while True:
+                try:
+                    raw = f.readline()
+                except (OSError, EOFError, zlib.error) as e:
+                    kind = "corrupt or truncated gzip data" if gz else "read error"
+                    yield n, None, (f"{p}: line {n + 1}: {kind} ({type(e).__name__}: {e}); the "
+                                    "rest of this file cannot be read")
+                    return
+                if not raw:
+                    return
+                n += 1
+                if n <= start:
+                    continue
+                yield n, *self._parse(raw, p, n)
+
+    def _parse(self, raw: bytes, p: Path, n: int) -> tuple[str | None, str | None]:
+        if not raw.strip():
+            return None, None
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return None, f"{p}: line {n}: invalid UTF-8 ({e.reason})"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            return None, f"{p}: line {n}: invalid JSON ({e.msg})"
+        if not isinstance(obj, dict) or self.text_key not in obj:
+            return None, f"{p}: line {n}: no {self.text_key!r} field (set data.text_key)"
+        text = obj[self.text_key]
+        if not isinstance(text, str):
+            return None, f"{p}: line {n}: field {self.text_key!r} is not a string"
+        return (text or None), None
+
+    def _parquet(self, p: Path, start: int) -> Iterator[tuple[int, str | None, str | None]]:
+        pq = _require_pyarrow("data.sources")
+        try:
+            pf = pq.ParquetFile(p)
+        except Exception as e:  # noqa: BLE001 (pyarrow raises assorted types)
+            raise DataError(f"{p}: not a readable parquet file ({type(e).__name__}: {e})") from None
+        if self.text_key not in pf.schema_arrow.names:
+            raise DataError(f"{p}: no column {self.text_key!r} (set data.text_key); columns: "
+                            f"{', '.join(pf.schema_arrow.names)}")
+        n = 0
+        for batch in pf.iter_batches(batch_size=1024, columns=[self.text_key]):
+            col = batch.column(0).to_pylist()
+            if n + len(col) <= start:
+                n += len(col)
+                continue
+            for text in col:
+                n += 1
+                if n <= start:
+                    continue
+                if text is not None and not isinstance(text, str):
+                    yield n, None, f"{p}: row {n}: column {self.text_key!r} is not a string"
+                else:
+                    yield n, (text or None), None
+
+
+# ------------------------------------------------------------------- grain datasets
+
+def _grain() -> Any:
+    try:
+        import grain
+    except ImportError:
+        raise ConfigError("data.loader: 'grain' needs the grain package, which is not "
+                          "installed (pip install grain, or the project's 'train' extra)"
+                          ) from None
+    # grain 0.2.18 reads an absl flag while starting worker processes and fails when the
+    # program never parsed absl flags (google/grain#1355, fixed after 0.2.18): mark them
+    # parsed (at their defaults) when nobody has.
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    return grain
+
+
+def _make_datasets() -> dict[str, type]:
+    """The grain dataset classes (defined once grain is imported; grain is optional)."""
+    grain = _grain()
+
+    class ShardOrder(grain.MapDataset):
+        """Index k -> (epoch, path): the host's shards in a seeded order per epoch, forever."""
+
+        def __init__(self, files: Sequence[str], seed: int):
+            super().__init__()
+            self._files, self._seed = tuple(files), int(seed)
+
+        def __len__(self) -> int:
+            return sys.maxsize
+
+        def __getitem__(self, index):
+            if isinstance(index, slice):
+                return self.slice(index)
+            epoch, k = divmod(int(index), len(self._files))
+            return epoch, self._files[int(_order(len(self._files), self._seed, epoch)[k])]
+
+        def __str__(self) -> str:
+            return f"ShardOrder({len(self._files)} files, seed={self._seed})"
+
+    class ChunkIterator(grain.DatasetIterator):
+        def __init__(self, parent, reader: RecordReader, chunk_docs: int):
+            super().__init__(parent)
+            self._reader, self._chunk_docs = reader, chunk_docs
+            self._file_state = self._parent.get_state()  # the parent's state before the file
+            self._file: tuple[int, str] | None = None
+            self._records: Iterator | None = None
+            self._line = 0
+
+        def _open(self, skip: int) -> None:
+            self._records = self._reader.records(self._file[1], skip)
+            self._line = skip
+
+        def __next__(self):
+            while True:
+                if self._records is None:
+                    self._file_state = self._parent.get_state()
+                    self._file = next(self._parent)
+                    self._open(0)
+                docs, problems, first = [], [], self._line + 1
+                while len(docs) < self._chunk_docs:
+                    try:
+                        n, text, problem = next(self._records)
+                    except StopIteration:
+                        self._records = None
+                        break
+                    self._line = n
+                    if problem is not None:
+                        problems.append(problem)
+                    elif text is not None:
+                        docs.append(text)
+                if docs or problems:
+                    return {"docs": docs, "problems": problems, "epoch": self._file[0],
+                            "where": f"{self._file[1]}:{first}"}
+
+        def get_state(self) -> dict[str, Any]:
+            if self._records is None:
+                return {"parent": self._parent.get_state(), "line": 0, "open": False}
+            return {"parent": self._file_state, "line": self._line, "open": True}
+
+        def set_state(self, state: dict[str, Any]) -> None:
+            self._parent.set_state(state["parent"])
+            self._file_state = state["parent"]
+            self._records = None
+            if state["open"]:
+                self._file = next(self._parent)
+                self._open(int(state["line"]))
+
+    class Chunks(grain.IterDataset):
+        """Chunks of up to `chunk_docs` documents read from the parent's shards."""
+
+        def __init__(self, parent, reader: RecordReader, chunk_docs: int):
+            super().__init__(parent)
+            self._reader, self._chunk_docs = reader, chunk_docs
+
+        def __iter__(self):
+            return ChunkIterator(self._parent.__iter__(), self._reader, self._chunk_docs)
+
+    class PackIterator(grain.DatasetIterator):
+        def __init__(self, parent, seq_len: int):
+            super().__init__(parent)
+            self._T = seq_len
+            self._entries: deque[list[Any]] = deque()  # [state before, bad before, tokens, epoch]
+            self._skip = 0  # tokens of entries[0] already behind the next sequence's start
+            self._avail = 0
+            self._bad = 0  # records skipped in every chunk pulled so far
+            self._epoch = 0
+
+        def _pull(self) -> None:
+            before = self._parent.get_state()
+            el = next(self._parent)
+            for msg in el["problems"]:
+                print(f"[data] skipped a bad record: {msg}", file=sys.stderr, flush=True)
+            self._entries.append([before, self._bad, el["tokens"], int(el["epoch"])])
+            self._bad += len(el["problems"])
+            self._avail += len(el["tokens"])
+
+        def __next__(self) -> np.ndarray:
+            T = self._T
+            while self._avail - self._skip < T + 1:
+                self._pull()
+            out = np.empty(T + 1, np.uint32)
+            filled, skip = 0, self._skip
+            for _, _, toks, _ in self._entries:
+                take = toks[skip:skip + T + 1 - filled]
+                out[filled:filled + len(take)] = take
+                filled += len(take)
+                skip = 0
+                if filled == T + 1:
+                    break
+            self._epoch = self._entries[0][3]
+            self._skip += T
+            while self._skip >= len(self._entries[0][2]):
+                self._skip -= len(self._entries[0][2])
+                self._avail -= len(self._entries[0][2])
+                self._entries.popleft()
+            return out
+
+        def get_state(self) -> dict[str, Any]:
+            if not self._entries:
+                return {"parent": self._parent.get_state(), "skip": 0, "bad": self._bad,
+                        "epoch": self._epoch}
+            head = self._entries[0]
+            return {"parent": head[0], "skip": self._skip, "bad": head[1], "epoch": self._epoch}
+
+        def set_state(self, state: dict[str, Any]) -> None:
+            self._parent.set_state(state["parent"])
+            self._entries.clear()
+            self._avail, self._skip = 0, 0
+            self._bad, self._epoch = int(state["bad"]), int(state["epoch"])
+            if state["skip"]:
+                self._pull()
+                self._skip = int(state["skip"])
+
+        @property
+        def bad_records(self) -> int:
+            return self._bad
+
+        @property
+        def epoch(self) -> int:
+            return self._epoch
+
+    class Pack(grain.IterDataset):
+        """Megatron-style packing: ``seq_len + 1`` token windows overlapping by one."""
+
+        def __init__(self, parent, seq_len: int):
+            super().__init__(parent)
+            self._T = seq_len
+
+        def __iter__(self):
+            return PackIterator(self._parent.__iter__(), self._T)
+
+    return {"ShardOrder": ShardOrder, "Chunks": Chunks, "Pack": Pack}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Tokenize:
+    """The worker-side map: a chunk's documents -> one uint32 token array (EOS after each
+    document, BOS before it with `add_bos`). The tokenizer is loaded once per process."""
+
+    tokenizer: str
+    eos_token: str | None = None
+    add_bos: bool = False
+
+    @functools.cached_property
+    def _tok(self) -> TextTokenizer:
+        return load_hf(self.tokenizer, eos_token=self.eos_token, add_bos=self.add_bos)
+
+    def __getstate__(self) -> dict[str, Any]:  # the tokenizer is rebuilt in each worker
+        return {k: v for k, v in self.__dict__.items() if k != "_tok"}
+
+    def __call__(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        docs = chunk.pop("docs")
+        arrs = self._tok.encode_documents(docs) if docs else []
+        chunk["tokens"] = np.concatenate(arrs) if arrs else np.zeros((0,), np.uint32)
+        return chunk
+
+
+def _worker_init(worker_index: int, worker_count: int) -> None:
+    # One core per worker: the Rust tokenizer would otherwise start a thread per core in
+    # every worker (and per-worker throughput would not mean one process).
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+# ------------------------------------------------------------------------- the spec
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StreamSpec:
+    """Everything one process's training stream depends on (see the module docstring).
+
+    files: this process's shards (`host_shards`); workers: grain worker processes
+    (0: in this process).
+    """
+
+    files: tuple[str, ...]
+    seed: int
+    seq_len: int
+    tokenizer: str
+    eos_token: str | None = None
+    add_bos: bool = False
+    text_key: str = "text"
+    on_bad_record: str = "error"
+    workers: int = 0
+    chunk_docs: int = CHUNK_DOCS
+
+    def __post_init__(self):
+        if not self.files:
+            raise ConfigError("data.sources: no shard for this process")
+        if self.seq_len < 2:
+            raise ConfigError(f"data.seq_len must be >= 2, got {self.seq_len}")
+        if self.workers < 0:
+            raise ConfigError(f"data.workers must be >= 0, got {self.workers}")
+        if self.on_bad_record not in ("error", "skip"):
+            raise ConfigError(f"data.on_bad_record must be 'error' or 'skip', got "
+                              f"{self.on_bad_record!r}")
+
+    def chunk_dataset(self) -> Any:
+        """The grain `IterDataset` of tokenized chunks before packing: dicts with 'tokens'
+        (uint32), 'problems' (skipped records), 'epoch' and 'where' (file:first line)."""
+        grain = _grain()
+        ds = _make_datasets()
+        reader = RecordReader(text_key=self.text_key, on_bad_record=self.on_bad_record)
+        it = ds["ShardOrder"](self.files, self.seed).to_iter_dataset()
+        it = ds["Chunks"](it, reader, self.chunk_docs)
+        it = it.map(Tokenize(tokenizer=self.tokenizer, eos_token=self.eos_token,
+                             add_bos=self.add_bos))
+        if self.workers:
+            it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.workers),
+                                worker_init_fn=_worker_init)
+        return it
+
+    def dataset(self) -> Any:
+        """The grain `IterDataset` of packed sequences (uint32[seq_len + 1])."""
+        return _make_datasets()["Pack"](self.chunk_dataset(), self.seq_len)
+
+
+def spec_for_process(data: DataSection, seed: int, process_index: int,
+                     process_count: int) -> StreamSpec:
+    """The `StreamSpec` of one process of a run with the data section `data`."""
+    files = [str(p) for p in resolve_sources(data.sources)]
+    return StreamSpec(files=tuple(host_shards(files, process_index, process_count)), seed=seed,
+                      seq_len=data.seq_len, tokenizer=data.tokenizer, eos_token=data.eos_token,
+                      add_bos=data.add_bos, text_key=data.text_key,
+                      on_bad_record=data.on_bad_record, workers=data.workers)
+
+
+# ------------------------------------------------------------------------- the loader
+
+class StreamLoader:
+    """This process's rows of every global batch, read from the grain stream in step order.
+
+    ``batch(step)`` must be called for consecutive steps (it streams: the first call is
+    step 0, or the step `restore` was given). ``state_for(step)`` is the JSON state after
+    which the next batch is `step`'s; ``restore(state, step)`` continues from it.
+    Token ids at or above `vocab_size` raise DataError.
+    """
+
+    def __init__(self, spec: StreamSpec, *, global_batch: int, process_count: int = 1,
+                 vocab_size: int | None = None):
+        if global_batch % process_count:
+            raise ConfigError(f"train.global_batch ({global_batch}) must be divisible by the "
+                              f"number of processes ({process_count})")
+        self.spec, self.local = spec, global_batch // process_count
+        self.vocab_size = vocab_size
+        self._ds = spec.dataset()
+        self._it: Any = None
+        self._next = 0
+        self._before: tuple[int, dict[str, Any]] | None = None
+
+    def _iter(self) -> Any:
+        if self._it is None:
+            self._it = self._ds.__iter__()
+        return self._it
+
+    def batch(self, step: int) -> np.ndarray:
+        """int32[local batch, seq_len + 1] for `step` (the next step of the stream)."""
+        if step != self._next:
+            raise RuntimeError(f"the grain loader streams: the next batch is step {self._next}'s,"
+                               f" not step {step}'s (restore a state to move)")
+        it = self._iter()
+        if self._before is None or self._before[0] != step:
+            self._before = (step, it.get_state())
+        try:
+            rows = np.stack([next(it) for _ in range(self.local)])
+        except DataError as e:  # grain appends a note on its traceback filtering: dropped
+            raise DataError(_worker_message(e)) from None
+        except Exception as e:
+            # a worker's DataError may come back under another type; keep its message
+            if "DataError" in f"{type(e).__name__} {e}":
+                raise DataError(_worker_message(e)) from None
+            raise
+        if self.vocab_size is not None and rows.size and int(rows.max()) >= self.vocab_size:
+            r, c = (int(v) for v in np.argwhere(rows >= self.vocab_size)[0])
+            raise DataError(f"token id {int(rows[r, c])} at position {c} of row {r} of step "
+                            f"{step} is outside the model's vocabulary [0, {self.vocab_size}) "
+                            f"(data.tokenizer {self.spec.tokenizer})")
+        self._next = step + 1
+        return rows.astype(np.int32)
+
+    def state_for(self, step: int) -> dict[str, Any]:
+        """The JSON state from which the next batch read is `step`'s."""
+        if self._before is not None and self._before[0] == step:
+            inner = self._before[1]
+        elif step == self._next:
+            inner = self._iter().get_state()
+        else:
+            raise RuntimeError(f"no loader state for step {step} (next step {self._next})")
+        return {"version": STATE_VERSION, "step": int(step), "shards": self.shards_digest(),
+                "iterator": inner}
+
+    def shards_digest(self) -> str:
+        """A digest of this process's shard list (names, in order): which shards a state is of."""
+        return shards_digest(self.spec.files)
+
+    def restore(self, state: dict[str, Any], step: int) -> None:
+        """Continue the stream from `state` (a `state_for(step)` of the same setup)."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise DataError("the checkpoint's data-loader state is missing or of another "
+                            "version; it cannot be resumed exactly")
+        if int(state["step"]) != step:
+            raise DataError(f"the checkpoint's data-loader state is for step {state['step']}, "
+                            f"not {step}")
+        if state.get("shards") != self.shards_digest():
+            raise DataError("the checkpoint's data-loader state is of another list of shards "
+                            "for this process; it cannot be resumed exactly")
+        self.close()
+        self._it = self._ds.__iter__()
+        self._it.set_state(state["iterator"])
+        self._next, self._before = step, None
+
+    @property
+    def bad_records(self) -> int:
+        """Records skipped so far (``data.on_bad_record: skip``) in the chunks read."""
+        return int(self._it.bad_records) if self._it is not None else 0
+
+    def epoch(self, step: int) -> float:
+        """The epoch (pass over this host's shards) the stream is in; `step` is unused."""
+        return float(self._it.epoch) if self._it is not None else 0.0
+
+    def close(self) -> None:
+        """Stop the worker processes (also done at garbage collection)."""
+        it, self._it = self._it, None
+        if it is not None:
+            with contextlib.suppress(Exception):
+                _close_tree(it)
+
+
+def shards_digest(files: Sequence[str]) -> str:
+    """16 hex digits of SHA-256 over the shards' file names, in order."""
+    return hashlib.sha256("\n".join(Path(f).name for f in files).encode()).hexdigest()[:16]
+
+
+def _close_tree(it: Any) -> None:
+    stack = [it]
+    while stack:
+        cur = stack.pop()
+        close = getattr(cur, "close", None)
+        if callable(close):
+            close()
+        stack.extend(getattr(cur, "_parents", ()))
+
+
+def _worker_message(e: BaseException) -> str:
+    """The DataError's own message, without what grain adds around it."""
+    text = str(e).split("\n--------------------\nFor simplicity, Grain", 1)[0].strip()
+    for line in reversed(text.splitlines()):
+        if "DataError: " in line:
+            return line.split("DataError: ", 1)[1]
+    return text
+
+
+# ---------------------------------------------------------------- states of processes
+
+def gather_states(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every process's loader state, in process order (a collective on several processes;
+    on one, ``[state]``)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return [state]
+    from jax.experimental import multihost_utils
+
+    raw = np.frombuffer(json.dumps(state, sort_keys=True).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.int32(raw.size))).reshape(-1)
+    buf = np.zeros(int(sizes.max()), np.uint8)
+    buf[:raw.size] = raw
+    allb = np.asarray(multihost_utils.process_allgather(buf)).reshape(len(sizes), -1)
+    return [json.loads(allb[i, :int(sizes[i])].tobytes()) for i in range(len(sizes))]
+
+
+def sum_over_processes(value: int) -> int:
+    """The sum of `value` over processes (a collective on several processes)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return int(value)
+    from jax.experimental import multihost_utils
+
+    return int(np.sum(multihost_utils.process_allgather(np.int64(value))))
+
+
+# ---------------------------------------------------------------- checks, validation
+
+def _digest_bytes(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_stream(data: DataSection) -> list[Path]:
+    """The ``--check`` checks of a grain data section (no document is read): the sources
+    and validation sources exist (a glob matching nothing or a listed file that is absent
+    is a ConfigError naming it), every file has a format the stream reads (parquet needs
+    pyarrow), the tokenizer is a readable HF tokenizer.json. Returns the sources."""
+    if data.tokenizer == "bpe":
+        raise ConfigError("data.tokenizer: data.loader grain tokenizes with a Hugging Face "
+                          "tokenizer.json (a path); the trained 'bpe' tokenizer needs "
+                          "data.loader: prepared")
+    if not data.val_sources:
+        raise ConfigError("data.val_sources: data.loader grain needs a validation file (e.g. "
+                          "C4's c4-validation_24567exp.json); holding out part of the sources "
+                          "is the prepared loader's")
+    if data.format == "text":
+        raise ConfigError("data.format: 'text' is data.loader prepared's; the grain loader reads "
+                          "JSON lines (C4) and parquet")
+    files = resolve_sources(data.sources)
+    vals = resolve_sources(data.val_sources, "data.val_sources")
+    for what, group in (("data.sources", files), ("data.val_sources", vals)):
+        for p in group:
+            try:
+                kind = shard_format(p)
+            except DataError as e:
+                raise ConfigError(f"{what}: {e}") from None
+            if kind == "parquet":
+                _require_pyarrow(what)
+    if not Path(data.tokenizer).is_file():
+        raise ConfigError(f"data.tokenizer: file not found: {data.tokenizer}")
+    try:
+        load_hf(data.tokenizer, eos_token=data.eos_token, add_bos=data.add_bos)
+    except TokenizerError as e:
+        raise ConfigError(f"data.tokenizer: {e}") from None
+    return files
+
+
+def stream_fingerprint(data: DataSection, process_count: int) -> dict[str, Any]:
+    """What a grain run's data order depends on besides the seed (a checkpoint must match
+    it to resume): each key is the ``data.*`` key (or fact) it comes from; the sources are
+    their file names and sizes (no content hash: nothing reads the shards up front)."""
+    files = [p for p in resolve_sources(data.sources)]
+    vals = resolve_sources(data.val_sources, "data.val_sources")
+
+    def listing(ps: list[Path]) -> str:
+        text = "\n".join(f"{p.name}\t{p.stat().st_size}" for p in ps)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    return {"loader": "grain", "sources": listing(files), "n_sources": len(files),
+            "val_sources": listing(vals), "tokenizer": _digest_bytes(data.tokenizer)[:16],
+            "eos_token": data.eos_token, "add_bos": data.add_bos, "text_key": data.text_key,
+            "on_bad_record": data.on_bad_record, "workers": data.workers,
+            "chunk_docs": CHUNK_DOCS, "seq_len": data.seq_len, "process_count": process_count}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StreamData:
+    """What validating a grain data section found (`train.plan.Plan.stream`).
+
+    vocab_size: the tokenizer's; n_sources: training shards over all hosts;
+    val_tokens: the validation stream's first tokens (`validation_tokens`).
+    """
+
+    vocab_size: int
+    n_sources: int
+    val_tokens: np.ndarray
+
+
+def validation_tokens(data: DataSection, n_sequences: int, *,
+                      tokenizer: TextTokenizer | None = None, batch_docs: int = 256) -> np.ndarray:
+    """The token stream of the first documents of ``data.val_sources``, in order, just long
+    enough for `n_sequences` packed sequences (``n * seq_len + 1`` tokens; shorter when the
+    files end first). Bad records follow ``data.on_bad_record``."""
+    tok = tokenizer or load_hf(data.tokenizer, eos_token=data.eos_token, add_bos=data.add_bos)
+    need = n_sequences * data.seq_len + 1
+    reader = RecordReader(text_key=data.text_key, on_bad_record=data.on_bad_record)
+    parts: list[np.ndarray] = []
+    have = 0
+    pending: list[str] = []
+
+    def flush() -> None:
+        nonlocal have
+        for a in tok.encode_documents(pending):
+            parts.append(a)
+            have += a.size
+        pending.clear()
+
+    for path in resolve_sources(data.val_sources, "data.val_sources"):
+        for _, text, problem in reader.records(str(path)):
+            if problem is not None:
+                print(f"[data] skipped a bad validation record: {problem}", file=sys.stderr,
+                      flush=True)
+            if text is None:
+                continue
+            pending.append(text)
+            if len(pending) >= batch_docs:
+                flush()
+                if have >= need:
+                    break
+        if have >= need:
+            break
+    if pending:
+        flush()
+    out = np.concatenate(parts) if parts else np.zeros((0,), np.uint32)
+    return out[:need]
