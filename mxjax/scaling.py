@@ -31,6 +31,7 @@ from jax import lax
 
 from mxjax import _bits
 from mxjax import formats as F
+from mxjax._platform import cpu_or_accelerator
 from mxjax.elements import decode_magnitude, e8m0_exponent, round_to_grid
 from mxjax.formats import ElementFormat, Format, Rounding, ScaleRule
 
@@ -330,6 +331,27 @@ class TensorScale(NamedTuple):
     tensor_scale: jax.Array  # f32 scalar
 
 
+# A tensor scale at least this large puts every f32-subnormal element's quotient below
+# 2^-26, which rounds to (signed) zero on every FP8 grid: a division that flushes
+# subnormal inputs to (signed) zero gives the same elements.
+_SUBNORMALS_ROUND_TO_ZERO = 2.0 ** -100
+
+
+def _cpu_tensor_div(x, d):
+    """`_bits.exact_div(x, d)` rounded onto an FP8 grid, for the tensor scale d, on XLA:CPU.
+
+    XLA:CPU treats subnormal inputs as zero, so `exact_div` rescales subnormal x with
+    integer ops on every element (most of the per-tensor quantizer's time there). For
+    d >= 2^-100 that cannot change an element (`_SUBNORMALS_ROUND_TO_ZERO`), so the
+    plain division runs (the divisor kept a division, see `exact_div`); smaller tensor
+    scales (tensors whose amax is below about 2^-91) take `exact_div`. One branch of a
+    conditional on the scalar d: no pass over the tensor.
+    """
+    return lax.cond(
+        d < jnp.float32(_SUBNORMALS_ROUND_TO_ZERO), _bits.exact_div,
+        lambda x, d: x / (d + jnp.minimum(jnp.abs(x), jnp.float32(0.0))), x, d)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PerTensor:
     """One fp32 scale for the whole tensor: its amax over the element max normal."""
@@ -350,7 +372,10 @@ class PerTensor:
         t_bits = _tensor_amax_bits(_bits.f32_bits(xb) & _bits.ABS_MASK)
         t = _tensor_scale(t_bits, self.element.max_normal, self.tensor_floor_exp)
         finite = t_bits < _bits.EXP_INF
-        y = jnp.where(finite, _bits.exact_div(xb, jnp.where(finite, t, 1.0)), 0.0)
+        divisor = jnp.where(finite, t, 1.0)
+        quotient = cpu_or_accelerator(xb, divisor, cpu=_cpu_tensor_div,
+                                      accelerator=_bits.exact_div)
+        y = jnp.where(finite, quotient, 0.0)
         return _prescaled(y, prescale), TensorScale(t)
 
     def stored(self, scales):
