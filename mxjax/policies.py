@@ -36,6 +36,7 @@ mxfp4_wgrad_only_x        wgrad's X in MXFP4 only
 mxfp4_wgrad_only_x_h16    as mxfp4_wgrad_only_x, H16 on both wgrad operands
 passthrough_wgrad_h16     control: H16 on wgrad, no quantization (equals passthrough
                           up to float rounding)
+mxfp8                     MXFP8 E4M3 everywhere, RCEIL scales (NVIDIA's MXFP8 recipe)
 nvfp4                     NVIDIA's NVFP4 recipe (SR on dY, fixed-sign H16 on wgrad; key)
 tseng                     Tseng et al.: bf16 fprop; MXFP4 backward, random H64, SR x3/4
 ========================  ==============================================================
@@ -70,7 +71,7 @@ import jax
 
 from mxjax import formats as F
 from mxjax import interceptor
-from mxjax.formats import BF16, FP8_E4M3, FP8_E5M2, MXFP4, NVFP4, Rounding, ScaleRule
+from mxjax.formats import BF16, FP8_E4M3, FP8_E5M2, MXFP4, MXFP8_E4M3, NVFP4, Rounding, ScaleRule
 from mxjax.recipes import GEMMS, GemmRecipe, Hadamard, OperandRecipe
 from mxjax.validation import check_keys
 
@@ -503,6 +504,25 @@ def tseng() -> PrecisionPolicy:
     return PrecisionPolicy(fprop=_PASS, dgrad=g, wgrad=g, name="tseng")
 
 
+def mxfp8() -> PrecisionPolicy:
+    """MXFP8 everywhere, as NVIDIA publishes it: E4M3 x E8M0 per 32, RCEIL scales.
+
+    fprop (X, W), dgrad (dY, W), wgrad (dY, X): MXFP8 E4M3 operands (gradients
+    included) with round-up (RCEIL) scales and round-to-nearest-even elements, no
+    Hadamard. Sources: Mishra et al., "Recipes for Pre-training LLMs with MXFP8"
+    (arXiv 2506.08027: E4M3 for all tensors with scales rounded up matched BF16 on an
+    8B model over 15T tokens, where OCP's FLOOR scales diverged), and Transformer
+    Engine's ``MXFP8BlockScaling`` default (E4M3 forward and backward: the 32-element
+    blocks give gradients the range that E5M2 gives per-tensor FP8). On CUDA the GEMMs
+    go through ``jax.nn.scaled_matmul``: cuDNN's block-scaled MMA on Blackwell, XLA's
+    dequantize + f32 GEMM on Hopper; other platforms run the emulation
+    (docs/NUMERICS.md, "FP8 GEMMs on FP8 tensor cores").
+    """
+    e4 = OperandRecipe(fmt=MXFP8_E4M3, scale_rule=ScaleRule.RCEIL)
+    g = GemmRecipe(lhs=e4, rhs=e4)
+    return PrecisionPolicy(fprop=g, dgrad=g, wgrad=g, name="mxfp8")
+
+
 PRESETS: Mapping[str, Callable[[], PrecisionPolicy]] = types.MappingProxyType({
     f.__name__: f
     for f in (
@@ -515,7 +535,7 @@ PRESETS: Mapping[str, Callable[[], PrecisionPolicy]] = types.MappingProxyType({
         mxfp4_wgrad_only_dy, mxfp4_wgrad_only_dy_h16, mxfp4_wgrad_only_x,
         mxfp4_wgrad_only_x_h16, passthrough_wgrad_h16,
         # peers' recipes
-        nvfp4, tseng,
+        mxfp8, nvfp4, tseng,
     )
 })
 
@@ -542,30 +562,6 @@ _ALIAS_WHY = {
 }
 
 
-# --- MXFP8 (issue 35) ----------------------------------------------------------------
-def mxfp8() -> PrecisionPolicy:
-    """MXFP8 everywhere, as NVIDIA publishes it: E4M3 x E8M0 per 32, RCEIL scales.
-
-    fprop (X, W), dgrad (dY, W), wgrad (dY, X): MXFP8 E4M3 operands (gradients
-    included) with round-up (RCEIL) scales and round-to-nearest-even elements, no
-    Hadamard. Sources: Mishra et al., "Recipes for Pre-training LLMs with MXFP8"
-    (arXiv 2506.08027: E4M3 for all tensors with scales rounded up matched BF16 on an
-    8B model over 15T tokens, where OCP's FLOOR scales diverged), and Transformer
-    Engine's ``MXFP8BlockScaling`` default (E4M3 forward and backward: the 32-element
-    blocks give gradients the range that E5M2 gives per-tensor FP8). On CUDA the GEMMs
-    go through ``jax.nn.scaled_matmul``: cuDNN's block-scaled MMA on Blackwell, XLA's
-    dequantize + f32 GEMM on Hopper; other platforms run the emulation
-    (docs/NUMERICS.md, "FP8 GEMMs on FP8 tensor cores").
-    """
-    from mxjax.formats import MXFP8_E4M3
-
-    e4 = OperandRecipe(fmt=MXFP8_E4M3, scale_rule=ScaleRule.RCEIL)
-    g = GemmRecipe(lhs=e4, rhs=e4)
-    return PrecisionPolicy(fprop=g, dgrad=g, wgrad=g, name="mxfp8")
-
-
-PRESETS = {**PRESETS, "mxfp8": mxfp8}
-# --- end MXFP8 ------------------------------------------------------------------------
 
 
 def names() -> tuple[str, ...]:

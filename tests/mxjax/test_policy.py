@@ -23,7 +23,7 @@ EXPECTED_PRESETS = (
     "mxfp4_wgrad_only", "mxfp4_wgrad_only_h16", "mxfp4_wgrad_only_rht16", "mxfp4_wgrad_only_h32",
     "mxfp4_wgrad_only_dy", "mxfp4_wgrad_only_dy_h16", "mxfp4_wgrad_only_x",
     "mxfp4_wgrad_only_x_h16", "passthrough_wgrad_h16",
-    "nvfp4", "tseng", "mxfp8",
+    "mxfp8", "nvfp4", "tseng",
 )
 
 
