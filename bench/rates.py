@@ -21,13 +21,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-__all__ = ["CHIP_RATES", "LAUNCH_S", "RATE_ORDER", "ChipRates", "rate_class", "rates_for"]
+__all__ = ["CHIP_RATES", "FALLBACK", "LAUNCH_S", "RATE_ORDER", "ChipRates", "rate_class",
+           "rates_for"]
 
 LAUNCH_S = 2e-6  # per kernel launch (GPU) or per fusion/custom call (TPU): an assumption
 
-# Rate classes from narrowest to widest: a chip without a class's units runs it on the
-# next wider class it has.
+# Rate classes from narrowest to widest.
 RATE_ORDER = ("fp4", "fp8", "int8", "bf16", "tf32", "f32")
+# Where a chip without a class's units runs it: the first class of the chain it has
+# (floats never fall to the integer units).
+FALLBACK = {
+    "fp4": ("fp4", "fp8", "bf16", "tf32", "f32"),
+    "fp8": ("fp8", "bf16", "tf32", "f32"),
+    "int8": ("int8", "bf16", "tf32", "f32"),
+    "bf16": ("bf16", "tf32", "f32"),
+    "tf32": ("tf32", "f32"),
+    "f32": ("f32",),
+}
 
 _CLASS_OF_DTYPE = {
     "f4e2m1fn": "fp4", "f8e4m3fn": "fp8", "f8e5m2": "fp8", "f8e4m3": "fp8", "f8e3m4": "fp8",
@@ -58,11 +68,11 @@ class ChipRates:
 
     def rate(self, cls: str) -> tuple[float, str]:
         """(FLOP/s, the class charged) for a GEMM of rate class `cls`: the chip's rate for
-        it, else that of the next wider class it has."""
+        it, else that of the first class of ``FALLBACK[cls]`` it has."""
         if cls not in RATE_ORDER:
             raise ValueError(f"rate class: expected one of {RATE_ORDER}, got {cls!r}")
         have = dict(self.matrix_flops)
-        for c in RATE_ORDER[RATE_ORDER.index(cls):]:
+        for c in FALLBACK[cls]:
             if c in have:
                 return have[c], c
         raise ValueError(f"{self.name}: no matrix rate at or above {cls!r}")
