@@ -36,6 +36,7 @@ precision unless ``quantize_embed_head`` / ``quantize_attention`` is set.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models import attention
 from models import sharding as shd
 from mxjax.policies import PrecisionPolicy
 
@@ -80,7 +82,7 @@ _EMBED_INDEX = 0
 _HEAD_INDEX = 0
 
 _ALLOWED_DTYPES = ("float32", "bfloat16", "float16")
-_ATTENTION_IMPLS = ("explicit", "jax")
+_ATTENTION_IMPLS = ("explicit", "jax", "fused")
 
 DotGeneral = Callable[..., jax.Array]
 
@@ -131,10 +133,20 @@ class LlamaConfig:
     accept a string or a numpy/jax dtype and are normalised to ``np.dtype``.
     ``head_dim`` defaults to ``dim // n_heads``. ``remat`` recomputes each
     decoder block in the backward pass (``jax.checkpoint``).
-    ``attention_impl``: ``"explicit"`` (einsum-style dot_generals, fp32 softmax;
-    the default and the only one that supports ``quantize_attention``) or
-    ``"jax"`` (``jax.nn.dot_product_attention``, lets XLA/cuDNN pick a fused
-    kernel on GPU).
+    ``attention_impl`` (causal grouped-query attention):
+
+    * ``"explicit"`` (the default): einsum-style dot_generals with fp32 scores and
+      softmax; it materializes the T x S scores (at seq 8192 the Llama 3.1-8B layer's
+      train step needs 21.6 GB of temporaries on an H200). The only form that
+      supports ``quantize_attention`` (the policy sees its two GEMMs).
+    * ``"jax"``: ``jax.nn.dot_product_attention(implementation=None)``, which in jax
+      0.12 is XLA's (unfused) attention on every platform, GPUs included.
+    * ``"fused"``: the fused kernel of the platform the program is lowered for
+      (``models.attention``): cuDNN flash attention on NVIDIA GPUs (``cuda``; needs
+      a bfloat16/float16 ``dtype``, else lowering for cuda raises), Pallas splash
+      attention on TPUs, the explicit form on CPU (bit-identical to ``"explicit"``
+      there); lowering for any other platform raises. Not combinable with
+      ``quantize_attention``.
     """
 
     vocab_size: int
@@ -196,7 +208,8 @@ class LlamaConfig:
         if self.quantize_attention and self.attention_impl != "explicit":
             raise ValueError(
                 "LlamaConfig.quantize_attention needs attention_impl='explicit' "
-                f"(got {self.attention_impl!r})"
+                f"(got {self.attention_impl!r}: its attention GEMMs run inside a kernel "
+                "that no precision policy reaches)"
             )
         object.__setattr__(self, "dtype", _canon_dtype("dtype", self.dtype))
         object.__setattr__(self, "param_dtype", _canon_dtype("param_dtype", self.param_dtype))
@@ -455,11 +468,14 @@ class DecoderLayer(nnx.Module):
         q = apply_rope(q.reshape(b, t, c.n_heads, c.head_dim), cos, sin)
         k = apply_rope(k.reshape(b, t, c.n_kv_heads, c.head_dim), cos, sin)
         v = v.reshape(b, t, c.n_kv_heads, c.head_dim)
+        explicit = functools.partial(_attention_explicit, n_kv_heads=c.n_kv_heads,
+                                     gemms=gemms, quantize=c.quantize_attention)
         if c.attention_impl == "jax":
             a = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        elif c.attention_impl == "fused":
+            a = attention.fused_attention(q, k, v, cpu=explicit)
         else:
-            a = _attention_explicit(q, k, v, n_kv_heads=c.n_kv_heads, gemms=gemms,
-                                    quantize=c.quantize_attention)
+            a = explicit(q, k, v)
         a = shd.constrain(a.reshape(b, t, c.n_heads * c.head_dim),
                           ("batch", "seq", "act_heads"))
         x = x + self.o_proj(a, gemms).astype(x.dtype)
