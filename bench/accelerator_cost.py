@@ -475,9 +475,12 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=2048, help="the 1B layer's and the MLP's")
     ap.add_argument("--seq-8b", type=int, default=LAYER_8B_SEQ, help="the 8B layer's")
-    ap.add_argument("--attention", default="",
+    ap.add_argument("--attention", default="fused",
                     help="comma list of LlamaConfig.attention_impl values for the layers "
-                         "(each a separate program; default: the config's default)")
+                         "(each a separate program; '' = the config's default, explicit)")
+    ap.add_argument("--attention-baseline", default="explicit",
+                    help="also compile each layer's bf16 train step with this attention_impl "
+                         "(issue 35's fused-attention target; '' = none)")
     ap.add_argument("--peers", default="",
                     help="comma list of bench/peers.py peers compiled beside the presets "
                          "(flax_fp8, jax_mxfp8, jax_nvfp4, jax_mxfp4, qwix_fp8); a peer that "
@@ -507,6 +510,7 @@ def main(argv=None) -> int:
         else:
             names.append(f"peer:{p}")
     attentions = [a.strip() for a in args.attention.split(",") if a.strip()] or [""]
+    baseline = args.attention_baseline.strip()
     targets = [aot.TARGETS[t.strip()] for t in args.targets.split(",") if t.strip()]
     variants_gpu = [v.strip() for v in args.gpu_gemm.split(",") if v.strip()]
     for v in variants_gpu:
@@ -531,8 +535,10 @@ def main(argv=None) -> int:
             target.kind == "gpu") else [""]
         for variant in variants:
             for prog, attention in ((p, a) for p in progs for a in (
-                    attentions if p.startswith("layer") else [""])):
-                for name in names:
+                    attentions + ([baseline] if baseline and baseline not in attentions else [])
+                    if p.startswith("layer") else [""])):
+                for name in (names if attention in attentions or not prog.startswith("layer")
+                             else ["bf16"]):
                     try:
                         c = compile_one(target, variant, prog, name, args, kernel_cycles,
                                         attention=attention)
