@@ -20,8 +20,8 @@ import dataclasses
 import math
 import re
 
-__all__ = ["Instruction", "Kernel", "kernels", "parse_module", "shape_bytes",
-           "shape_elements"]
+__all__ = ["Instruction", "Kernel", "gemm_operand_types", "kernels", "parse_module",
+           "shape_bytes", "shape_elements"]
 
 # Bits per element of each HLO primitive type that can appear in a shape.
 _BITS = {
@@ -403,3 +403,69 @@ def count_by_category(ks: list[Kernel]) -> dict[str, int]:
     """Kernel counts per category (every category present, zeros included)."""
     counts = collections.Counter(k.category for k in ks)
     return {c: counts.get(c, 0) for c in ("fusion", "gemm", "custom-call", "copy", "other")}
+
+
+def _element_type(shape: str) -> str:
+    m = _ARRAY_RE.search(shape)
+    return m.group(1) if m else ""
+
+
+_OP_NAME_RE = re.compile(r'\bop_name="([^"]*)"')
+
+
+def _op_name(inst: Instruction) -> str:
+    m = _OP_NAME_RE.search(inst.attributes)
+    return m.group(1) if m else ""
+
+
+def _inner_dots(module: Module, name: str, seen: frozenset = frozenset()
+                ) -> list[tuple[Instruction, dict[str, str]]]:
+    """The dots (with their computation's shapes) inside a fused computation, nested ones too."""
+    if name not in module.computations or name in seen:
+        return []
+    shapes = module.shapes(name)
+    out = []
+    for inst in module.computations[name]:
+        if inst.opcode in ("dot", "convolution"):
+            out.append((inst, shapes))
+        elif inst.opcode in ("fusion", "call"):
+            for sub in inst.called:
+                out += _inner_dots(module, sub, seen | {name})
+    return out
+
+
+def gemm_operand_types(text: str) -> list[tuple[str, str, tuple[str, ...], str]]:
+    """Every GEMM the program launches: ``(kernel name, how it runs, operand types, op_name)``.
+
+    How it runs: the custom call's target (``__cublas$lt$matmul$f8``, ...) or
+    ``'fusion'`` (a dot XLA fused, e.g. a Triton GEMM) or ``'dot'``. The types are
+    those of the lhs and rhs the multiply itself reads: a fusion's inner dot's operands
+    (an f8 input converted to bf16 inside the fusion counts as bf16), a custom call's
+    first two operands. One entry per dot (a fusion holding two dots gives two).
+    ``op_name``: the multiply's metadata op_name (JAX's scope, e.g.
+    ``jit(step)/jvp()/jit(emulated_gemm)/...``), '' if it has none.
+    """
+    module = parse_module(text)
+    out = []
+
+    def walk(computation: str, depth: int) -> None:
+        if depth > 20:
+            raise ValueError("control flow nested too deeply")
+        shapes = module.shapes(computation)
+        for inst in module.computations[computation]:
+            if inst.opcode in ("while", "call", "conditional"):
+                for sub in inst.called:
+                    walk(sub, depth + 1)
+            elif inst.opcode == "custom-call" and inst.custom_call_target.startswith(_GEMM_TARGETS):
+                types = tuple(_element_type(shapes.get(o, "")) for o in inst.operands[:2])
+                out.append((inst.name, inst.custom_call_target, types, _op_name(inst)))
+            elif inst.opcode in ("dot", "convolution"):
+                types = tuple(_element_type(shapes.get(o, "")) for o in inst.operands[:2])
+                out.append((inst.name, inst.opcode, types, _op_name(inst)))
+            elif inst.opcode == "fusion" and inst.called:
+                for dot, inner in _inner_dots(module, inst.called[0]):
+                    types = tuple(_element_type(inner.get(o, "")) for o in dot.operands[:2])
+                    out.append((inst.name, "fusion", types, _op_name(dot)))
+
+    walk(module.entry, 0)
+    return out

@@ -14,6 +14,7 @@ from jax import lax
 SIGN_MASK = 0x80000000  # use `(bits >> 31) << 31`: a uint32 array constant breaks Pallas
 ABS_MASK = 0x7FFFFFFF
 EXP_INF = 0x7F800000  # abs bits >= this: Inf or NaN
+MIN_NORMAL_BITS = 0x00800000  # abs bits below this (and nonzero): an f32 subnormal
 
 
 def f32_bits(x: jnp.ndarray) -> jnp.ndarray:
@@ -122,9 +123,11 @@ def exact_div(x: jnp.ndarray, d: jnp.ndarray) -> jnp.ndarray:
     x = x.astype(jnp.float32)
     bits = f32_bits(x)
     is_sub = ((bits & 0x7F800000) == 0) & ((bits & 0x7FFFFF) != 0)
-    # XLA:CPU rewrites `x / broadcast(d)` as `x * (1 / d)` (two roundings); a
-    # materialized full-shape divisor keeps the division a division.
-    d = lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(d, jnp.float32), x.shape))
+    # XLA rewrites `x / broadcast(d)` as `x * (1 / d)` (two roundings). A divisor that
+    # depends on x elementwise keeps the division a division without materializing a
+    # full-shape copy of d (an optimization barrier on the broadcast did, 3x slower on
+    # CPU): min(|x|, 0) is 0 for every x but NaN, whose quotient is NaN anyway.
+    d = jnp.asarray(d, jnp.float32) + jnp.minimum(jnp.abs(x), jnp.float32(0.0))
     up = ldexp(x, jnp.full(x.shape, 64, jnp.int32))
     q_sub = ldexp(up / d, jnp.full(x.shape, -64, jnp.int32))
     return jnp.where(is_sub, q_sub, x / d)

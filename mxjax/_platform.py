@@ -19,7 +19,7 @@ from typing import Any
 
 from jax import lax
 
-__all__ = ["FORMS", "cpu_barrier", "cpu_or_accelerator", "per_platform"]
+__all__ = ["FORMS", "cpu_barrier", "cpu_or_accelerator", "cuda_or_other", "per_platform"]
 
 # The program forms, one per compiler family (`per_platform`).
 FORMS = ("cpu", "gpu", "tpu")
@@ -49,3 +49,12 @@ def per_platform(*args: Any, cpu: Callable[..., Any], gpu: Callable[..., Any],
     compilers, XLA's GPU pipeline).
     """
     return lax.platform_dependent(*args, cpu=cpu, tpu=tpu, default=gpu)
+
+
+def cuda_or_other(*args: Any, cuda: Callable[..., Any], other: Callable[..., Any]) -> Any:
+    """``cuda(*args)`` when lowered for CUDA, ``other(*args)`` for every other platform.
+
+    Inside `per_platform`'s GPU form: what only NVIDIA's compiler gets (the FP8 GEMMs
+    of `mxjax.accelerator_fp8`), ROCm and the rest keep the GPU form.
+    """
+    return lax.platform_dependent(*args, cuda=cuda, default=other)

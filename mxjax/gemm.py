@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mxjax import accelerator
-from mxjax._platform import cpu_barrier, per_platform
+from mxjax import accelerator, accelerator_fp8
+from mxjax._platform import cpu_barrier, cuda_or_other, per_platform
 from mxjax.accelerator import cast_operands
 from mxjax.dimensions import Dims, free_axes
 from mxjax.layout import canonical_dimension_numbers
@@ -51,6 +51,7 @@ __all__ = [
     "quantizer_operands",
     "rotation_signs",
     "split_key",
+    "takes_f8_on_cuda",
 ]
 
 
@@ -247,6 +248,41 @@ def _accelerator_form(a, b, dims: Dims, recipe: GemmRecipe, k_lhs, k_rhs, k_had,
     return _accelerator_gemm(a3, b3, recipe, k_lhs, k_rhs)
 
 
+def _free_size(x: jax.Array, batch, contract) -> int:
+    return math.prod(x.shape[i] for i in free_axes(x.ndim, batch, contract))
+
+
+def _cuda_f8_form(a, b, dims: Dims, recipe: GemmRecipe, k_lhs, k_rhs, k_had, *,
+                  operand_dtypes=None):
+    """CUDA form of FP8 recipes: f8 operands on FP8 tensor cores (`mxjax.accelerator_fp8`).
+
+    Per-tensor FP8 operands are quantized in place (their scale is the whole tensor's,
+    whatever the layout) unless the recipe rotates or draws uniforms, which follow
+    the canonical layout; MXFP8 operands always take the canonical layout
+    (``jax.nn.scaled_matmul``'s). Returns f32 ``[batch..., Fa, Fb]``.
+    """
+    a, b = cast_operands(a, b, operand_dtypes)
+    (ca, cb), (ba, bb) = dims
+    if accelerator_fp8.takes_block_scaled(recipe):
+        a3, b3 = _rotate(*canonical_operands(a, b, dims), recipe, k_had)
+        return accelerator_fp8.block_scaled_dot(a3, b3, recipe, k_lhs, k_rhs)
+    if recipe.hadamard is None and not recipe.needs_key:
+        aq, a_factors = accelerator_fp8.f8_operand(a, recipe.lhs, None)
+        bq, b_factors = accelerator_fp8.f8_operand(b, recipe.rhs, None)
+        out = accelerator_fp8.f8_dot(aq, bq, dims.as_lax(), a_factors, b_factors)
+        return out.reshape(out.shape[:len(ba)] + (_free_size(a, ba, ca), _free_size(b, bb, cb)))
+    a3, b3 = _rotate(*canonical_operands(a, b, dims), recipe, k_had)
+    aq, a_factors = accelerator_fp8.f8_operand(a3, recipe.lhs, k_lhs)
+    bq, b_factors = accelerator_fp8.f8_operand(b3, recipe.rhs, k_rhs)
+    return accelerator_fp8.f8_dot(aq, bq, canonical_dimension_numbers(a3.ndim - 2),
+                                  a_factors, b_factors)
+
+
+def takes_f8_on_cuda(recipe: GemmRecipe) -> bool:
+    """Whether the GEMM's CUDA form runs on FP8 tensor cores (per-tensor FP8 or MXFP8)."""
+    return accelerator_fp8.takes_f8_operands(recipe) or accelerator_fp8.takes_block_scaled(recipe)
+
+
 # Jitted (inlined into the caller's jaxpr) so that JAX caches its trace per operand
 # types and static arguments: all three platform forms are traced (lowering keeps one),
 # and a program with many GEMMs of the same shapes (a model's layers, a GEMM and its
@@ -260,7 +296,9 @@ def emulated_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, ke
 
     The program depends on the platform it is lowered for (not on the tracing
     machine): XLA:CPU gets canonical operands and `_cpu_gemm`, GPUs and TPUs
-    `_accelerator_form` (docs/NUMERICS.md, "Emulated GEMM").
+    `_accelerator_form` (docs/NUMERICS.md, "Emulated GEMM"), except that CUDA gets
+    f8 operands on FP8 tensor cores for per-tensor FP8 and MXFP8 recipes
+    (`_cuda_f8_form`, `mxjax.accelerator_fp8`).
 
     Args:
       a, b: the GEMM's operands (any float dtype) and its dimension numbers.
@@ -280,10 +318,15 @@ def emulated_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, ke
         return _canonical_cpu_form(*cast_operands(a, b, operand_dtypes), dims, recipe, k_lhs, k_rhs,
                                    k_had)
 
+    gpu = functools.partial(form, form="gpu")
+    if takes_f8_on_cuda(recipe):
+        cuda = functools.partial(_cuda_f8_form, dims=dims, recipe=recipe, k_lhs=k_lhs,
+                                 k_rhs=k_rhs, k_had=k_had, operand_dtypes=operand_dtypes)
+        gpu = functools.partial(cuda_or_other, cuda=cuda, other=gpu)
     return per_platform(
         a, b,
         cpu=cpu,
-        gpu=functools.partial(form, form="gpu"),
+        gpu=gpu,
         tpu=functools.partial(form, form="tpu"))
 
 

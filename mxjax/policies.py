@@ -309,6 +309,32 @@ PRESETS: dict[str, Callable[[], PrecisionPolicy]] = {
 }
 
 
+# --- MXFP8 (issue 35) ----------------------------------------------------------------
+def mxfp8() -> PrecisionPolicy:
+    """MXFP8 everywhere, as NVIDIA publishes it: E4M3 x E8M0 per 32, RCEIL scales.
+
+    fprop (X, W), dgrad (dY, W), wgrad (dY, X): MXFP8 E4M3 operands (gradients
+    included) with round-up (RCEIL) scales and round-to-nearest-even elements, no
+    Hadamard. Sources: Mishra et al., "Recipes for Pre-training LLMs with MXFP8"
+    (arXiv 2506.08027: E4M3 for all tensors with scales rounded up matched BF16 on an
+    8B model over 15T tokens, where OCP's FLOOR scales diverged), and Transformer
+    Engine's ``MXFP8BlockScaling`` default (E4M3 forward and backward: the 32-element
+    blocks give gradients the range that E5M2 gives per-tensor FP8). On CUDA the GEMMs
+    go through ``jax.nn.scaled_matmul``: cuDNN's block-scaled MMA on Blackwell, XLA's
+    dequantize + f32 GEMM on Hopper; other platforms run the emulation
+    (docs/NUMERICS.md, "FP8 GEMMs on FP8 tensor cores").
+    """
+    from mxjax.formats import MXFP8_E4M3
+
+    e4 = OperandRecipe(fmt=MXFP8_E4M3, scale_rule=ScaleRule.RCEIL)
+    g = GemmRecipe(lhs=e4, rhs=e4)
+    return PrecisionPolicy(fprop=g, dgrad=g, wgrad=g, name="mxfp8")
+
+
+PRESETS = {**PRESETS, "mxfp8": mxfp8}
+# --- end MXFP8 ------------------------------------------------------------------------
+
+
 def names() -> tuple[str, ...]:
     """Names of all presets, in ladder order."""
     return tuple(PRESETS)

@@ -31,6 +31,7 @@ from jax import lax
 
 from mxjax import _bits
 from mxjax import formats as F
+from mxjax._platform import cpu_or_accelerator
 from mxjax.elements import decode_magnitude, e8m0_exponent, round_to_grid
 from mxjax.formats import ElementFormat, Format, Rounding, ScaleRule
 
@@ -330,6 +331,20 @@ class TensorScale(NamedTuple):
     tensor_scale: jax.Array  # f32 scalar
 
 
+def _cpu_tensor_div(x, abs_bits, d):
+    """`_bits.exact_div(x, d)` for a scalar d, on XLA:CPU: the same values, faster.
+
+    XLA:CPU treats subnormal inputs as zero, so `exact_div` rescales subnormal x with
+    integer ops on every element (most of the per-tensor quantizer's time there). A
+    tensor without a subnormal element takes the plain division instead (one branch of
+    a conditional on the tensor; the divisor is kept a division, see `exact_div`).
+    """
+    has_subnormal = jnp.any((abs_bits != 0) & (abs_bits < _bits.MIN_NORMAL_BITS))
+    return lax.cond(
+        has_subnormal, _bits.exact_div,
+        lambda x, d: x / (d + jnp.minimum(jnp.abs(x), jnp.float32(0.0))), x, d)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PerTensor:
     """One fp32 scale for the whole tensor: its amax over the element max normal."""
@@ -347,10 +362,14 @@ class PerTensor:
         return xm
 
     def prepare(self, xb, rule, prescale, dtype=jnp.float32):
-        t_bits = _tensor_amax_bits(_bits.f32_bits(xb) & _bits.ABS_MASK)
+        abs_bits = _bits.f32_bits(xb) & _bits.ABS_MASK
+        t_bits = _tensor_amax_bits(abs_bits)
         t = _tensor_scale(t_bits, self.element.max_normal, self.tensor_floor_exp)
         finite = t_bits < _bits.EXP_INF
-        y = jnp.where(finite, _bits.exact_div(xb, jnp.where(finite, t, 1.0)), 0.0)
+        divisor = jnp.where(finite, t, 1.0)
+        quotient = cpu_or_accelerator(xb, abs_bits, divisor, cpu=_cpu_tensor_div,
+                                      accelerator=lambda x, _, d: _bits.exact_div(x, d))
+        y = jnp.where(finite, quotient, 0.0)
         return _prescaled(y, prescale), TensorScale(t)
 
     def stored(self, scales):

@@ -6,7 +6,8 @@ layer are exported under four presets and their StableHLO is read with
 ``bench/export_shape.py``'s analyzer. Bounds asserted, per quantized operand
 (each GEMM has two):
 
-* the GEMM: bf16 x bf16 -> f32 at DEFAULT precision, never f32 at HIGHEST;
+* the GEMM: bf16 x bf16 -> f32 at DEFAULT precision (per-tensor FP8 on CUDA: f8 x f8
+  -> f32), never f32 at HIGHEST;
 * amax reductions (reduce-max over the |x| bits): MX formats 1 (block amax),
   NVFP4 2 (tensor amax, block amax), per-tensor FP8 1 (tensor amax). Each is
   one read of the operand; the rest (Hadamard butterflies, rounding, scaling,
@@ -15,9 +16,9 @@ layer are exported under four presets and their StableHLO is read with
 * optimization barriers: MXFP4 on GPUs 1, the input of the rounding pass, so that
   XLA recomputes the rotation there instead of materializing the f32 rotated
   operand between the amax pass and the rounding pass (mxjax/accelerator.py), none
-  on TPUs; NVFP4 3 and FP8 2, the value guards of the per-tensor division (a
-  traced tensor-scale divisor, and materialized divisors so XLA cannot rewrite
-  ``x / d`` as ``x * (1/d)``; docs/NUMERICS.md). The CPU-only barriers (every
+  on TPUs; NVFP4 3 and FP8 2 at most, the value guards of the per-tensor division (a
+  traced tensor-scale divisor; the element divisors depend on the operand so that XLA
+  cannot rewrite ``x / d`` as ``x * (1/d)``; docs/NUMERICS.md). The CPU-only barriers (every
   second Hadamard stage, per operand, code packing) are absent;
 * no ``reverse`` (the butterflies pair halves of bit axes); MXFP4 operands that tile go through
   one TPU kernel each (a ``tpu_custom_call``, its amax inside).
@@ -44,6 +45,10 @@ BARRIERS_PER_OPERAND = {
     "tpu": {"mxfp4_all_h16": 0, "mxfp4_all": 0, "nvfp4": 3, "fp8": 2},
 }
 AMAX_PER_OPERAND = {"mxfp4_all_h16": 1, "mxfp4_all": 1, "nvfp4": 2, "fp8": 1}
+# The quantized dots where they are not bf16 x bf16 -> f32: per-tensor FP8 on CUDA runs
+# on FP8 tensor cores (mxjax/accelerator_fp8.py; tests/mxjax/test_fp8_gemm.py).
+_QUANTIZED_DOTS = {("fp8", "cuda"): {("f8E4M3FN", "f8E4M3FN", "f32", "HIGHEST"),
+                                     ("f8E5M2", "f8E4M3FN", "f32", "HIGHEST")}}
 
 
 def _with_backend(policy, backend):
@@ -112,9 +117,9 @@ def test_accelerator_export_shape(kind, gemms, policy_name):
         s = _shape(kind, policy_name, platform)
         q = s.quantized
         assert len(q) == gemms, (platform, [d.signature for d in s.dots])
-        assert s.f32_highest == 0, platform
-        assert {(d.lhs, d.rhs, d.out, d.precision) for d in q} == {
-            ("bf16", "bf16", "f32", "DEFAULT")}, platform
+        assert s.f32_highest == 0, platform  # f32 x f32 at HIGHEST (f8 at HIGHEST is fine)
+        assert {(d.lhs, d.rhs, d.out, d.precision) for d in q} == _QUANTIZED_DOTS.get(
+            (policy_name, platform), {("bf16", "bf16", "f32", "DEFAULT")}), platform
         operands = 2 * gemms
         assert s.barriers <= BARRIERS_PER_OPERAND[platform][policy_name] * operands, (
             platform, s.barriers)
@@ -124,8 +129,8 @@ def test_accelerator_export_shape(kind, gemms, policy_name):
             platform, s.amax_reductions, s.tpu_kernels)
         if platform == "cuda" or not policy_name.startswith("mxfp4"):
             assert s.tpu_kernels == 0, platform
-        if kind == "layer":  # no dot anywhere at HIGHEST (attention stays pass-through bf16)
-            assert all(d.precision != "HIGHEST" for d in s.dots), platform
+        if kind == "layer":  # no other dot at HIGHEST (attention stays pass-through bf16)
+            assert all(d.precision != "HIGHEST" or "f8" in d.lhs for d in s.dots), platform
 
 
 def test_cpu_export_keeps_the_cpu_form():

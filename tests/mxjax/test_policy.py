@@ -19,6 +19,7 @@ from mxjax.validation import check_keys
 EXPECTED_PRESETS = (
     "bf16", "fp8", "mxfp4_fprop", "mxfp4_fprop_dgrad", "mxfp4_all", "mxfp4_all_sr",
     "mxfp4_all_rht16", "mxfp4_all_h16", "mxfp4_all_h32", "mxfp4_wgrad_h16", "nvfp4", "tseng",
+    "mxfp8",
 )
 
 

@@ -1,0 +1,80 @@
+"""FP8 GEMMs on FP8 tensor cores in XLA's optimized GPU programs (issue 35, items 3 and 6).
+
+Deviceless compiles for H100, H200 and B200 (bench/aot.py), under both of XLA's GEMM
+paths: its default Triton GEMM emitter and cuBLAS (``xla_gpu_enable_triton_gemm=false``,
+bench/accelerator_cost.py's ``cublas`` variant). Asserted:
+
+* ``fp8``: every quantized GEMM (the multiplies under ``jit(emulated_gemm)``) of the
+  fwd+bwd matmul and of the Llama-3.2-1B decoder layer's train step (bench/programs.py)
+  reads f8 operands: E4M3 x E4M3 in fprop, E5M2 x E4M3 in dgrad and wgrad, a Triton f8
+  fusion or ``__cublas$lt$matmul$f8``, merged GEMMs (q|k|v, gate|up) included. An f8
+  operand in the optimized program also means the FP8 rounding survived XLA (a folded
+  f32 -> f8 -> bf16 round trip leaves bf16 operands);
+* ``mxfp8``: on B200 every quantized GEMM is cuDNN's block-scaled MMA
+  (``__cudnn$blockScaledDot``) on E4M3 operands; on H200 (no block-scaled MMA) XLA
+  expands ``jax.nn.scaled_matmul`` into a dequantize and an f32 GEMM, as
+  docs/NUMERICS.md says.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import pytest
+
+from bench import aot
+from bench import hlo_kernels as hk
+from tests.accelerators.conftest import require
+
+pytestmark = pytest.mark.accelerators
+
+PATHS = {"triton": {}, "cublas": {"xla_gpu_enable_triton_gemm": False}}
+E4M3, E5M2 = "f8e4m3fn", "f8e5m2"
+# The 1B layer's quantized GEMMs after XLA's merges: 5 forward (q|k|v and gate|up merged
+# where XLA merges them), 12 backward.
+LAYER_FP8 = {(E4M3, E4M3): 5, (E5M2, E4M3): 12}
+MATMUL_FP8 = {(E4M3, E4M3): 1, (E5M2, E4M3): 2}
+F8_TARGETS = {"triton": ("fusion",), "cublas": ("__cublas$lt$matmul$f8",)}
+
+
+@functools.cache
+def _gemms(target: str, program: str, policy: str, path: str):
+    from bench.programs import program as build
+
+    fn, args = build(program, policy)
+    text = aot.compile_for(fn, args, require(target), PATHS[path]).as_text()
+    return tuple(hk.gemm_operand_types(text))
+
+
+def _quantized(gemms):
+    return [g for g in gemms if "emulated_gemm" in g[3]]
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("target", ["h100", "h200", "b200"])
+def test_fp8_matmul_gemms_are_f8(target, path):
+    q = _quantized(_gemms(target, "matmul", "fp8", path))
+    assert collections.Counter(g[2] for g in q) == MATMUL_FP8, q
+    assert {g[1] for g in q} == set(F8_TARGETS[path]), q
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("target", ["h200", "b200"])
+def test_fp8_layer_every_quantized_gemm_is_f8(target, path):
+    gemms = _gemms(target, "layer", "fp8", path)
+    q = _quantized(gemms)
+    assert collections.Counter(g[2] for g in q) == LAYER_FP8, q
+    assert {g[1] for g in q} == set(F8_TARGETS[path]), q
+    # The rest are the attention's GEMMs (pass-through, never f8).
+    rest = [g for g in gemms if g not in q]
+    assert rest and all("f8" not in "".join(g[2]) for g in rest), rest
+
+
+def test_mxfp8_is_block_scaled_on_b200_and_xla_expanded_on_h200():
+    for path in PATHS:
+        q = _quantized(_gemms("b200", "matmul", "mxfp8", path))
+        assert len(q) == 3 and all(g[1] == "__cudnn$blockScaledDot" and g[2] == (E4M3, E4M3)
+                                   for g in q), (path, q)
+        h = _quantized(_gemms("h200", "matmul", "mxfp8", path))
+        assert h and all(g[2] == ("f32", "f32") for g in h), (path, h)
