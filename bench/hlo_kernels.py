@@ -66,7 +66,6 @@ BLOCK_SCALED_TARGET = "__cudnn$blockScaledDot"
 # the name in their op_name metadata: name -> the rate class of the dots inside. Their
 # flops are 2 M N K of the f32 [M, N] result and the packed-codes operand u8 [M, K/2].
 PALLAS_GEMMS = {"mxfp4_matmul_fp8": "fp8", "mxfp4_matmul": "bf16"}
-_OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
 _FMHA_INTERMEDIATE_RE = re.compile(
     r'"intermediate_tensor_shape":\s*\{"element_type":\s*"\w+",\s*"dimensions":\s*\[([^\]]*)\]')
 _MASK_RE = re.compile(r'"mask_type":\s*"(\w+)"')
@@ -247,16 +246,11 @@ def _dot_flops(inst: Instruction, shapes: dict[str, str]) -> int:
         math.prod(window) if window and "window=" in inst.attributes else 1)
 
 
-def _dtype(shape: str) -> str:
-    m = _ARRAY_RE.search(shape)
-    return m.group(1) if m else ""
-
-
 def _class(inst: Instruction, shapes: dict[str, str]) -> str:
     """The rate class (bench/rates.py) of a GEMM from its first two operands' types."""
     from bench.rates import rate_class
 
-    ops = [_dtype(shapes.get(o, "")) for o in inst.operands[:2]]
+    ops = [_element_type(shapes.get(o, "")) for o in inst.operands[:2]]
     return rate_class(*(ops + ["f32"] * (2 - len(ops))))
 
 
@@ -292,7 +286,7 @@ def _custom_gemm(inst: Instruction, shapes: dict[str, str]) -> tuple[tuple[str, 
         return ()
     m, n = _dims(inst.shape)[-2:]
     codes = [_dims(shapes.get(o, "")) for o in inst.operands
-             if _dtype(shapes.get(o, "")) == "u8"]
+             if _element_type(shapes.get(o, "")) == "u8"]
     k = next((2 * d[1] for d in codes if len(d) == 2 and d[0] == m), None)
     if k is None:
         raise ValueError(f"{inst.name}: Pallas GEMM {kernel!r} without a u8[{m}, K/2] operand")
