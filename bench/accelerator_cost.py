@@ -403,7 +403,8 @@ def verdict_35(costs: list[Cost]) -> str:
 
     met, missed, absent = [], [], []
     for (target, prog, policy), bound in TARGETS_35.items():
-        attentions = sorted({c.attention for c in costs if c.program == prog}) or [""]
+        attentions = sorted({c.attention for c in costs
+                             if c.program == prog and c.policy == policy}) or [""]
         for att in attentions:
             c, b = pick(target, prog, policy, att), pick(target, prog, "bf16", att)
             label = f"{target} {prog}{'@' + att if att else ''} {policy}"
