@@ -95,3 +95,23 @@ def test_rates_roofline_sums_max_of_flops_and_bytes_plus_launch(target):
     att = next(k for k in ks if k.name == "attb")
     assert got > att.gemm_flops / chip.rate("bf16")[0]
     assert dict(ac.flops_by_class(ks))["fp8"] == 3 * 2 * 256 * 128 * 512
+
+
+def _row(target, policy, rates_s, attention="fused", temp=10**9):
+    return ac.Cost(target=target, variant="", program="layer_8b", policy=policy, kernels={},
+                   bytes=0, temp=temp, optimal_s=None, roofline_s=0.0, roofline_alu_s=0.0,
+                   gemm_flops=0, compile_s=0.0, rates_s=rates_s, attention=attention)
+
+
+def test_issue35_verdict_reads_the_rows_of_one_run():
+    rows = [_row("h200", "bf16", 10.0), _row("h200", "fp8", 7.0),
+            _row("h200", "bf16", 20.0, attention="explicit", temp=20 * 10**9),
+            _row("b200", "bf16", 10.0), _row("b200", "fp8", 7.5)]
+    text = ac.verdict_35(rows)
+    assert "NOT met" in text
+    assert "h200 layer_8b@fused fp8 0.70x (<= 0.75x)" in text.split("MISSED")[0]
+    assert "b200 layer_8b@fused fp8 0.75x (<= 0.7x)" in text.split("MISSED")[1]
+    assert "fused vs explicit attention 0.50x" in text.split("MISSED")[0]
+    assert "not compiled" not in text
+    text = ac.verdict_35(rows[:2])
+    assert "partial" in text and "b200 layer_8b@fused fp8" in text.split("not compiled")[1]
