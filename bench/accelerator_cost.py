@@ -230,12 +230,9 @@ def measure(compiled, target: aot.Target, variant: str, program: str, policy: st
         kernel_s = _tpu_kernel_seconds(ks, kernel_specs, cycles_of, clock)
     plain, with_alu = roofline(ks, target, kernel_s)
     top = ()
-    if target.kind != "cpu":
-        bw = HBM_EFFICIENCY * target.hbm_bytes_per_s
-        peak = GEMM_EFFICIENCY * target.bf16_flops_per_s
-        timed = sorted(((k.name, k.category, max(k.bytes / bw, k.gemm_flops / peak,
-                                                 kernel_s.get(k.name, 0.0)), k.bytes,
-                         k.shape[:70]) for k in ks), key=lambda r: -r[2])
+    if target.kind != "cpu":  # the slowest kernels under the rates roofline
+        timed = sorted(((k.name, k.category, rates_roofline([k], target, kernel_s) - R.LAUNCH_S,
+                         k.bytes, k.shape[:70]) for k in ks), key=lambda r: -r[2])
         top = tuple(timed[:TOP_KERNELS])
     total_bytes = sum(k.bytes for k in ks)
     optimal = None
@@ -492,7 +489,8 @@ def main(argv=None) -> int:
                          "(written on a device by bench/gpu.py --dump-autotune)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
     ap.add_argument("--top", type=int, default=0,
-                    help=f"print each program's N slowest kernels (roofline; N <= {TOP_KERNELS})")
+                    help=f"print each program's N slowest kernels (rates roofline; N <= "
+                         f"{TOP_KERNELS})")
     args = ap.parse_args(argv)
 
     import mxjax
