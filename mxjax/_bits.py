@@ -14,7 +14,6 @@ from jax import lax
 SIGN_MASK = 0x80000000  # use `(bits >> 31) << 31`: a uint32 array constant breaks Pallas
 ABS_MASK = 0x7FFFFFFF
 EXP_INF = 0x7F800000  # abs bits >= this: Inf or NaN
-MIN_NORMAL_BITS = 0x00800000  # abs bits below this (and nonzero): an f32 subnormal
 
 
 def f32_bits(x: jnp.ndarray) -> jnp.ndarray:

@@ -217,7 +217,28 @@ def _accelerator_gemm(a3, b3, recipe: GemmRecipe, k_lhs, k_rhs):
     return out
 
 
+def _layout_free(recipe: GemmRecipe) -> bool:
+    """Whether both operands' quantized values do not depend on their layout.
+
+    Per-tensor FP8 without a rotation or uniforms: the scale is the whole tensor's
+    amax, the rounding elementwise, so quantizing an operand before or after the
+    transpose into the canonical layout gives the same values.
+    """
+    return (recipe.lhs.fmt.is_per_tensor and recipe.rhs.fmt.is_per_tensor
+            and recipe.hadamard is None and not recipe.needs_key)
+
+
 def _canonical_cpu_form(a, b, dims: Dims, recipe: GemmRecipe, k_lhs, k_rhs, k_had):
+    if _layout_free(recipe):
+        # Quantized where they are, then laid out: the same operand quantized by two
+        # GEMMs of a layer (X by fprop and wgrad, W by fprop and dgrad, dY by dgrad and
+        # wgrad) is then the same computation, which XLA computes once.
+        aq = cpu_barrier(_prepare_operand(a.astype(jnp.float32), recipe.lhs, None))
+        bq = cpu_barrier(_prepare_operand(b.astype(jnp.float32), recipe.rhs, None))
+        a3, b3 = canonical_operands(aq, bq, dims)
+        return lax.dot_general(a3, b3, canonical_dimension_numbers(a3.ndim - 2),
+                               precision=lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
     a3, b3 = _rotate(*canonical_operands(a, b, dims), recipe, k_had)
     return _cpu_gemm(a3, b3, recipe, k_lhs, k_rhs)
 

@@ -331,17 +331,24 @@ class TensorScale(NamedTuple):
     tensor_scale: jax.Array  # f32 scalar
 
 
-def _cpu_tensor_div(x, abs_bits, d):
-    """`_bits.exact_div(x, d)` for a scalar d, on XLA:CPU: the same values, faster.
+# A tensor scale at least this large puts every f32-subnormal element's quotient below
+# 2^-26, which rounds to (signed) zero on every FP8 grid: a division that flushes
+# subnormal inputs to (signed) zero gives the same elements.
+_SUBNORMALS_ROUND_TO_ZERO = 2.0 ** -100
+
+
+def _cpu_tensor_div(x, d):
+    """`_bits.exact_div(x, d)` rounded onto an FP8 grid, for the tensor scale d, on XLA:CPU.
 
     XLA:CPU treats subnormal inputs as zero, so `exact_div` rescales subnormal x with
-    integer ops on every element (most of the per-tensor quantizer's time there). A
-    tensor without a subnormal element takes the plain division instead (one branch of
-    a conditional on the tensor; the divisor is kept a division, see `exact_div`).
+    integer ops on every element (most of the per-tensor quantizer's time there). For
+    d >= 2^-100 that cannot change an element (`_SUBNORMALS_ROUND_TO_ZERO`), so the
+    plain division runs (the divisor kept a division, see `exact_div`); smaller tensor
+    scales (tensors whose amax is below about 2^-91) take `exact_div`. One branch of a
+    conditional on the scalar d: no pass over the tensor.
     """
-    has_subnormal = jnp.any((abs_bits != 0) & (abs_bits < _bits.MIN_NORMAL_BITS))
     return lax.cond(
-        has_subnormal, _bits.exact_div,
+        d < jnp.float32(_SUBNORMALS_ROUND_TO_ZERO), _bits.exact_div,
         lambda x, d: x / (d + jnp.minimum(jnp.abs(x), jnp.float32(0.0))), x, d)
 
 
@@ -362,13 +369,12 @@ class PerTensor:
         return xm
 
     def prepare(self, xb, rule, prescale, dtype=jnp.float32):
-        abs_bits = _bits.f32_bits(xb) & _bits.ABS_MASK
-        t_bits = _tensor_amax_bits(abs_bits)
+        t_bits = _tensor_amax_bits(_bits.f32_bits(xb) & _bits.ABS_MASK)
         t = _tensor_scale(t_bits, self.element.max_normal, self.tensor_floor_exp)
         finite = t_bits < _bits.EXP_INF
         divisor = jnp.where(finite, t, 1.0)
-        quotient = cpu_or_accelerator(xb, abs_bits, divisor, cpu=_cpu_tensor_div,
-                                      accelerator=lambda x, _, d: _bits.exact_div(x, d))
+        quotient = cpu_or_accelerator(xb, divisor, cpu=_cpu_tensor_div,
+                                      accelerator=_bits.exact_div)
         y = jnp.where(finite, quotient, 0.0)
         return _prescaled(y, prescale), TensorScale(t)
 

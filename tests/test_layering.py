@@ -40,7 +40,8 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     #    path fake_quantize takes for deterministic MXFP4.
     #  - the emulated GEMM's accelerator forms: their f32-scaled MX values
     #    (accelerator_values), the TPU kernel (accelerator_tpu), then the in-place
-    #    operands and GEMM (accelerator), which mxjax.gemm calls.
+    #    operands and GEMM (accelerator), which mxjax.gemm calls; beside it the CUDA
+    #    form of the FP8 recipes (accelerator_fp8: f8 operands on FP8 tensor cores).
     #  - kernels sit above recipes (they take the backend names from mxjax.recipes)
     #    and below mxjax.gemm (one GEMM under a recipe), their only caller, which
     #    imports them lazily so that `import mxjax` stays free of Pallas.
@@ -59,7 +60,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("operand_recipe",),
         ("quantization", "rotation", "accelerator_values"),
         ("recipes", "accelerator_tpu"),
-        ("kernels", "accelerator"),
+        ("kernels", "accelerator", "accelerator_fp8"),
         ("gemm",),
         ("gemm_record",),
         ("interceptor",),

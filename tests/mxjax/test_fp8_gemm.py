@@ -54,7 +54,11 @@ def _cases(name: str) -> dict[str, np.ndarray]:
     floor = 2.0 ** (-126 + fmt.element.mbits - fmt.element.emin)
     tiny = (np.array([1.5, 1.0, 0.75, 0.5, 0.25, 3.0, -1.5, -0.75, 0.0, -0.0], np.float64)
             * floor * 2.0 ** fmt.element.emin).astype(np.float32)
-    return {"ties": ties, "general": general.reshape(64, 64), "tiny": tiny}
+    # f32 subnormals beside normal values (tensor scale >= 2^-100): they round to signed
+    # zero, also where XLA:CPU divides them as zeros.
+    subnormals = np.float32([1e-40, -1e-40, 1.4e-45, -3e-39, 1.1754942e-38])
+    mixed = np.concatenate([general[:64], subnormals])
+    return {"ties": ties, "general": general.reshape(64, 64), "tiny": tiny, "mixed": mixed}
 
 
 def _reference_f8(x: np.ndarray, name: str):
@@ -68,7 +72,7 @@ def _reference_f8(x: np.ndarray, name: str):
 
 
 @pytest.mark.parametrize("name", sorted(FP8))
-@pytest.mark.parametrize("case", ["ties", "general", "tiny"])
+@pytest.mark.parametrize("case", ["ties", "general", "tiny", "mixed"])
 def test_per_tensor_f8_operands_are_the_reference_bits(name, case):
     fmt, f8, _ = FP8[name]
     x = _cases(name)[case]

@@ -40,7 +40,7 @@ def device_bound(k: int) -> float:
 
 
 @pytest.mark.parametrize("name", sorted(FP8))
-@pytest.mark.parametrize("case", ["ties", "general", "tiny"])
+@pytest.mark.parametrize("case", ["ties", "general", "tiny", "mixed"])
 def test_f8_operands_on_the_gpu_are_the_reference_bits(name, case):
     fmt, _, _ = FP8[name]
     x = _cases(name)[case]
