@@ -14,8 +14,9 @@ Usage, from the repository root on the GPU machine:
 
 Sections (the table is printed last):
   1. pytest -m gpu tests/mxjax/kernels/test_kernels_gpu.py tests/mxjax/test_fp8_gemm_gpu.py
-     (kernels; FP8 GEMMs on the FP8 tensor cores within docs/NUMERICS.md's device bound,
-     printed with -s); stops on any failure.
+     tests/models/test_fused_attention.py (kernels; FP8 GEMMs on the FP8 tensor cores within
+     docs/NUMERICS.md's device bound, printed with -s; cuDNN flash attention against the
+     explicit form); stops on any failure.
   2. Ceilings: device copy bandwidth (bytes read + written) and bf16 GEMM TFLOP/s at 8192^3.
   3. Quantize: the fused Pallas kernel's GB/s (row; row+column; with H16), its fraction of
      the copy bandwidth, and mxjax.quantize under XLA for comparison.
@@ -130,12 +131,13 @@ def short_error(e: BaseException) -> str:
 
 def run_gpu_tests() -> None:
     log("running GPU correctness tests (pytest -m gpu tests/mxjax/kernels/test_kernels_gpu.py "
-        "tests/mxjax/test_fp8_gemm_gpu.py)")
+        "tests/mxjax/test_fp8_gemm_gpu.py tests/models/test_fused_attention.py)")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     rc = subprocess.call(
         [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rxs", "-s",
-         "tests/mxjax/kernels/test_kernels_gpu.py", "tests/mxjax/test_fp8_gemm_gpu.py"],
+         "tests/mxjax/kernels/test_kernels_gpu.py", "tests/mxjax/test_fp8_gemm_gpu.py",
+         "tests/models/test_fused_attention.py"],
         cwd=ROOT, env=env)
     if rc != 0:
         log(f"GPU correctness tests failed (pytest exit code {rc}); not benchmarking")

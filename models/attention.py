@@ -36,6 +36,7 @@ the causal mask (a real query never sees a later, padded key; padded queries are
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -44,6 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
+
+from models import sharding as shd
 
 __all__ = ["FUSED_KERNELS", "SPLASH_BLOCK", "cudnn_attention", "fused_attention",
            "splash_attention"]
@@ -104,11 +107,31 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     Lowers for ``tpu`` (``interpret=True``: Pallas' interpreter, any platform, for
     tests). q is scaled by 1/sqrt(D) in fp32 and rounded to its dtype; the sequence is
     padded at the end to a multiple of the block (exact under the causal mask).
+
+    Inside :func:`models.sharding.use_mesh` the kernel runs under ``jax.shard_map``
+    with the activations' sharding (batch over data/fsdp, heads over tensor): XLA cannot
+    partition a Mosaic kernel and would otherwise gather its operands on every chip.
+    Sharding the heads keeps the grouping (query head h with KV head h // (H // KV)) as
+    long as the KV heads divide evenly, which the rules check.
     """
-    _, t, h, d = q.shape
+    _, t, _, _ = q.shape
     if k.shape[1] != t:
         raise ValueError(f"splash_attention: self-attention only (q has {t} positions, "
                          f"k {k.shape[1]})")
+    local = functools.partial(_splash_local, interpret=interpret)
+    active = shd.active_mesh()
+    if active is None:
+        return local(q, k, v)
+    mesh, rules = active
+    q_spec = shd.logical_to_pspec(("batch", "seq", "act_heads", None), rules, mesh, q.shape)
+    kv_spec = shd.logical_to_pspec(("batch", "seq", "act_kv_heads", None), rules, mesh,
+                                   k.shape)
+    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec),
+                         out_specs=q_spec, check_vma=False)(q, k, v)
+
+
+def _splash_local(q, k, v, *, interpret: bool):
+    _, t, h, d = q.shape
     block = _splash_block(t)
     tp = -(-t // block) * block
     kernel = _splash_kernel(tp, h, block, interpret)

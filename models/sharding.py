@@ -36,6 +36,7 @@ __all__ = [
     "DEFAULT_RULES",
     "MESH_AXES",
     "Rules",
+    "active_mesh",
     "constrain",
     "logical_to_pspec",
     "make_mesh",
@@ -186,6 +187,11 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> 
     specs = param_partition_specs(model, mesh, rules)
     for path, var in _flat_params(model):
         var.set_value(jax.device_put(var.get_value(), NamedSharding(mesh, specs[path])))
+
+
+def active_mesh() -> tuple[Mesh, Rules] | None:
+    """The (mesh, rules) of the innermost :func:`use_mesh`, or None outside one."""
+    return _ACTIVE.get()
 
 
 @contextlib.contextmanager

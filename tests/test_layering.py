@@ -69,7 +69,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("nn",),
         ("testing",),
     ),
-    "models": (("sharding", "attention"), ("llama",), ("hf_config", "hf_files"), ("hf",)),
+    "models": (("sharding",), ("attention",), ("llama",), ("hf_config", "hf_files"), ("hf",)),
     #  - the config and the run's extension points first; then the pieces that need only
     #    them (data, state layout, diagnostics hooks, checkpoints, optimizer); the plan
     #    (config + data validated), the traced step and what a run writes; then the
