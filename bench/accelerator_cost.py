@@ -429,11 +429,12 @@ def verdict_35(costs: list[Cost]) -> str:
 
 def ratios(costs: list[Cost], target: str, prog: str, policy: str) -> dict[str, float] | None:
     """Metric ratios of `policy` to bf16 for (target, default variant, program), or None."""
-    pick = {c.policy: c for c in costs
-            if c.target == target and not c.variant and c.program == prog}
-    if policy not in pick or "bf16" not in pick:
+    rows = [c for c in costs if c.target == target and not c.variant and c.program == prog]
+    pair = next(((c, b) for c in rows if c.policy == policy for b in rows
+                 if b.policy == "bf16" and b.attention == c.attention), None)
+    if pair is None:  # policy and bf16 compiled with the same attention
         return None
-    c, b = pick[policy], pick["bf16"]
+    c, b = pair
     out = {"bytes": c.bytes / b.bytes, "roofline": c.roofline_s / b.roofline_s if b.roofline_s
            else float("nan"), "temp": c.temp / b.temp if b.temp else float("nan")}
     if c.optimal_s is not None and b.optimal_s:
