@@ -7,7 +7,10 @@ as a policy. The models give a peer the kernel cast to the compute dtype (bf16).
 * ``flax_fp8``: flax's ``Fp8DirectDotGeneralOp`` (``flax.linen.fp8_ops``): its call,
   ``fp8_scaled_dot_general`` (E4M3 inputs, E5M2 output gradient, f8 x f8 dots), with the
   op's initial scale state (scales 1, amax histories of 1024 zeros) as constants: the
-  module's program for one step, without Linen's variable plumbing.
+  module's program for one step, without Linen's variable plumbing. Its scales come from
+  the amax history (delayed scaling); the history's update (an abs-max reduction per
+  operand) is dead code here, since the state is constant, and XLA removes it: a real
+  step would keep it.
 * ``jax_mxfp8``, ``jax_nvfp4``, ``jax_mxfp4``: ``jax.nn.scaled_dot_general`` with
   ``jax.nn.get_scaled_dot_general_config(mode)`` for the forward operands and the
   gradients.
