@@ -45,7 +45,8 @@ if not os.environ.get("PYTHONPATH") and str(ROOT) not in sys.path:
 
 from bench import aot
 from bench import hlo_kernels as hk
-from bench.programs import EXTRA_PROGRAMS, PROGRAMS, program
+from bench import rates as R
+from bench.programs import EXTRA_PROGRAMS, LAYER_8B_SEQ, PROGRAMS, program
 
 aot.use_cpu_host()
 
@@ -76,6 +77,27 @@ TARGETS_22 = {
     ("v5e", "layer", "temp"): 1.25,
 }
 VERDICT_POLICY = "mxfp4_all_h16"
+RATES_ASSUMPTIONS = (
+    "rates roofline (assumptions, not measurements): per kernel max(sum over its GEMMs of "
+    "flops / the chip's published dense peak for the GEMM's operand types, bytes / peak HBM "
+    f"bandwidth) + {R.LAUNCH_S * 1e6:.0f} us launch, summed in schedule order (no overlap, "
+    "100% of every peak). GEMMs: XLA dots and fusions containing dots (operand types of the "
+    "dot), cuBLAS/cuBLASLt calls (operands 0 and 1), cuDNN block-scaled dots (lhs [B, M, K]), "
+    "cuDNN fused attention (2 Sq Sk D per batch and head per GEMM, 2 GEMMs forward, 5 "
+    "backward, x0.5 under a causal mask), mxjax's Pallas GEMM kernels "
+    f"({', '.join(f'{k}: {v}' for k, v in hk.PALLAS_GEMMS.items())}). Every other kernel, "
+    "Pallas quantize kernels included, is charged by its bytes (TPU Pallas kernels: at least "
+    "libtpu's static cycles). A GEMM type without units on a chip runs at the next wider "
+    "type's rate (bench/rates.py).")
+# Issue 35's targets on the rates roofline, vs plain bf16 on the same chip and program:
+# (target, program, policy) -> max ratio.
+TARGETS_35 = {
+    ("h200", "layer_8b", "fp8"): 0.75,
+    ("b200", "layer_8b", "fp8"): 0.70,
+}
+# bf16 8B layer with fused attention vs the explicit-attention layer (rates roofline), and
+# its temp memory, on H200.
+FUSED_ATTENTION_TARGET = ("h200", "layer_8b", 0.6, 1.5e9)
 TOP_KERNELS = 40  # kept per program (printed with --top)
 
 
@@ -94,12 +116,19 @@ class Cost:
     roofline_s: float
     roofline_alu_s: float
     gemm_flops: int
+    rates_s: float = 0.0  # the rates roofline (RATES_ASSUMPTIONS)
+    flops_by_class: tuple[tuple[str, int], ...] = ()  # GEMM flops per rate class
+    attention: str = ""  # the LlamaConfig attention_impl asked for ('' = its default)
     compile_s: float
     top: tuple[tuple[str, str, float, int, str], ...] = ()  # (name, category, s, bytes, shape)
 
     @property
     def row_target(self) -> str:
         return f"{self.target}/{self.variant}" if self.variant else self.target
+
+    @property
+    def row_program(self) -> str:
+        return f"{self.program}@{self.attention}" if self.attention else self.program
 
     @property
     def n_kernels(self) -> int:
@@ -125,6 +154,29 @@ def roofline(ks: list[hk.Kernel], target: aot.Target,
         alu = k.alu_ops / target.alu_ops_per_s if target.alu_ops_per_s else 0.0
         with_alu += max(t, alu) + LAUNCH_S
     return plain, with_alu
+
+
+def rates_roofline(ks: list[hk.Kernel], target: aot.Target,
+                   kernel_s: dict[str, float] | None = None) -> float:
+    """Seconds of a kernel list under RATES_ASSUMPTIONS (0 for the CPU)."""
+    if target.kind == "cpu":
+        return 0.0
+    chip = R.rates_for(target.name)
+    kernel_s = kernel_s or {}
+    total = 0.0
+    for k in ks:
+        gemm = sum(f / chip.rate(cls)[0] for cls, f in k.gemms)
+        total += max(gemm, k.bytes / chip.hbm_bytes_per_s, kernel_s.get(k.name, 0.0))
+        total += R.LAUNCH_S
+    return total
+
+
+def flops_by_class(ks: list[hk.Kernel]) -> tuple[tuple[str, int], ...]:
+    out: dict[str, int] = {}
+    for k in ks:
+        for cls, f in k.gemms:
+            out[cls] = out.get(cls, 0) + f
+    return tuple(sorted(out.items(), key=lambda kv: R.RATE_ORDER.index(kv[0])))
 
 
 PALLAS_TPU_TARGET = "tpu_custom_call"
@@ -164,11 +216,12 @@ def _tpu_kernel_seconds(ks: list[hk.Kernel], specs, cycles_of, clock_hz) -> dict
 
 def measure(compiled, target: aot.Target, variant: str, program: str, policy: str,
             compile_s: float, dump: Path | None = None, kernel_specs=(),
-            kernel_cycles=None) -> Cost:
+            kernel_cycles=None, attention: str = "") -> Cost:
     text = compiled.as_text()
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
-        tag = f"{target.name}{'_' + variant if variant else ''}_{program}_{policy}"
+        tag = (f"{target.name}{'_' + variant if variant else ''}_{program}"
+               f"{'_' + attention if attention else ''}_{policy.replace(':', '_')}")
         (dump / f"{tag}.hlo.txt").write_text(text)
     ks = hk.kernels(text)
     kernel_s = {}
@@ -177,12 +230,9 @@ def measure(compiled, target: aot.Target, variant: str, program: str, policy: st
         kernel_s = _tpu_kernel_seconds(ks, kernel_specs, cycles_of, clock)
     plain, with_alu = roofline(ks, target, kernel_s)
     top = ()
-    if target.kind != "cpu":
-        bw = HBM_EFFICIENCY * target.hbm_bytes_per_s
-        peak = GEMM_EFFICIENCY * target.bf16_flops_per_s
-        timed = sorted(((k.name, k.category, max(k.bytes / bw, k.gemm_flops / peak,
-                                                 kernel_s.get(k.name, 0.0)), k.bytes,
-                         k.shape[:70]) for k in ks), key=lambda r: -r[2])
+    if target.kind != "cpu":  # the slowest kernels under the rates roofline
+        timed = sorted(((k.name, k.category, rates_roofline([k], target, kernel_s) - R.LAUNCH_S,
+                         k.bytes, k.shape[:70]) for k in ks), key=lambda r: -r[2])
         top = tuple(timed[:TOP_KERNELS])
     total_bytes = sum(k.bytes for k in ks)
     optimal = None
@@ -203,7 +253,8 @@ def measure(compiled, target: aot.Target, variant: str, program: str, policy: st
                 kernels=hk.count_by_category(ks), bytes=total_bytes,
                 temp=int(mem.temp_size_in_bytes), optimal_s=optimal, roofline_s=plain,
                 roofline_alu_s=with_alu, gemm_flops=sum(k.gemm_flops for k in ks),
-                compile_s=compile_s, top=top)
+                compile_s=compile_s, top=top, rates_s=rates_roofline(ks, target, kernel_s),
+                flops_by_class=flops_by_class(ks), attention=attention)
 
 
 class KernelCycles:
@@ -236,14 +287,17 @@ class KernelCycles:
 
 
 def compile_one(target: aot.Target, variant: str, prog: str, policy: str, args,
-                kernel_cycles: KernelCycles | None = None) -> Cost:
+                kernel_cycles: KernelCycles | None = None, attention: str = "") -> Cost:
+    """One compile and its row. ``policy``: a preset name or 'peer:<name>' (bench/peers.py);
+    ``attention``: the layers' LlamaConfig.attention_impl ('' = the config default)."""
     try:
         from mxjax.accelerator_tpu import record_kernels
     except ImportError:  # an mxjax without TPU kernels (a before table)
         record_kernels = functools.partial(contextlib.nullcontext, ())
 
     fn, fargs = program(prog, policy, matmul_size=args.matmul_size, batch=args.batch,
-                        seq=args.seq)
+                        seq=args.seq, seq_8b=getattr(args, "seq_8b", LAYER_8B_SEQ),
+                        attention_impl=attention or None)
     options = {"xla_gpu_enable_triton_gemm": False} if variant == "cublas" else {}
     if target.kind == "gpu" and args.autotune_results:
         options["xla_gpu_load_autotune_results_from"] = str(args.autotune_results)
@@ -252,7 +306,8 @@ def compile_one(target: aot.Target, variant: str, prog: str, policy: str, args,
         compiled = aot.compile_for(fn, fargs, target, options)
     compile_s = time.perf_counter() - t0
     return measure(compiled, target, variant, prog, policy, compile_s, args.dump,
-                   kernel_specs=specs, kernel_cycles=kernel_cycles or KernelCycles())
+                   kernel_specs=specs, kernel_cycles=kernel_cycles or KernelCycles(),
+                   attention=attention)
 
 
 # --------------------------------------------------------------------------- #
@@ -277,7 +332,7 @@ def table(costs: list[Cost]) -> list[str]:
     lines: list[str] = []
     groups: dict[tuple[str, str], list[Cost]] = {}
     for c in costs:
-        groups.setdefault((c.row_target, c.program), []).append(c)
+        groups.setdefault((c.row_target, c.row_program), []).append(c)
     for (row_target, prog), group in groups.items():
         base = next((c for c in group if c.policy == "bf16"), None)
         rows = [header]
@@ -301,13 +356,85 @@ def table(costs: list[Cost]) -> list[str]:
     return lines
 
 
+def _by_class(c: Cost) -> str:
+    total = sum(f for _, f in c.flops_by_class)
+    if not total:
+        return "-"
+    return " ".join(f"{cls} {f / total:.0%}" for cls, f in c.flops_by_class)
+
+
+def rates_table(costs: list[Cost]) -> list[str]:
+    """One block per (chip, program): the rates roofline per policy, its ratio to bf16 of
+    the same block, the GEMM flops by operand type, temp memory and kernel count."""
+    header = ("policy", "rates ms", "x bf16", "GEMM TFLOP", "GEMM flops by type", "temp GB",
+              "kernels", "GB moved")
+    lines: list[str] = []
+    groups: dict[tuple[str, str], list[Cost]] = {}
+    for c in costs:
+        if c.rates_s:
+            groups.setdefault((c.row_target, c.row_program), []).append(c)
+    for (row_target, prog), group in groups.items():
+        base = next((c for c in group if c.policy == "bf16"), None)
+        rows = [header]
+        for c in group:
+            rows.append((c.policy, _ms(c.rates_s), _ratio(c.rates_s, base and base.rates_s),
+                         f"{c.gemm_flops / 1e12:.2f}", _by_class(c), _gb(c.temp),
+                         str(c.n_kernels), _gb(c.bytes)))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        lines.append(f"## rates roofline: {row_target}, {prog}")
+        for j, r in enumerate(rows):
+            lines.append("  " + "  ".join(x.ljust(w) for x, w in zip(r, widths)))
+            if j == 0:
+                lines.append("  " + "  ".join("-" * w for w in widths))
+    return lines
+
+
+def verdict_35(costs: list[Cost]) -> str:
+    """Issue 35's targets on the rates roofline (default GPU GEMM variant)."""
+    def pick(target, prog, policy, attention=None):
+        for c in costs:
+            if (c.target, c.variant, c.program, c.policy) == (target, "", prog, policy) and (
+                    attention is None or c.attention == attention):
+                return c
+        return None
+
+    met, missed, absent = [], [], []
+    for (target, prog, policy), bound in TARGETS_35.items():
+        attentions = sorted({c.attention for c in costs
+                             if c.program == prog and c.policy == policy}) or [""]
+        for att in attentions:
+            c, b = pick(target, prog, policy, att), pick(target, prog, "bf16", att)
+            label = f"{target} {prog}{'@' + att if att else ''} {policy}"
+            if c is None or b is None or not b.rates_s:
+                absent.append(label)
+                continue
+            r = c.rates_s / b.rates_s
+            (met if r <= bound else missed).append(f"{label} {r:.2f}x (<= {bound}x)")
+    target, prog, bound, temp = FUSED_ATTENTION_TARGET
+    fused, explicit = pick(target, prog, "bf16", "fused"), pick(target, prog, "bf16", "explicit")
+    label = f"{target} {prog} bf16 fused vs explicit attention"
+    if fused is None or explicit is None:
+        absent.append(label)
+    else:
+        r = fused.rates_s / explicit.rates_s
+        ok = r <= bound and fused.temp <= temp
+        (met if ok else missed).append(
+            f"{label} {r:.2f}x (<= {bound}x), temp {_gb(fused.temp)} GB (<= {temp / 1e9} GB)")
+    parts = [f"met: {'; '.join(met) or 'none'}", f"MISSED: {'; '.join(missed) or 'none'}"]
+    if absent:
+        parts.append(f"not compiled in this run: {', '.join(absent)}")
+    status = "all met" if not missed and not absent else "NOT met" if missed else "partial"
+    return "verdict (issue 35 targets, rates roofline): " + status + ". " + ". ".join(parts)
+
+
 def ratios(costs: list[Cost], target: str, prog: str, policy: str) -> dict[str, float] | None:
     """Metric ratios of `policy` to bf16 for (target, default variant, program), or None."""
-    pick = {c.policy: c for c in costs
-            if c.target == target and not c.variant and c.program == prog}
-    if policy not in pick or "bf16" not in pick:
+    rows = [c for c in costs if c.target == target and not c.variant and c.program == prog]
+    pair = next(((c, b) for c in rows if c.policy == policy for b in rows
+                 if b.policy == "bf16" and b.attention == c.attention), None)
+    if pair is None:  # policy and bf16 compiled with the same attention
         return None
-    c, b = pick[policy], pick["bf16"]
+    c, b = pair
     out = {"bytes": c.bytes / b.bytes, "roofline": c.roofline_s / b.roofline_s if b.roofline_s
            else float("nan"), "temp": c.temp / b.temp if b.temp else float("nan")}
     if c.optimal_s is not None and b.optimal_s:
@@ -345,14 +472,26 @@ def main(argv=None) -> int:
                     help="GPU GEMM variants: 'triton' (XLA's default), 'cublas' (triton off)")
     ap.add_argument("--matmul-size", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--seq", type=int, default=2048, help="the 1B layer's and the MLP's")
+    ap.add_argument("--seq-8b", type=int, default=LAYER_8B_SEQ, help="the 8B layer's")
+    ap.add_argument("--attention", default="fused",
+                    help="comma list of LlamaConfig.attention_impl values for the layers "
+                         "(each a separate program; '' = the config's default, explicit)")
+    ap.add_argument("--attention-baseline", default="explicit",
+                    help="also compile each layer's bf16 train step with this attention_impl "
+                         "(issue 35's fused-attention target; '' = none)")
+    ap.add_argument("--peers", default="",
+                    help="comma list of bench/peers.py peers compiled beside the presets "
+                         "(flax_fp8, jax_mxfp8, jax_nvfp4, jax_mxfp4, qwix_fp8); a peer that "
+                         "cannot be built here is reported and skipped")
     ap.add_argument("--dump", type=Path, default=None, help="write each optimized HLO here")
     ap.add_argument("--autotune-results", type=Path, default=None,
                     help="GPU compiles load XLA's autotune results from this file "
                          "(written on a device by bench/gpu.py --dump-autotune)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
     ap.add_argument("--top", type=int, default=0,
-                    help=f"print each program's N slowest kernels (roofline; N <= {TOP_KERNELS})")
+                    help=f"print each program's N slowest kernels (rates roofline; N <= "
+                         f"{TOP_KERNELS})")
     args = ap.parse_args(argv)
 
     import mxjax
@@ -362,6 +501,16 @@ def main(argv=None) -> int:
         names.insert(0, "bf16")
     for n in names:
         policies.get(n)  # unknown names fail before any compile
+    from bench import peers as peer_mod
+
+    for p in (x.strip() for x in args.peers.split(",") if x.strip()):
+        why = peer_mod.unavailable_reason(p)
+        if why:
+            print(f"# peer {p}: skipped: {why}", flush=True)
+        else:
+            names.append(f"peer:{p}")
+    attentions = [a.strip() for a in args.attention.split(",") if a.strip()] or [""]
+    baseline = args.attention_baseline.strip()
     targets = [aot.TARGETS[t.strip()] for t in args.targets.split(",") if t.strip()]
     variants_gpu = [v.strip() for v in args.gpu_gemm.split(",") if v.strip()]
     for v in variants_gpu:
@@ -385,16 +534,27 @@ def main(argv=None) -> int:
         variants = [("" if v == "triton" else v) for v in variants_gpu] if (
             target.kind == "gpu") else [""]
         for variant in variants:
-            for prog in progs:
-                for name in names:
-                    c = compile_one(target, variant, prog, name, args, kernel_cycles)
+            for prog, attention in ((p, a) for p in progs for a in (
+                    attentions + ([baseline] if baseline and baseline not in attentions else [])
+                    if p.startswith("layer") else [""])):
+                for name in (names if attention in attentions or not prog.startswith("layer")
+                             else ["bf16"]):
+                    try:
+                        c = compile_one(target, variant, prog, name, args, kernel_cycles,
+                                        attention=attention)
+                    except Exception as e:  # one failed compile is a row, not the run's end
+                        if not name.startswith("peer:"):
+                            raise
+                        print(f"  FAILED   {target.name} {prog} {name}: {type(e).__name__}: "
+                              f"{str(e)[:300]}", flush=True)
+                        continue
                     costs.append(c)
                     if args.json:  # after every compile: a long run that stops keeps its rows
                         args.json.write_text(json.dumps([dataclasses.asdict(x) for x in costs],
                                                         indent=1))
-                    print(f"  compiled {c.row_target:12s} {prog:6s} {name:18s} "
-                          f"{c.compile_s:6.1f}s: {c.n_kernels} kernels, {_gb(c.bytes)} GB",
-                          flush=True)
+                    print(f"  compiled {c.row_target:12s} {c.row_program:8s} {name:18s} "
+                          f"{c.compile_s:6.1f}s: {c.n_kernels} kernels, {_gb(c.bytes)} GB, "
+                          f"rates {_ms(c.rates_s)} ms", flush=True)
     print()
     for line in table(costs):
         print(line)
@@ -404,12 +564,20 @@ def main(argv=None) -> int:
             for name, cat, s, b, shape in c.top[: args.top]:
                 print(f"  {s * 1e6:9.1f} us  {b / 1e6:9.1f} MB  {cat:11s} {name}  {shape}")
     print()
+    for line in rates_table(costs):
+        print(line)
+    print()
     print(ASSUMPTIONS)
+    print(RATES_ASSUMPTIONS)
+    for t in targets:
+        if t.kind != "cpu" and t.name in R.CHIP_RATES:
+            print("rates: " + R.rates_for(t.name).summary())
     compile_times = [c.compile_s for c in costs]
     if compile_times:
         print(f"{len(costs)} compiles, median {statistics.median(compile_times):.1f}s, total "
               f"{time.perf_counter() - t_start:.0f}s")
     print(verdict(costs))
+    print(verdict_35(costs))
     return 0
 
 

@@ -163,9 +163,10 @@ def compile_for(fn, args, target: Target | str, compiler_options: dict | None = 
     """``jax.jit(fn)`` traced with abstract `args` and compiled for `target` (no device needed)."""
     target = TARGETS[target] if isinstance(target, str) else target
     placed = place(args, target)
-    if target.kind == "gpu":
-        # Pallas' GPU lowering reads the device kind (compute capability) from the
-        # context mesh's abstract device when there is no local GPU.
+    if target.kind != "cpu":
+        # The chip compiled for is the context mesh's abstract device: Pallas' GPU lowering
+        # reads its device kind (compute capability), and mxjax.kernels.capabilities()
+        # chooses the GEMM backends for it.
         with jax.set_mesh(_mesh(target.name)):
             lowered = jax.jit(fn).trace(*placed).lower()
     else:

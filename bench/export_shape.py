@@ -181,8 +181,12 @@ def export_text(fn, args, platform: str) -> str:
     return jax.export.export(jax.jit(fn), platforms=[platform])(*args).mlir_module()
 
 
-def layer_train_step(config, policy_name: str | None, batch: int, seq: int):
-    """(fn, abstract args): loss and grads of one DecoderLayer w.r.t. its params and input."""
+def layer_train_step(config, policy_name, batch: int, seq: int):
+    """(fn, abstract args): loss and grads of one DecoderLayer w.r.t. its params and input.
+
+    ``policy_name``: a preset name, None (plain lax.dot_general), or a policy-like object
+    (``.dot_general(key)``, ``.needs_key``: bench/peers.py).
+    """
     from flax import nnx
 
     from models.llama import DecoderLayer, rope_cos_sin, rope_inv_freq
@@ -190,7 +194,7 @@ def layer_train_step(config, policy_name: str | None, batch: int, seq: int):
 
     layer = nnx.eval_shape(lambda: DecoderLayer(config, rngs=nnx.Rngs(0)))
     graphdef, params = nnx.split(layer)
-    policy = None if policy_name is None else policies.get(policy_name)
+    policy = policies.get(policy_name) if isinstance(policy_name, str) else policy_name
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype) if (
         policy is not None and policy.needs_key) else None
 

@@ -58,8 +58,17 @@ COPY_OPCODES = frozenset({"copy", "copy-start", "transpose", "slice-start", "dyn
 _NO_ALU = frozenset({"parameter", "constant", "bitcast", "broadcast", "reshape", "slice",
                      "transpose", "tuple", "get-tuple-element", "concatenate", "pad", "iota",
                      "copy", "dynamic-slice", "dynamic-update-slice", "reverse"})
-# Custom-call targets that are GEMMs (cuBLAS, cuBLASLt, cuDNN GEMMs).
+# Custom-call targets that are GEMMs (cuBLAS, cuBLASLt, cuDNN GEMMs and attention).
 _GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cudnn$", "__cublas$lt$matmul$f8")
+FMHA_TARGET = "__cudnn$fmha"  # cuDNN fused attention, forward and backward
+BLOCK_SCALED_TARGET = "__cudnn$blockScaledDot"
+# Custom calls that run GEMM kernels written in Pallas (Triton or Mosaic GPU lowering), by
+# the name in their op_name metadata: name -> the rate class of the dots inside. Their
+# flops are 2 M N K of the f32 [M, N] result and the packed-codes operand u8 [M, K/2].
+PALLAS_GEMMS = {"mxfp4_matmul_fp8": "fp8", "mxfp4_matmul": "bf16"}
+_FMHA_INTERMEDIATE_RE = re.compile(
+    r'"intermediate_tensor_shape":\s*\{"element_type":\s*"\w+",\s*"dimensions":\s*\[([^\]]*)\]')
+_MASK_RE = re.compile(r'"mask_type":\s*"(\w+)"')
 
 
 def _split_type(rest: str) -> tuple[str, str]:
@@ -203,6 +212,9 @@ class Kernel:
     alu_ops: int
     shape: str
     fusion_kind: str = ""  # kLoop, kInput, kOutput, kCustom (fusions only)
+    # (rate class, flops) of every GEMM inside (bench/rates.py's classes: the operand
+    # types); their flops sum to gemm_flops.
+    gemms: tuple[tuple[str, int], ...] = ()
     # A custom call's operand shapes; for a fusion around a custom call (XLA fused its
     # operands' producers into a Pallas kernel: kCustom), the inner call's operands.
     call_operands: tuple[str, ...] = ()
@@ -234,22 +246,75 @@ def _dot_flops(inst: Instruction, shapes: dict[str, str]) -> int:
         math.prod(window) if window and "window=" in inst.attributes else 1)
 
 
-def _fused_cost(module: Module, name: str, seen: frozenset = frozenset()) -> tuple[int, int]:
-    """(GEMM flops, elementwise ops) of a fused/called computation, nested fusions included."""
+def _class(inst: Instruction, shapes: dict[str, str]) -> str:
+    """The rate class (bench/rates.py) of a GEMM from its first two operands' types."""
+    from bench.rates import rate_class
+
+    ops = [_element_type(shapes.get(o, "")) for o in inst.operands[:2]]
+    return rate_class(*(ops + ["f32"] * (2 - len(ops))))
+
+
+def _fmha_flops(inst: Instruction, shapes: dict[str, str]) -> int:
+    """Matrix flops of a cuDNN fused-attention call: per (batch, head) 2 Sq Sk D per GEMM,
+    2 GEMMs forward (Q K^T, P V) and 5 backward (S recomputed, dV, dP, dQ, dK); half
+    of it under a causal mask (the flash kernels skip masked tiles)."""
+    m = _FMHA_INTERMEDIATE_RE.search(inst.attributes)
+    q = _dims(shapes.get(inst.operands[0], "")) if inst.operands else ()
+    if not m or not q:
+        raise ValueError(f"{inst.name}: cannot read the attention's shape from its config")
+    b, h, sq, sk = (int(d.strip().strip('"')) for d in m.group(1).split(","))
+    gemms = 5 if "Backward" in inst.custom_call_target else 2
+    mask = _MASK_RE.search(inst.attributes)
+    causal = 0.5 if mask and "CAUSAL" in mask.group(1) else 1.0
+    return int(gemms * 2 * b * h * sq * sk * q[-1] * causal)
+
+
+def _custom_gemm(inst: Instruction, shapes: dict[str, str]) -> tuple[tuple[str, int], ...]:
+    """(rate class, flops) of a GEMM custom call (cuBLAS, cuDNN) or a Pallas GEMM kernel."""
+    target = inst.custom_call_target
+    if target.startswith(FMHA_TARGET):
+        return ((_class(inst, shapes), _fmha_flops(inst, shapes)),)
+    if target == BLOCK_SCALED_TARGET:  # lhs [B, M, K], rhs [B, N, K] -> [B, M, N]
+        lhs = _dims(shapes.get(inst.operands[0], ""))
+        return ((_class(inst, shapes), 2 * math.prod(_dims(inst.shape)) * lhs[-1]),)
+    if target.startswith(_GEMM_TARGETS):
+        return ((_class(inst, shapes), _dot_flops(inst, shapes)),)
+    name = _OP_NAME_RE.search(inst.attributes)
+    parts = name.group(1).split("/") if name else []
+    kernel = next((p for p in reversed(parts) if p in PALLAS_GEMMS), None)
+    if kernel is None or not parts or parts[-1] != "pallas_call":
+        return ()
+    m, n = _dims(inst.shape)[-2:]
+    codes = [_dims(shapes.get(o, "")) for o in inst.operands
+             if _element_type(shapes.get(o, "")) == "u8"]
+    k = next((2 * d[1] for d in codes if len(d) == 2 and d[0] == m), None)
+    if k is None:
+        raise ValueError(f"{inst.name}: Pallas GEMM {kernel!r} without a u8[{m}, K/2] operand")
+    return ((PALLAS_GEMMS[kernel], 2 * m * n * k),)
+
+
+def _fused_cost(module: Module, name: str, seen: frozenset = frozenset()
+                ) -> tuple[int, int, tuple[tuple[str, int], ...]]:
+    """(GEMM flops, elementwise ops, (rate class, flops) per GEMM) of a fused/called
+    computation, nested fusions included."""
     if name not in module.computations or name in seen:
-        return 0, 0
+        return 0, 0, ()
     shapes = module.shapes(name)
     flops = alu = 0
+    gemms: list[tuple[str, int]] = []
     for inst in module.computations[name]:
         if inst.opcode in ("dot", "convolution"):
-            flops += _dot_flops(inst, shapes)
+            f = _dot_flops(inst, shapes)
+            flops += f
+            gemms.append((_class(inst, shapes), f))
         elif inst.opcode in ("fusion", "call", "map"):
             for sub in inst.called:
-                f, a = _fused_cost(module, sub, seen | {name})
+                f, a, g = _fused_cost(module, sub, seen | {name})
                 flops, alu = flops + f, alu + a
+                gemms.extend(g)
         elif inst.opcode not in _NO_ALU:
             alu += sum(n for _, n in shape_elements(inst.shape))
-    return flops, alu
+    return flops, alu, tuple(gemms)
 
 
 def _fused_custom_call(module: Module, inst: Instruction) -> Instruction | None:
@@ -290,17 +355,23 @@ def kernels(text: str) -> list[Kernel]:
                 continue
             if inst.opcode in FREE_OPCODES or inst.opcode.endswith("-done"):
                 continue
+            gemms: tuple[tuple[str, int], ...] = ()
             if inst.opcode == "fusion":
-                flops, alu = _fused_cost(module, inst.called[0]) if inst.called else (0, 0)
-            elif inst.opcode in ("dot", "convolution") or (
-                    inst.opcode == "custom-call" and inst.custom_call_target.startswith(
-                        _GEMM_TARGETS)):
+                flops, alu, gemms = _fused_cost(module, inst.called[0]) if inst.called else (
+                    0, 0, ())
+            elif inst.opcode in ("dot", "convolution"):
                 flops, alu = _dot_flops(inst, shapes), 0
+                gemms = ((_class(inst, shapes), flops),)
+            elif inst.opcode == "custom-call":
+                gemms, alu = _custom_gemm(inst, shapes), 0
+                flops = sum(f for _, f in gemms)
             else:
                 flops, alu = 0, 0
             read = sum(shape_bytes(shapes.get(o, "")) for o in dict.fromkeys(inst.operands))
             written = shape_bytes(inst.shape)
-            if flops and inst.opcode == "custom-call" and inst.shape.startswith("("):
+            if (flops and inst.opcode == "custom-call" and inst.shape.startswith("(")
+                    and inst.custom_call_target.startswith(_GEMM_TARGETS)
+                    and not inst.custom_call_target.startswith(FMHA_TARGET)):
                 written = shape_bytes(_ARRAY_RE.search(inst.shape).group(0))  # not workspace
             if inst.opcode.endswith("-start"):  # (operand, result, context): count one copy
                 written = shape_bytes(shapes.get(inst.operands[0], "")) if inst.operands else 0
@@ -315,7 +386,8 @@ def kernels(text: str) -> list[Kernel]:
             out.append(Kernel(name=inst.name, opcode=inst.opcode, category=category,
                               target=target, bytes_read=read, bytes_written=written,
                               gemm_flops=flops, alu_ops=alu, shape=inst.shape,
-                              fusion_kind=inst.fusion_kind, call_operands=call_operands))
+                              fusion_kind=inst.fusion_kind, call_operands=call_operands,
+                              gemms=gemms))
 
     walk(module.entry, 0)
     return out

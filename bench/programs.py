@@ -4,6 +4,8 @@
   ``mxjax.dot_general`` under a policy (fprop, dgrad and wgrad GEMMs);
 * ``layer``: the Llama-3.2-1B decoder layer's train step of ``bench/export_shape.py``
   (loss and gradients w.r.t. the layer's parameters and input);
+* ``layer_8b``: the same for one Llama 3.1-8B decoder layer, at the paper's sequence
+  (8192 unless ``seq`` is given), micro-batch 1;
 * ``wrapped_mlp`` (not in the default set): a Flax Linen MLP we did not build with a policy
   (``Dense(dtype=bf16, param_dtype=f32)``, 2048 -> 8192 -> 2048, gelu, ``batch * seq``
   tokens) under ``mxjax.nn.wrap``: loss and gradients w.r.t. its parameters.
@@ -17,11 +19,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["EXTRA_PROGRAMS", "PROGRAMS", "concrete_args", "layer_program", "matmul_program",
-           "program", "wrapped_mlp_program"]
+__all__ = ["EXTRA_PROGRAMS", "LAYER_8B_SEQ", "LAYER_PROGRAMS", "PROGRAMS", "concrete_args",
+           "layer_program", "matmul_program", "program", "wrapped_mlp_program"]
 
 PROGRAMS = ("matmul", "layer")
-EXTRA_PROGRAMS = ("wrapped_mlp",)
+LAYER_PROGRAMS = {"layer": "llama3_1b", "layer_8b": "llama3_8b"}  # program -> LlamaConfig preset
+LAYER_8B_SEQ = 8192  # MLPerf Llama 3.1-8B's sequence length
+EXTRA_PROGRAMS = ("layer_8b", "wrapped_mlp")
 
 
 def matmul_program(policy_name: str, n: int = 4096):
@@ -43,12 +47,19 @@ def matmul_program(policy_name: str, n: int = 4096):
     return step, (a, a, key)
 
 
-def layer_program(policy_name: str, batch: int = 1, seq: int = 2048):
-    """(fn, abstract args): bench/export_shape.py's decoder-layer train step."""
+def layer_program(policy_name: str, batch: int = 1, seq: int = 2048, *, size: str = "llama3_1b",
+                  attention_impl: str | None = None):
+    """(fn, abstract args): bench/export_shape.py's decoder-layer train step.
+
+    ``size``: the LlamaConfig preset ('llama3_1b', 'llama3_8b'); ``attention_impl``: the
+    config's attention implementation (None: the config's default).
+    """
     from bench import export_shape
     from models.llama import LlamaConfig
 
-    config = LlamaConfig.llama3_1b(n_layers=1, dtype="bfloat16", param_dtype="float32")
+    extra = {} if attention_impl is None else {"attention_impl": attention_impl}
+    config = getattr(LlamaConfig, size)(n_layers=1, dtype="bfloat16", param_dtype="float32",
+                                        **extra)
     return export_shape.layer_train_step(config, policy_name, batch, seq)
 
 
@@ -89,13 +100,25 @@ def wrapped_mlp_program(policy_name: str, batch: int = 1, seq: int = 2048,
 
 
 def program(name: str, policy: str, *, matmul_size: int = 4096, batch: int = 1,
-            seq: int = 2048) -> tuple:
+            seq: int = 2048, seq_8b: int = LAYER_8B_SEQ,
+            attention_impl: str | None = None) -> tuple:
     """(fn, abstract args) of program `name` (one of PROGRAMS or EXTRA_PROGRAMS) under
-    `policy`."""
+    `policy` (a preset name, or a peer of bench/peers.py: 'peer:<name>').
+
+    ``seq`` is the 1B layer's and the MLP's sequence, ``seq_8b`` the 8B layer's;
+    ``attention_impl`` (None: the LlamaConfig default) applies to both layers.
+    """
+    if policy.startswith("peer:"):
+        from bench import peers
+
+        return peers.program(name, policy.removeprefix("peer:"), matmul_size=matmul_size,
+                             batch=batch, seq=seq_8b if name == "layer_8b" else seq,
+                             attention_impl=attention_impl)
     if name == "matmul":
         return matmul_program(policy, matmul_size)
-    if name == "layer":
-        return layer_program(policy, batch, seq)
+    if name in LAYER_PROGRAMS:
+        return layer_program(policy, batch, seq_8b if name == "layer_8b" else seq,
+                             size=LAYER_PROGRAMS[name], attention_impl=attention_impl)
     if name == "wrapped_mlp":
         return wrapped_mlp_program(policy, batch, seq)
     raise ValueError(f"program: unknown {name!r}; expected one of "

@@ -356,23 +356,44 @@ def _kernel_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key
     """Kernel backends ('pallas', 'pallas_fp8', 'triton', 'auto'): packed operands + mx_dot.
 
     Same operands, keys and rotation as `emulated_gemm`; the quantized operands are
-    packed (`quantize`) and contracted by `mxjax.kernels.mx_dot`. An explicit
-    kernel backend that cannot run here, or does not implement the recipe's
-    formats, raises; 'auto' picks the fastest correct backend for the device.
+    packed (`quantize`) and contracted by `mxjax.kernels.mx_dot`. The backend is resolved
+    per lowering platform for the chip compiled for (`kernels.backends_per_platform`):
+    'auto' takes that chip's choice (`kernels.AUTO_CHOICES`); an explicit kernel backend
+    that cannot run on it raises when the program is lowered for it, and one that does
+    not implement the recipe's formats raises at once.
     """
     from mxjax import kernels  # imported here: keeps `import mxjax` free of Pallas
 
-    backend = kernels.backend_for_formats(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt,
-                                          where=gemm_name)
-    if backend == "xla":
+    choices = kernels.backends_per_platform(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt,
+                                            where=gemm_name)
+
+    def emulated(a, b):
         return emulated_gemm(a, b, dims, recipe, key, gemm_name, operand_dtypes)
-    a, b = cast_operands(a, b, operand_dtypes)
-    a3, b3, k_lhs, k_rhs = quantizer_operands(*canonical_operands(a, b, dims), recipe, key)
 
-    def q(x, op, k):
-        return quantize_with(x, op, -1, key=k)
+    if all(backend == "xla" for backend, _ in choices.values()):
+        return emulated(a, b)
 
-    return kernels.mx_dot(q(a3, recipe.lhs, k_lhs), q(b3, recipe.rhs, k_rhs), backend=backend)
+    def kernel(a, b, backend, platform):
+        a, b = cast_operands(a, b, operand_dtypes)
+        a3, b3, k_lhs, k_rhs = quantizer_operands(*canonical_operands(a, b, dims), recipe, key)
+
+        def q(x, op, k):
+            return quantize_with(x, op, -1, key=k)
+
+        return kernels.mx_dot(q(a3, recipe.lhs, k_lhs), q(b3, recipe.rhs, k_rhs),
+                              backend=backend, platform=platform)
+
+    out = jax.eval_shape(emulated, a, b)
+
+    def branch(platform):
+        backend, why = choices[platform]
+        if why:
+            return lambda a, b: kernels.unavailable(why, out.shape, out.dtype, a, b)
+        if backend == "xla":
+            return emulated
+        return functools.partial(kernel, backend=backend, platform=platform)
+
+    return per_platform(a, b, cpu=branch("cpu"), gpu=branch("gpu"), tpu=branch("tpu"))
 
 
 # Backend name (mxjax.recipes.BACKENDS) -> function(a, b, dims, recipe, key, gemm_name,

@@ -1,10 +1,24 @@
-"""Backend choice and the MXFP4 GEMM entry point used by the interceptor."""
+"""Backend choice and the MXFP4 GEMM entry point used by the interceptor.
+
+Backends are chosen for the chip a program is compiled for
+(:func:`mxjax.kernels.capabilities.target_chip`), once per lowering platform:
+:func:`backends_per_platform` answers for 'cpu', 'gpu' and 'tpu', and the GEMM
+(`mxjax.gemm`) puts one branch per platform under ``jax.lax.platform_dependent``,
+so lowering keeps the branch of the platform it lowers for. A branch whose explicit
+backend cannot run there is an op that raises when lowered (:func:`unavailable`),
+naming the reason; it is never replaced by the emulation.
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.core import ShapedArray
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
 
 from mxjax import formats as F
 from mxjax.kernels import _common as C
@@ -18,39 +32,102 @@ from mxjax.quantization import MXArray, dequantize
 from mxjax.recipes import BACKENDS
 
 __all__ = [
+    "AUTO_CHOICES",
     "BACKENDS",
+    "PLATFORM_FORMS",
+    "AutoChoice",
+    "BackendUnavailableError",
     "auto_backend",
+    "auto_choice",
     "backend_for_formats",
+    "backends_per_platform",
     "mx_dot",
     "resolve_backend",
     "supports",
+    "unavailable",
 ]
+
+# The lowering platforms a GEMM is resolved for (mxjax._platform.FORMS' order).
+PLATFORM_FORMS = ("cpu", "gpu", "tpu")
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicit backend cannot run on the chip compiled for (raised when lowering)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AutoChoice:
+    """What backend 'auto' picks on a class of chips, and the estimate behind it.
+
+    ``platform``: 'cpu', 'gpu' or 'tpu'. ``min_compute_capability``: on NVIDIA GPUs, the
+    choice applies from this compute capability up (the first matching row of
+    :data:`AUTO_CHOICES` wins); None matches any chip of the platform. ``evidence``: where
+    the estimate comes from. 'auto' never takes a path estimated slower than the
+    emulation ('xla') on that chip; a row's backend that cannot run on a chip gives 'xla'.
+    """
+
+    platform: str
+    min_compute_capability: tuple[int, int] | None = None
+    backend: str
+    evidence: str
+
+
+AUTO_CHOICES: tuple[AutoChoice, ...] = (
+    AutoChoice(
+        platform="gpu", min_compute_capability=(10, 0), backend="xla",
+        evidence=(
+            "Blackwell (B200): the 'triton' backend (tl.dot_scaled on the FP4 units) has no "
+            "estimate: jax-triton 0.4.1 fails under jax 0.12 (docs/shared DESIGN, 'Native "
+            "paths'), so no compile of it exists; the Pallas kernels run bf16/FP8 dots as on "
+            "Hopper, where they lose to the emulation (next row). The emulation stays until "
+            "a bench/accelerator_cost.py roofline shows a kernel faster.")),
+    AutoChoice(
+        platform="gpu", min_compute_capability=(9, 0), backend="xla",
+        evidence=(
+            "Hopper (H100/H200): 'pallas_fp8' measured 1.80-2.08x bf16 on an H200 "
+            "(bench/gpu.py, issue 35), 'pallas' slower still; the emulation (XLA, bf16 GEMM "
+            "operands) 1.23x bf16 (bench/accelerator_cost.py, the 1B layer's roofline under "
+            "mxfp4_all_h16, docs/results/accelerator_cost.md).")),
+    AutoChoice(
+        platform="gpu", backend="xla",
+        evidence=("older or unknown GPUs: no kernel estimate; the kernels' bf16 dots are the "
+                  "emulation's GEMM plus an in-kernel dequantize.")),
+    AutoChoice(
+        platform="tpu", backend="xla",
+        evidence=("TPU: the kernel backends are GPU (Triton) kernels; the emulation's TPU "
+                  "form has its own Pallas TPU quantize kernels (mxjax/accelerator_tpu.py).")),
+    AutoChoice(
+        platform="cpu", backend="xla",
+        evidence="CPU: the Pallas interpreter runs orders of magnitude slower than XLA:CPU."),
+)
+
+
+def auto_choice(caps: Capabilities) -> AutoChoice:
+    """The :data:`AUTO_CHOICES` row for a chip."""
+    for row in AUTO_CHOICES:
+        if row.platform != caps.platform:
+            continue
+        if row.min_compute_capability is None or (
+                caps.compute_capability is not None
+                and caps.compute_capability >= row.min_compute_capability):
+            return row
+    raise ValueError(f"no AUTO_CHOICES row for platform {caps.platform!r}")
 
 
 def auto_backend(caps: Capabilities) -> str:
-    """The backend 'auto' picks on a device (a static preference, to be confirmed by bench/gpu.py).
-
-    CPU/TPU: 'xla' (the interpreter is far slower than XLA). Native FP4 GPUs
-    (Blackwell, MI355X) with jax-triton: 'triton' (tl.dot_scaled runs on the FP4
-    units). NVIDIA GPUs with FP8 tensor cores (Hopper, Ada): 'pallas_fp8'
-    (twice the bf16 rate). Other GPUs: 'pallas' (bf16 dots from packed codes).
-    """
-    if caps.platform != "gpu":
-        return "xla"
-    if caps.native_fp4 and caps.can_run("triton"):
-        return "triton"
-    if caps.can_run("pallas_fp8"):
-        return "pallas_fp8"
-    if caps.can_run("pallas"):
-        return "pallas"
-    return "xla"
+    """The backend 'auto' picks on a chip: its :data:`AUTO_CHOICES` row's, when that can
+    run there, else 'xla' (which runs everywhere)."""
+    backend = auto_choice(caps).backend
+    return backend if caps.can_run(backend) else "xla"
 
 
 def resolve_backend(name: str, caps: Capabilities | None = None) -> str:
-    """Maps a backend name to a concrete backend that can run here.
+    """Maps a backend name to a concrete backend that can run on the chip compiled for.
 
-    'auto' picks with `auto_backend`. An explicit backend that cannot run on this
-    device raises RuntimeError with the reason (no silent fallback).
+    'auto' picks with `auto_backend`. An explicit backend that cannot run on the chip
+    raises :class:`BackendUnavailableError` (a RuntimeError) with the reason (no silent
+    fallback). ``caps``: the chip's capabilities (default: :func:`capabilities`, the
+    target of the trace in progress).
     """
     if not isinstance(name, str) or name not in BACKENDS:
         raise ValueError(f"backend: unknown {name!r}; expected one of {BACKENDS}")
@@ -59,7 +136,8 @@ def resolve_backend(name: str, caps: Capabilities | None = None) -> str:
         return auto_backend(caps)
     why = caps.reason(name)
     if why:
-        raise RuntimeError(f"backend {name!r} cannot run on {caps.device_kind!r}: {why}")
+        kind = caps.device_kind or f"an unknown {caps.platform}"
+        raise BackendUnavailableError(f"backend {name!r} cannot run on {kind!r}: {why}")
     return name
 
 
@@ -93,6 +171,52 @@ def backend_for_formats(backend: str, lhs_fmt, rhs_fmt, *, where: str = "backend
     return "xla"
 
 
+def backends_per_platform(backend: str, lhs_fmt, rhs_fmt, *,
+                          where: str = "backend") -> dict[str, tuple[str, str]]:
+    """{platform: (concrete backend, '') or ('', why it cannot run)} for 'cpu', 'gpu', 'tpu'.
+
+    Each platform is resolved for its chip compiled for (:func:`capabilities` of that
+    platform). A request that is wrong on every chip (an unknown backend, a kernel
+    that lacks the formats) raises ValueError at once.
+    """
+    out = {}
+    for platform in PLATFORM_FORMS:
+        try:
+            out[platform] = (backend_for_formats(backend, lhs_fmt, rhs_fmt, where=where,
+                                                 caps=capabilities(platform)), "")
+        except BackendUnavailableError as e:
+            out[platform] = ("", f"{where}: {e}")
+    return out
+
+
+# An op standing for a GEMM that cannot run on the platform it is lowered for: it
+# traces (every platform's branch is traced) and raises when lowered.
+_unavailable_p = Primitive("mxjax_backend_unavailable")
+
+
+def _unavailable_abstract_eval(*args, shape, dtype, reason):
+    del args, reason
+    return ShapedArray(shape, dtype)
+
+
+def _unavailable_lowering(ctx, *args, shape, dtype, reason):
+    del ctx, args, shape, dtype
+    raise BackendUnavailableError(reason)
+
+
+_unavailable_p.def_abstract_eval(_unavailable_abstract_eval)
+mlir.register_lowering(_unavailable_p, _unavailable_lowering)
+
+
+def unavailable(reason: str, shape: tuple[int, ...], dtype, *deps) -> jax.Array:
+    """An array of `shape` and `dtype` whose lowering raises BackendUnavailableError(reason).
+
+    ``deps``: arrays the op takes as operands (so that it sits where the GEMM would).
+    """
+    return _unavailable_p.bind(*deps, shape=tuple(shape), dtype=jnp.dtype(dtype),
+                               reason=str(reason))
+
+
 def _check(lhs_q, rhs_q):
     for name, q in (("lhs_q", lhs_q), ("rhs_q", rhs_q)):
         if not isinstance(q, MXArray):
@@ -118,7 +242,7 @@ def _check(lhs_q, rhs_q):
 
 
 def mx_dot(lhs_q: MXArray, rhs_q: MXArray, *, backend: str = "xla", interpret: bool | None = None,
-           **tiles) -> jnp.ndarray:
+           platform: str | None = None, **tiles) -> jnp.ndarray:
     """f32[lhs free, rhs free]: contracts the block axes of two 2-D quantized operands.
 
     The contraction runs along lhs_q.axis and rhs_q.axis (each operand's block
@@ -135,11 +259,17 @@ def mx_dot(lhs_q: MXArray, rhs_q: MXArray, *, backend: str = "xla", interpret: b
       backend: 'xla' | 'pallas' | 'pallas_fp8' | 'triton' | 'auto'. 'auto' uses
         `auto_backend` and, for formats the chosen kernel lacks, 'xla'. An
         explicit kernel backend raises if it cannot run here or lacks the formats.
-      interpret: force (or forbid) the Pallas interpreter; default: interpret off-GPU.
+      interpret: force (or forbid) the Pallas interpreter; default: interpret unless
+        compiling for a GPU.
+      platform: the lowering platform this call is traced for ('cpu', 'gpu', 'tpu'; a
+        branch of ``jax.lax.platform_dependent``); None: the chip compiled for.
       **tiles: block_m / block_n / block_k overrides for the kernel.
     """
     _check(lhs_q, rhs_q)
-    backend = backend_for_formats(backend, lhs_q.fmt, rhs_q.fmt, where="mx_dot")
+    caps = capabilities(platform)
+    backend = backend_for_formats(backend, lhs_q.fmt, rhs_q.fmt, where="mx_dot", caps=caps)
+    if interpret is None:
+        interpret = caps.platform != "gpu"
     if len(lhs_q.shape) > 2:
         return _batched(lhs_q, rhs_q, backend, interpret, tiles)
     if backend == "xla":

@@ -25,10 +25,12 @@ from mxjax.kernels import _common as C
 __all__ = ["LaunchPlan", "available", "launch_plan", "mxfp4_matmul_triton", "unavailable_reason"]
 
 
-def unavailable_reason() -> str | None:
-    """None if the Triton kernel can run here, else why not."""
-    if jax.default_backend() != "gpu":
-        return f"needs a GPU backend (jax.default_backend() is {jax.default_backend()!r})"
+def unavailable_reason(platform: str | None = None) -> str | None:
+    """None if the Triton kernel can be built for `platform` (None: jax.default_backend()),
+    else why not."""
+    platform = jax.default_backend() if platform is None else platform
+    if platform not in ("gpu", "cuda"):
+        return f"needs a GPU backend (compiling for {platform!r})"
     for mod in ("triton", "jax_triton"):
         if importlib.util.find_spec(mod) is None:
             return (
@@ -124,7 +126,7 @@ def mxfp4_matmul_triton(
     num_stages: int = 3,
 ) -> jnp.ndarray:
     """f32[m, n] from MXFP4 operands in the kernels' layout (see mxfp4_matmul_pallas)."""
-    reason = unavailable_reason()
+    reason = unavailable_reason("gpu")  # the dispatcher checked the target chip
     if reason is not None:
         raise RuntimeError(f"backend 'triton' cannot run: {reason}")
     import jax_triton as jt

@@ -27,7 +27,7 @@ def require(target: str) -> aot.Target:
     return t
 
 
-_ARGS = argparse.Namespace(matmul_size=4096, batch=1, seq=2048, dump=None,
+_ARGS = argparse.Namespace(matmul_size=4096, batch=1, seq=2048, seq_8b=8192, dump=None,
                            autotune_results=None)
 
 
@@ -39,11 +39,15 @@ def _kernel_cycles():
 
 
 @functools.cache
-def cost(target: str, program: str, policy: str, variant: str = ""):
-    """bench/accelerator_cost.py's row for one compile (cached for the session)."""
+def cost(target: str, program: str, policy: str, variant: str = "", attention: str = ""):
+    """bench/accelerator_cost.py's row for one compile (cached for the session).
+
+    ``attention``: the layers' LlamaConfig.attention_impl ('' = the config's default).
+    """
     from bench.accelerator_cost import compile_one
 
-    return compile_one(require(target), variant, program, policy, _ARGS, _kernel_cycles())
+    return compile_one(require(target), variant, program, policy, _ARGS, _kernel_cycles(),
+                       attention=attention)
 
 
 @functools.cache

@@ -143,10 +143,10 @@ def test_cpu_export_keeps_the_cpu_form():
 
 
 def test_auto_backend_exported_for_cuda_from_cpu_is_the_xla_emulation():
-    """'auto' resolves on the tracing machine (mxjax.kernels.capabilities reads
-    jax.default_backend()): traced here, on CPU, it is 'xla', so an export for
-    cuda carries the XLA emulation in its accelerator form (bf16 at DEFAULT), not
-    the Pallas/Triton kernels. Trace on the GPU to get the kernels."""
+    """'auto' resolves per lowering platform for the chip compiled for
+    (mxjax.kernels.AUTO_CHOICES): an export for cuda with no GPU target in sight
+    (an unknown GPU), as for every chip where no kernel is estimated faster, carries
+    the XLA emulation in its accelerator form (bf16 at DEFAULT)."""
     from mxjax.kernels import resolve_backend
 
     assert jax.default_backend() == "cpu"
