@@ -52,12 +52,12 @@ def test_compile_is_announced_and_the_summary_spans_the_resume(tmp_path, data_ca
     args = _args(out, data_cache, "train.progress=lines", "checkpoint.every=2")
     assert main([*args, "--set", "train.steps=2"]) == 0
     lines = _err_lines(capsys.readouterr().err)
-    i = lines.index("[train] compiling the train step (policy bf16) ...")
+    i = lines.index("[train] compiling the train step (policy passthrough) ...")
     assert re.fullmatch(r"\[train\] train step compiled in \d+\.\d s; first step done in "
                         r"\d+\.\d s", lines[i + 1]), lines
     assert lines[i - 1].startswith("step 0/2 | eval ")  # the evaluation before training
     assert re.fullmatch(r"\[train\] first evaluation done in \d+\.\d s", lines[i - 2])
-    assert lines[i - 3].startswith("[train] compiling the eval step (policy bf16) and ")
+    assert lines[i - 3].startswith("[train] compiling the eval step (policy passthrough) and ")
     assert lines[i - 1].endswith("elapsed, ETA from step 2")  # no ETA before a step was timed
     step1 = next(ln for ln in lines if ln.startswith("step 1/2"))
     assert step1.endswith("elapsed, ETA from step 2"), step1  # none from the compiling step

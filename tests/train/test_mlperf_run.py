@@ -35,7 +35,7 @@ CANNOT_PASS_AT_CPU_SIZE = {
     "eval_accuracy": "(v['value'] <= 3.3) and v['value'] > 0.0",
 }
 SHRINK = [
-    "policy=bf16", "model.preset=tiny",
+    "policy=passthrough", "model.preset=tiny",
     f"model.overrides={MODEL}",
     "data.loader=prepared", "data.sources=[embedded:austen]", "data.val_sources=[]",
     "data.format=auto",

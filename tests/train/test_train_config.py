@@ -107,7 +107,7 @@ def test_describe_lists_every_key():
 
 def test_validate_accepts_fast_config(tmp_path, cache):
     plan = loop.validate(C.load(None, fast_sets(tmp_path / "run", cache)), verbose=False)
-    assert plan.policy_name == "bf16"
+    assert plan.policy_name == "passthrough"
     assert plan.model_config.vocab_size == plan.prepared.vocab_size == 512
     assert plan.mesh_axes == (1, 1, 1)
 

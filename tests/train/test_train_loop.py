@@ -56,7 +56,7 @@ def test_run_outputs(base):
     assert [r["step"] for r in recs] == list(range(13))
     for r in recs[1:]:
         assert RECORD_KEYS <= set(r), set(r) ^ RECORD_KEYS
-        assert r["policy"] == "bf16" and r["skipped_steps"] == 0
+        assert r["policy"] == "passthrough" and r["skipped_steps"] == 0
         assert np.isfinite(r["loss"]) and r["grad_norm"] > 0 and r["tokens_per_s"] > 0
         assert r["tokens"] == r["step"] * 512
     assert [r["eval_loss"] is not None for r in recs] == [i % 6 == 0 for i in range(13)]
@@ -119,7 +119,7 @@ def test_finished_run_is_not_repeated(base):
 
 
 @pytest.mark.parametrize("extra, what", [
-    (("policy=fp8",), r"policy: checkpoint 'bf16', this run 'fp8'"),
+    (("policy=fp8",), r"policy: checkpoint 'passthrough', this run 'fp8'"),
     (("model.overrides.n_layers=3",), r"model: .*n_layers: 2 -> 3"),
     (("optim.lr=1e-3",), r"optim: lr: 0.003 -> 0.001"),
     (("seed=5",), r"seed: 0 -> 5"),
