@@ -23,7 +23,7 @@ import pytest
 
 import mxjax
 from bench import export_shape as es
-from mxjax import OperandRecipe, ScaleRule, _bits, accelerator_fp8, gemm, policies
+from mxjax import OperandRecipe, ScaleRule, _bits, accelerator_fp8, gemm, policies, scaling
 from mxjax.dimensions import Dims
 from mxjax.quantization import fake_quantize_with
 from mxjax.recipes import GemmRecipe
@@ -110,6 +110,26 @@ def test_exact_div_is_correctly_rounded():
             want = (x.astype(np.float64) / np.float64(d)).astype(np.float32)
         normal = np.abs(want) >= 2.0 ** -126  # the contract: where the quotient is normal
         np.testing.assert_array_equal(got[normal].view(np.uint32), want[normal].view(np.uint32))
+
+
+def test_cuda_tensor_division_is_correctly_rounded_where_the_grid_can_see_it():
+    """The CUDA per-tensor division (one scalar rescue, no elementwise bit ops) gives the
+    correctly rounded quotient wherever it is normal, for ordinary and tiny tensor scales
+    (d < 2^-100 takes the 2^64 rescale); smaller quotients round to zero on every FP8 grid."""
+    rng = np.random.default_rng(4)
+    div = jax.jit(scaling._cuda_tensor_div)
+    for d, lo, hi in ((np.float32(0.0123456), -40, 40), (np.float32(3.0), -40, 40),
+                      (np.float32(2.0 ** -117), -86, -62)):
+        x = (rng.standard_normal(1 << 14) * np.exp2(rng.uniform(lo, hi, 1 << 14)))
+        x = np.concatenate([x.astype(np.float32), np.float32([np.inf, -np.inf, 0.0, -0.0])])
+        got = np.asarray(div(x, d))
+        with np.errstate(all="ignore"):
+            want = (x.astype(np.float64) / np.float64(d)).astype(np.float32)
+        normal = np.abs(want) >= 2.0 ** -126
+        assert normal.sum() > (1 << 13), d  # the case is exercised
+        np.testing.assert_array_equal(got[normal].view(np.uint32), want[normal].view(np.uint32))
+    # For d >= 2^-100 a subnormal x cannot reach an FP8 grid: |x / d| < 2^-26.
+    assert 2.0 ** -126 / scaling._SUBNORMALS_ROUND_TO_ZERO <= 2.0 ** -26
 
 
 def test_mxfp8_operands_are_the_reference_codes_and_scale_bytes():
