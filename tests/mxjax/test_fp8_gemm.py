@@ -198,9 +198,10 @@ def test_exported_cuda_program_has_f8_gemms_for_every_quantized_gemm(name):
     fn, args = es_dot_program(name)
     text = _export_text(fn, args, "cuda")
     q = es.analyze(text).quantized
-    if name == "fp8":  # dot_general f8 x f8 -> f32: E4M3 fprop, E5M2 x E4M3 dgrad and wgrad
+    if name == "fp8":  # dot_general f8 x f8 -> f32: E4M3 fprop, E5M2 x E4M3 dgrad, and
+        # wgrad as X x dY (E4M3 x E5M2: its operands swapped, the result laid out as W's)
         assert sorted((d.lhs, d.rhs, d.out) for d in q) == [
-            ("f8E4M3FN", "f8E4M3FN", "f32"), ("f8E5M2", "f8E4M3FN", "f32"),
+            ("f8E4M3FN", "f8E4M3FN", "f32"), ("f8E4M3FN", "f8E5M2", "f32"),
             ("f8E5M2", "f8E4M3FN", "f32")], [d.signature for d in q]
     else:  # three scaled_matmul calls on E4M3 elements and E8M0 scales, no dot_general
         assert q == ()
