@@ -243,3 +243,24 @@ def test_f8_operand_rejects_other_formats():
     with pytest.raises(ValueError, match="recipe: expected MXFP8"):
         r = GemmRecipe(lhs=OperandRecipe(fmt=mxjax.FP8_E4M3), rhs=OperandRecipe(fmt=mxjax.FP8_E4M3))
         accelerator_fp8.block_scaled_dot(jnp.ones((1, 4, 32)), jnp.ones((1, 4, 32)), r, None, None)
+
+
+@pytest.mark.parametrize("dims,a_shape,b_shape", [
+    (Dims(((0, 1), (0, 1)), ((), ())), (2, 24, 40), (2, 24, 56)),  # a wgrad's contraction
+    (Dims(((2,), (2,)), ((0,), (0,))), (3, 24, 40), (3, 16, 40)),  # with a batch axis
+])
+def test_swapped_f8_gemm_is_the_same_gemm(dims, a_shape, b_shape):
+    """The wgrad's CUDA form, dot(b, a) transposed back, has the shape and (as XLA:CPU runs
+    it) the bits of dot(a, b): same f8 operands, same factors in the same order."""
+    rng = np.random.default_rng(5)
+    a = jnp.asarray(rng.standard_normal(a_shape), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(b_shape) * 3, jnp.float32)
+    recipe = policies.get("fp8").wgrad
+
+    def run(swap):
+        return np.asarray(jax.jit(lambda a, b: gemm._cuda_f8_form(
+            a, b, dims, recipe, None, None, None, swap=swap))(a, b))
+
+    plain, swapped = run(False), run(True)
+    assert swapped.shape == plain.shape
+    np.testing.assert_array_equal(swapped.view(np.uint32), plain.view(np.uint32))
