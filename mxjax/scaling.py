@@ -251,8 +251,11 @@ class E4M3Scales(NamedTuple):
 def _tensor_scale(amax_bits, denom: float, floor_exp: int):
     """max(amax / denom, 2^floor_exp); 1 for zero; NaN for non-finite."""
     amax = _bits.bits_f32(amax_bits)
-    # A traced divisor, so XLA cannot turn the division into a reciprocal multiply.
-    divisor = lax.optimization_barrier(amax * 0.0 + jnp.float32(denom))
+    # A divisor that depends on amax, so XLA cannot turn the division into a reciprocal
+    # multiply (min(amax, 0) is 0 for every amax but NaN, which the last line replaces).
+    # No optimization barrier: one would keep these scalar ops out of the kernels that
+    # use the scale (on GPUs a launch each, for every quantized operand).
+    divisor = jnp.float32(denom) + jnp.minimum(amax, jnp.float32(0.0))
     t = jnp.maximum(amax / divisor, jnp.float32(2.0**floor_exp))
     t = jnp.where(amax_bits == 0, jnp.float32(1.0), t)
     return jnp.where(amax_bits >= _bits.EXP_INF, jnp.float32(jnp.nan), t)
