@@ -274,13 +274,18 @@ def _free_size(x: jax.Array, batch, contract) -> int:
 
 
 def _cuda_f8_form(a, b, dims: Dims, recipe: GemmRecipe, k_lhs, k_rhs, k_had, *,
-                  operand_dtypes=None):
+                  operand_dtypes=None, swap: bool = False):
     """CUDA form of FP8 recipes: f8 operands on FP8 tensor cores (`mxjax.accelerator_fp8`).
 
     Per-tensor FP8 operands are quantized in place (their scale is the whole tensor's,
     whatever the layout) unless the recipe rotates or draws uniforms, which follow
     the canonical layout; MXFP8 operands always take the canonical layout
-    (``jax.nn.scaled_matmul``'s). Returns f32 ``[batch..., Fa, Fb]``.
+    (``jax.nn.scaled_matmul``'s). ``swap`` (the wgrad): the in-place GEMM is computed as
+    ``dot_general(b, a)`` and transposed back, the same products and factors (applied in
+    the same order), so that XLA writes the f32 result in the layout of the weight it is
+    the gradient of and fuses the factors into the GEMM (as ``dot_general(a, b)`` the
+    FP8 GEMM's result comes out transposed, and scaling it is a kernel of its own).
+    Returns f32 ``[batch..., Fa, Fb]``.
     """
     a, b = cast_operands(a, b, operand_dtypes)
     (ca, cb), (ba, bb) = dims
@@ -290,8 +295,14 @@ def _cuda_f8_form(a, b, dims: Dims, recipe: GemmRecipe, k_lhs, k_rhs, k_had, *,
     if recipe.hadamard is None and not recipe.needs_key:
         aq, a_factors = accelerator_fp8.f8_operand(a, recipe.lhs, None)
         bq, b_factors = accelerator_fp8.f8_operand(b, recipe.rhs, None)
-        out = accelerator_fp8.f8_dot(aq, bq, dims.as_lax(), a_factors, b_factors)
-        return out.reshape(out.shape[:len(ba)] + (_free_size(a, ba, ca), _free_size(b, bb, cb)))
+        fa, fb = _free_size(a, ba, ca), _free_size(b, bb, cb)
+        if not swap:
+            out = accelerator_fp8.f8_dot(aq, bq, dims.as_lax(), a_factors, b_factors)
+            return out.reshape(out.shape[:len(ba)] + (fa, fb))
+        # dot(b, a), transposed back (the factors in the same order as above).
+        out = accelerator_fp8.f8_dot(bq, aq, ((cb, ca), (bb, ba)), a_factors, b_factors)
+        out = out.reshape(out.shape[:len(ba)] + (fb, fa))
+        return jnp.swapaxes(out, -1, -2)
     a3, b3 = _rotate(*canonical_operands(a, b, dims), recipe, k_had)
     aq, a_factors = accelerator_fp8.f8_operand(a3, recipe.lhs, k_lhs)
     bq, b_factors = accelerator_fp8.f8_operand(b3, recipe.rhs, k_rhs)
@@ -342,7 +353,8 @@ def emulated_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, ke
     gpu = functools.partial(form, form="gpu")
     if takes_f8_on_cuda(recipe):
         cuda = functools.partial(_cuda_f8_form, dims=dims, recipe=recipe, k_lhs=k_lhs,
-                                 k_rhs=k_rhs, k_had=k_had, operand_dtypes=operand_dtypes)
+                                 k_rhs=k_rhs, k_had=k_had, operand_dtypes=operand_dtypes,
+                                 swap=gemm_name == "wgrad")
         gpu = functools.partial(cuda_or_other, cuda=cuda, other=gpu)
     return per_platform(
         a, b,

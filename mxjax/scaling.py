@@ -31,7 +31,6 @@ from jax import lax
 
 from mxjax import _bits
 from mxjax import formats as F
-from mxjax._platform import cpu_or_accelerator
 from mxjax.elements import decode_magnitude, e8m0_exponent, round_to_grid
 from mxjax.formats import ElementFormat, Format, Rounding, ScaleRule
 
@@ -252,8 +251,11 @@ class E4M3Scales(NamedTuple):
 def _tensor_scale(amax_bits, denom: float, floor_exp: int):
     """max(amax / denom, 2^floor_exp); 1 for zero; NaN for non-finite."""
     amax = _bits.bits_f32(amax_bits)
-    # A traced divisor, so XLA cannot turn the division into a reciprocal multiply.
-    divisor = lax.optimization_barrier(amax * 0.0 + jnp.float32(denom))
+    # A divisor that depends on amax, so XLA cannot turn the division into a reciprocal
+    # multiply (min(amax, 0) is 0 for every amax but NaN, which the last line replaces).
+    # No optimization barrier: one would keep these scalar ops out of the kernels that
+    # use the scale (on GPUs a launch each, for every quantized operand).
+    divisor = jnp.float32(denom) + jnp.minimum(amax, jnp.float32(0.0))
     t = jnp.maximum(amax / divisor, jnp.float32(2.0**floor_exp))
     t = jnp.where(amax_bits == 0, jnp.float32(1.0), t)
     return jnp.where(amax_bits >= _bits.EXP_INF, jnp.float32(jnp.nan), t)
@@ -352,6 +354,30 @@ def _cpu_tensor_div(x, d):
         lambda x, d: x / (d + jnp.minimum(jnp.abs(x), jnp.float32(0.0))), x, d)
 
 
+_TINY_TENSOR_RESCALE = 2.0 ** 64
+
+
+def _cuda_tensor_div(x, d):
+    """x / d for the tensor scale d, on CUDA: one multiply and one division per element.
+
+    `_bits.exact_div`'s elementwise subnormal rescue (bit ops on every element) is what
+    keeps XLA:GPU from fusing the per-tensor quantizer of a transposed operand (a weight
+    laid out for the FP8 GEMM) into one kernel: it split into five, most of `fp8`'s
+    non-GEMM time on H200. Here the rescue is one scalar: for d >= 2^-100 a subnormal x
+    rounds to (signed) zero on every FP8 grid whatever the division does with it
+    (`_SUBNORMALS_ROUND_TO_ZERO`), so the plain division gives the same elements; for a
+    smaller d (a tensor whose amax is below about 2^-91) both x and d are scaled by 2^64
+    (exact: |x| < 2^-91, and XLA:GPU keeps f32 subnormals, ``xla_gpu_ftz=false``), which
+    makes every nonzero x normal and leaves the quotient unchanged. The divisor depends on
+    x elementwise to keep the division a division (see `_bits.exact_div`).
+    """
+    x = x.astype(jnp.float32)
+    s = jnp.where(d < jnp.float32(_SUBNORMALS_ROUND_TO_ZERO), jnp.float32(_TINY_TENSOR_RESCALE),
+                  jnp.float32(1.0))
+    xs = x * s
+    return xs / (d * s + jnp.minimum(jnp.abs(xs), jnp.float32(0.0)))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PerTensor:
     """One fp32 scale for the whole tensor: its amax over the element max normal."""
@@ -373,8 +399,8 @@ class PerTensor:
         t = _tensor_scale(t_bits, self.element.max_normal, self.tensor_floor_exp)
         finite = t_bits < _bits.EXP_INF
         divisor = jnp.where(finite, t, 1.0)
-        quotient = cpu_or_accelerator(xb, divisor, cpu=_cpu_tensor_div,
-                                      accelerator=_bits.exact_div)
+        quotient = lax.platform_dependent(xb, divisor, cpu=_cpu_tensor_div,
+                                          cuda=_cuda_tensor_div, default=_bits.exact_div)
         y = jnp.where(finite, quotient, 0.0)
         return _prescaled(y, prescale), TensorScale(t)
 

@@ -6,7 +6,8 @@ bench/accelerator_cost.py's ``cublas`` variant). Asserted:
 
 * ``fp8``: every quantized GEMM (the multiplies under ``jit(emulated_gemm)``) of the
   fwd+bwd matmul and of the Llama-3.2-1B decoder layer's train step (bench/programs.py)
-  reads f8 operands: E4M3 x E4M3 in fprop, E5M2 x E4M3 in dgrad and wgrad, a Triton f8
+  reads f8 operands: E4M3 x E4M3 in fprop, E5M2 x E4M3 in dgrad (dY x W) and E4M3 x E5M2
+  in wgrad (X x dY: mxjax.gemm swaps the wgrad's operands on CUDA), a Triton f8
   fusion or ``__cublas$lt$matmul$f8``, merged GEMMs (q|k|v, gate|up) included. An f8
   operand in the optimized program also means the FP8 rounding survived XLA (a folded
   f32 -> f8 -> bf16 round trip leaves bf16 operands);
@@ -32,9 +33,11 @@ pytestmark = pytest.mark.accelerators
 PATHS = {"triton": {}, "cublas": {"xla_gpu_enable_triton_gemm": False}}
 E4M3, E5M2 = "f8e4m3fn", "f8e5m2"
 # The 1B layer's quantized GEMMs after XLA's merges: 5 forward (q|k|v and gate|up merged
-# where XLA merges them), 12 backward.
-LAYER_FP8 = {(E4M3, E4M3): 5, (E5M2, E4M3): 12}
-MATMUL_FP8 = {(E4M3, E4M3): 1, (E5M2, E4M3): 2}
+# where XLA merges them), 12 backward: dgrads E5M2 x E4M3 and wgrads E4M3 x E5M2 (how many
+# of each XLA merges differs between targets and GEMM paths).
+LAYER_FP8_FORWARD = {(E4M3, E4M3): 5}
+LAYER_FP8_BACKWARD = 12
+MATMUL_FP8 = {(E4M3, E4M3): 1, (E5M2, E4M3): 1, (E4M3, E5M2): 1}
 F8_TARGETS = {"triton": ("fusion",), "cublas": ("__cublas$lt$matmul$f8",)}
 
 
@@ -64,7 +67,11 @@ def test_fp8_matmul_gemms_are_f8(target, path):
 def test_fp8_layer_every_quantized_gemm_is_f8(target, path):
     gemms = _gemms(target, "layer", "fp8", path)
     q = _quantized(gemms)
-    assert collections.Counter(g[2] for g in q) == LAYER_FP8, q
+    counts = collections.Counter(g[2] for g in q)
+    assert {k: counts[k] for k in LAYER_FP8_FORWARD} == LAYER_FP8_FORWARD, q
+    backward = {k: n for k, n in counts.items() if k not in LAYER_FP8_FORWARD}
+    assert set(backward) == {(E5M2, E4M3), (E4M3, E5M2)}, q
+    assert sum(backward.values()) == LAYER_FP8_BACKWARD, q
     assert {g[1] for g in q} == set(F8_TARGETS[path]), q
     # The rest are the attention's GEMMs (pass-through, never f8).
     rest = [g for g in gemms if g not in q]

@@ -23,7 +23,7 @@ import pytest
 
 import mxjax
 from bench import export_shape as es
-from mxjax import OperandRecipe, ScaleRule, _bits, accelerator_fp8, gemm, policies
+from mxjax import OperandRecipe, ScaleRule, _bits, accelerator_fp8, gemm, policies, scaling
 from mxjax.dimensions import Dims
 from mxjax.quantization import fake_quantize_with
 from mxjax.recipes import GemmRecipe
@@ -112,6 +112,26 @@ def test_exact_div_is_correctly_rounded():
         np.testing.assert_array_equal(got[normal].view(np.uint32), want[normal].view(np.uint32))
 
 
+def test_cuda_tensor_division_is_correctly_rounded_where_the_grid_can_see_it():
+    """The CUDA per-tensor division (one scalar rescue, no elementwise bit ops) gives the
+    correctly rounded quotient wherever it is normal, for ordinary and tiny tensor scales
+    (d < 2^-100 takes the 2^64 rescale); smaller quotients round to zero on every FP8 grid."""
+    rng = np.random.default_rng(4)
+    div = jax.jit(scaling._cuda_tensor_div)
+    for d, lo, hi in ((np.float32(0.0123456), -40, 40), (np.float32(3.0), -40, 40),
+                      (np.float32(2.0 ** -117), -86, -62)):
+        x = (rng.standard_normal(1 << 14) * np.exp2(rng.uniform(lo, hi, 1 << 14)))
+        x = np.concatenate([x.astype(np.float32), np.float32([np.inf, -np.inf, 0.0, -0.0])])
+        got = np.asarray(div(x, d))
+        with np.errstate(all="ignore"):
+            want = (x.astype(np.float64) / np.float64(d)).astype(np.float32)
+        normal = np.abs(want) >= 2.0 ** -126
+        assert normal.sum() > (1 << 13), d  # the case is exercised
+        np.testing.assert_array_equal(got[normal].view(np.uint32), want[normal].view(np.uint32))
+    # For d >= 2^-100 a subnormal x cannot reach an FP8 grid: |x / d| < 2^-26.
+    assert 2.0 ** -126 / scaling._SUBNORMALS_ROUND_TO_ZERO <= 2.0 ** -26
+
+
 def test_mxfp8_operands_are_the_reference_codes_and_scale_bytes():
     rng = np.random.default_rng(2)
     x = (rng.standard_normal((2, 24, 80)) * np.exp(rng.uniform(-20, 20, (2, 24, 1))))
@@ -178,9 +198,10 @@ def test_exported_cuda_program_has_f8_gemms_for_every_quantized_gemm(name):
     fn, args = es_dot_program(name)
     text = _export_text(fn, args, "cuda")
     q = es.analyze(text).quantized
-    if name == "fp8":  # dot_general f8 x f8 -> f32: E4M3 fprop, E5M2 x E4M3 dgrad and wgrad
+    if name == "fp8":  # dot_general f8 x f8 -> f32: E4M3 fprop, E5M2 x E4M3 dgrad, and
+        # wgrad as X x dY (E4M3 x E5M2: its operands swapped, the result laid out as W's)
         assert sorted((d.lhs, d.rhs, d.out) for d in q) == [
-            ("f8E4M3FN", "f8E4M3FN", "f32"), ("f8E5M2", "f8E4M3FN", "f32"),
+            ("f8E4M3FN", "f8E4M3FN", "f32"), ("f8E4M3FN", "f8E5M2", "f32"),
             ("f8E5M2", "f8E4M3FN", "f32")], [d.signature for d in q]
     else:  # three scaled_matmul calls on E4M3 elements and E8M0 scales, no dot_general
         assert q == ()
@@ -222,3 +243,24 @@ def test_f8_operand_rejects_other_formats():
     with pytest.raises(ValueError, match="recipe: expected MXFP8"):
         r = GemmRecipe(lhs=OperandRecipe(fmt=mxjax.FP8_E4M3), rhs=OperandRecipe(fmt=mxjax.FP8_E4M3))
         accelerator_fp8.block_scaled_dot(jnp.ones((1, 4, 32)), jnp.ones((1, 4, 32)), r, None, None)
+
+
+@pytest.mark.parametrize("dims,a_shape,b_shape", [
+    (Dims(((0, 1), (0, 1)), ((), ())), (2, 24, 40), (2, 24, 56)),  # a wgrad's contraction
+    (Dims(((2,), (2,)), ((0,), (0,))), (3, 24, 40), (3, 16, 40)),  # with a batch axis
+])
+def test_swapped_f8_gemm_is_the_same_gemm(dims, a_shape, b_shape):
+    """The wgrad's CUDA form, dot(b, a) transposed back, has the shape and (as XLA:CPU runs
+    it) the bits of dot(a, b): same f8 operands, same factors in the same order."""
+    rng = np.random.default_rng(5)
+    a = jnp.asarray(rng.standard_normal(a_shape), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(b_shape) * 3, jnp.float32)
+    recipe = policies.get("fp8").wgrad
+
+    def run(swap):
+        return np.asarray(jax.jit(lambda a, b: gemm._cuda_f8_form(
+            a, b, dims, recipe, None, None, None, swap=swap))(a, b))
+
+    plain, swapped = run(False), run(True)
+    assert swapped.shape == plain.shape
+    np.testing.assert_array_equal(swapped.view(np.uint32), plain.view(np.uint32))
