@@ -128,7 +128,8 @@ def test_resume_drops_later_records_and_keeps_the_block(tmp_path, mlperf_cfg):
 @pytest.mark.parametrize("policy, dtype, want", [
     ("mxfp4_all_h16", "bfloat16", "mxfp4"), ("mxfp4_fprop", "float32", "mxfp4"),
     ("fp8", "bfloat16", "fp8"), ("nvfp4", "bfloat16", "nvfp4"), ("tseng", "float32", "mxfp4"),
-    ("passthrough", "float32", "fp32"), ("passthrough", "bfloat16", "bfloat16"), (None, "float16", "fp16"),
+    ("passthrough", "float32", "fp32"), ("passthrough", "bfloat16", "bfloat16"),
+    (None, "float16", "fp16"),
 ])
 def test_policy_precision(policy, dtype, want):
     rec = policies.to_dict(policies.get(policy)) if policy else None
