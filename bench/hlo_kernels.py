@@ -339,57 +339,64 @@ def _category(inst: Instruction, flops: int) -> str:
     return "other"
 
 
-def kernels(text: str) -> list[Kernel]:
-    """The kernels of an optimized HLO module's text, in schedule order (see module doc)."""
-    module = parse_module(text)
-    out: list[Kernel] = []
+def _scheduled(module):
+    """(instruction, its computation's shapes) in schedule order, through while/call/
+    conditional bodies (which are not yielded themselves)."""
 
-    def walk(computation: str, depth: int) -> None:
+    def walk(computation: str, depth: int):
         if depth > 20:
             raise ValueError("control flow nested too deeply")
         shapes = module.shapes(computation)
         for inst in module.computations[computation]:
             if inst.opcode in ("while", "call", "conditional"):
                 for sub in inst.called:
-                    walk(sub, depth + 1)
-                continue
-            if inst.opcode in FREE_OPCODES or inst.opcode.endswith("-done"):
-                continue
-            gemms: tuple[tuple[str, int], ...] = ()
-            if inst.opcode == "fusion":
-                flops, alu, gemms = _fused_cost(module, inst.called[0]) if inst.called else (
-                    0, 0, ())
-            elif inst.opcode in ("dot", "convolution"):
-                flops, alu = _dot_flops(inst, shapes), 0
-                gemms = ((_class(inst, shapes), flops),)
-            elif inst.opcode == "custom-call":
-                gemms, alu = _custom_gemm(inst, shapes), 0
-                flops = sum(f for _, f in gemms)
+                    yield from walk(sub, depth + 1)
             else:
-                flops, alu = 0, 0
-            read = sum(shape_bytes(shapes.get(o, "")) for o in dict.fromkeys(inst.operands))
-            written = shape_bytes(inst.shape)
-            if (flops and inst.opcode == "custom-call" and inst.shape.startswith("(")
-                    and inst.custom_call_target.startswith(_GEMM_TARGETS)
-                    and not inst.custom_call_target.startswith(FMHA_TARGET)):
-                written = shape_bytes(_ARRAY_RE.search(inst.shape).group(0))  # not workspace
-            if inst.opcode.endswith("-start"):  # (operand, result, context): count one copy
-                written = shape_bytes(shapes.get(inst.operands[0], "")) if inst.operands else 0
-            category, target = _category(inst, flops), inst.custom_call_target
-            call_operands = tuple(shapes.get(o, "") for o in inst.operands) if (
-                inst.opcode == "custom-call") else ()
-            inner = _fused_custom_call(module, inst)
-            if inner is not None and not flops:
-                inner_shapes = module.shapes(inst.called[0])
-                category, target = "custom-call", inner.custom_call_target
-                call_operands = tuple(inner_shapes.get(o, "") for o in inner.operands)
-            out.append(Kernel(name=inst.name, opcode=inst.opcode, category=category,
-                              target=target, bytes_read=read, bytes_written=written,
-                              gemm_flops=flops, alu_ops=alu, shape=inst.shape,
-                              fusion_kind=inst.fusion_kind, call_operands=call_operands,
-                              gemms=gemms))
+                yield inst, shapes
 
-    walk(module.entry, 0)
+    return walk(module.entry, 0)
+
+
+def kernels(text: str) -> list[Kernel]:
+    """The kernels of an optimized HLO module's text, in schedule order (see module doc)."""
+    module = parse_module(text)
+    out: list[Kernel] = []
+    for inst, shapes in _scheduled(module):
+        if inst.opcode in FREE_OPCODES or inst.opcode.endswith("-done"):
+            continue
+        gemms: tuple[tuple[str, int], ...] = ()
+        if inst.opcode == "fusion":
+            flops, alu, gemms = _fused_cost(module, inst.called[0]) if inst.called else (
+                0, 0, ())
+        elif inst.opcode in ("dot", "convolution"):
+            flops, alu = _dot_flops(inst, shapes), 0
+            gemms = ((_class(inst, shapes), flops),)
+        elif inst.opcode == "custom-call":
+            gemms, alu = _custom_gemm(inst, shapes), 0
+            flops = sum(f for _, f in gemms)
+        else:
+            flops, alu = 0, 0
+        read = sum(shape_bytes(shapes.get(o, "")) for o in dict.fromkeys(inst.operands))
+        written = shape_bytes(inst.shape)
+        if (flops and inst.opcode == "custom-call" and inst.shape.startswith("(")
+                and inst.custom_call_target.startswith(_GEMM_TARGETS)
+                and not inst.custom_call_target.startswith(FMHA_TARGET)):
+            written = shape_bytes(_ARRAY_RE.search(inst.shape).group(0))  # not workspace
+        if inst.opcode.endswith("-start"):  # (operand, result, context): count one copy
+            written = shape_bytes(shapes.get(inst.operands[0], "")) if inst.operands else 0
+        category, target = _category(inst, flops), inst.custom_call_target
+        call_operands = tuple(shapes.get(o, "") for o in inst.operands) if (
+            inst.opcode == "custom-call") else ()
+        inner = _fused_custom_call(module, inst)
+        if inner is not None and not flops:
+            inner_shapes = module.shapes(inst.called[0])
+            category, target = "custom-call", inner.custom_call_target
+            call_operands = tuple(inner_shapes.get(o, "") for o in inner.operands)
+        out.append(Kernel(name=inst.name, opcode=inst.opcode, category=category,
+                          target=target, bytes_read=read, bytes_written=written,
+                          gemm_flops=flops, alu_ops=alu, shape=inst.shape,
+                          fusion_kind=inst.fusion_kind, call_operands=call_operands,
+                          gemms=gemms))
     return out
 
 
@@ -441,25 +448,15 @@ def gemm_operand_types(text: str) -> list[tuple[str, str, tuple[str, ...], str]]
     """
     module = parse_module(text)
     out = []
-
-    def walk(computation: str, depth: int) -> None:
-        if depth > 20:
-            raise ValueError("control flow nested too deeply")
-        shapes = module.shapes(computation)
-        for inst in module.computations[computation]:
-            if inst.opcode in ("while", "call", "conditional"):
-                for sub in inst.called:
-                    walk(sub, depth + 1)
-            elif inst.opcode == "custom-call" and inst.custom_call_target.startswith(_GEMM_TARGETS):
-                types = tuple(_element_type(shapes.get(o, "")) for o in inst.operands[:2])
-                out.append((inst.name, inst.custom_call_target, types, _op_name(inst)))
-            elif inst.opcode in ("dot", "convolution"):
-                types = tuple(_element_type(shapes.get(o, "")) for o in inst.operands[:2])
-                out.append((inst.name, inst.opcode, types, _op_name(inst)))
-            elif inst.opcode == "fusion" and inst.called:
-                for dot, inner in _inner_dots(module, inst.called[0]):
-                    types = tuple(_element_type(inner.get(o, "")) for o in dot.operands[:2])
-                    out.append((inst.name, "fusion", types, _op_name(dot)))
-
-    walk(module.entry, 0)
+    for inst, shapes in _scheduled(module):
+        if inst.opcode == "custom-call" and inst.custom_call_target.startswith(_GEMM_TARGETS):
+            types = tuple(_element_type(shapes.get(o, "")) for o in inst.operands[:2])
+            out.append((inst.name, inst.custom_call_target, types, _op_name(inst)))
+        elif inst.opcode in ("dot", "convolution"):
+            types = tuple(_element_type(shapes.get(o, "")) for o in inst.operands[:2])
+            out.append((inst.name, inst.opcode, types, _op_name(inst)))
+        elif inst.opcode == "fusion" and inst.called:
+            for dot, inner in _inner_dots(module, inst.called[0]):
+                types = tuple(_element_type(inner.get(o, "")) for o in dot.operands[:2])
+                out.append((inst.name, "fusion", types, _op_name(dot)))
     return out
