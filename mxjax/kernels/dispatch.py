@@ -77,17 +77,17 @@ AUTO_CHOICES: tuple[AutoChoice, ...] = (
         platform="gpu", min_compute_capability=(10, 0), backend="xla",
         evidence=(
             "Blackwell (B200): the 'triton' backend (tl.dot_scaled on the FP4 units) has no "
-            "estimate: jax-triton 0.4.1 fails under jax 0.12 (docs/shared DESIGN, 'Native "
-            "paths'), so no compile of it exists; the Pallas kernels run bf16/FP8 dots as on "
+            "estimate: jax-triton 0.4.1 fails under jax 0.12 (docs/NUMERICS.md, 'Kernel "
+            "backends'), so no compile of it exists; the Pallas kernels run bf16/FP8 dots as on "
             "Hopper, where they lose to the emulation (next row). The emulation stays until "
             "a bench/accelerator_cost.py roofline shows a kernel faster.")),
     AutoChoice(
         platform="gpu", min_compute_capability=(9, 0), backend="xla",
         evidence=(
-            "Hopper (H100/H200): 'pallas_fp8' measured 1.80-2.08x bf16 on an H200 "
-            "(bench/gpu.py, issue 35), 'pallas' slower still; the emulation (XLA, bf16 GEMM "
-            "operands) 1.23x bf16 (bench/accelerator_cost.py, the 1B layer's roofline under "
-            "mxfp4_all_h16, docs/results/accelerator_cost.md).")),
+            "Hopper (H100/H200): 'pallas_fp8' estimated at 1.80-2.08x bf16 for an H200 "
+            "(deviceless roofline, never measured on a device), 'pallas' slower still; "
+            "the emulation (XLA, bf16 GEMM operands) 1.23x bf16 (bench/accelerator_cost.py, "
+            "the 1B layer's roofline under mxfp4_all_h16, docs/results/accelerator_cost.md).")),
     AutoChoice(
         platform="gpu", backend="xla",
         evidence=("older or unknown GPUs: no kernel estimate; the kernels' bf16 dots are the "
