@@ -2,7 +2,8 @@
 
 ``kernels(text)`` lists what the program launches, in schedule order: each
 instruction of the entry computation (and of computations it runs through
-``while``/``call``/``conditional``, once each) that does work on the device,
+``while``/``call``/``conditional``, once each; a ``lax.cond``'s true branch only)
+that does work on the device,
 with its category, the bytes it reads and writes (the sizes of its operands
 and results), GEMM flops, and the number of elementwise operations inside it.
 Free instructions (parameters, constants, tuples, bitcasts, the ``-done``
@@ -37,6 +38,7 @@ _NAME_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 _OPERAND_RE = re.compile(r"%([\w.\-]+)")
 _CALLS_RE = re.compile(r"\b(?:calls|body|condition|to_apply)=%?([\w.\-]+)")
 _BRANCHES_RE = re.compile(r"branch_computations=\{([^}]*)\}")
+_PRED_BRANCHES_RE = re.compile(r"\b(true|false)_computation=%?([\w.\-]+)")
 _TARGET_RE = re.compile(r'custom_call_target="([^"]+)"')
 _KIND_RE = re.compile(r"\bkind=(\w+)")
 _DIMS_RE = {k: re.compile(rf"\b{k}=\{{([0-9,]*)\}}") for k in (
@@ -139,7 +141,21 @@ class Instruction:
         names = _CALLS_RE.findall(self.attributes)
         for group in _BRANCHES_RE.findall(self.attributes):
             names += [n.strip().lstrip("%") for n in group.split(",") if n.strip()]
+        names += [n for _, n in sorted(_PRED_BRANCHES_RE.findall(self.attributes),
+                                       key=lambda m: m[0] != "true")]
         return tuple(names)
+
+    @property
+    def charged(self) -> tuple[str, ...]:
+        """The computations a roofline charges this instruction's control flow for: a
+        pred conditional's (``lax.cond``'s) true branch only, else every called one.
+
+        mxjax's exact routes (``xla_fp8``) put their fast path in the true branch and
+        fall back to the emulation in the false one, taken only when an operand's
+        blocks span more than the route's window; the estimate is the fast path's.
+        """
+        true = [n for kind, n in _PRED_BRANCHES_RE.findall(self.attributes) if kind == "true"]
+        return tuple(true) if true else self.called
 
     @property
     def custom_call_target(self) -> str:
@@ -341,7 +357,8 @@ def _category(inst: Instruction, flops: int) -> str:
 
 def _scheduled(module):
     """(instruction, its computation's shapes) in schedule order, through while/call/
-    conditional bodies (which are not yielded themselves)."""
+    conditional bodies (which are not yielded themselves; a pred conditional's true
+    branch only, `Instruction.charged`)."""
 
     def walk(computation: str, depth: int):
         if depth > 20:
@@ -349,7 +366,7 @@ def _scheduled(module):
         shapes = module.shapes(computation)
         for inst in module.computations[computation]:
             if inst.opcode in ("while", "call", "conditional"):
-                for sub in inst.called:
+                for sub in inst.charged:
                     yield from walk(sub, depth + 1)
             else:
                 yield inst, shapes

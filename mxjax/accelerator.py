@@ -135,7 +135,7 @@ def _padded_length(k: int, hadamard_size: int | None) -> tuple[int, int]:
 
 def mx_operand_values(view: ContractionView, op, *, k_out: int, hadamard_size: int | None,
                       signs: jax.Array | None, key: jax.Array | None,
-                      recompute: bool = True) -> jax.Array:
+                      recompute: bool = True, finish=None):
     """Fake-quantized MX values of one operand, in place, as bf16 (per-tensor factors left out).
 
     The GPU form (the bit view, module docstring).
@@ -150,9 +150,14 @@ def mx_operand_values(view: ContractionView, op, *, k_out: int, hadamard_size: i
       key: the rounding key (stochastic rounding) or None.
       recompute: recompute the rotation in the rounding pass (behind a barrier)
         instead of letting XLA materialize it between the passes.
+      finish: None, or ``finish(v, amax_bits) -> (w, extra)``: maps the f32 values
+        (the bit view's shape) to what the GEMM reads instead of their bf16 cast
+        (`mxjax.accelerator_mx_fp8`: an exact FP8 encoding), given every block's amax
+        bits; ``w`` is laid out and sliced as the values are.
     Returns:
       bf16, view.x's shape with k_out along view.axis: the values of
-      ``fake_quantize_parts(canonical operand rotated, fmt, axis=-1)`` there.
+      ``fake_quantize_parts(canonical operand rotated, fmt, axis=-1)`` there; with
+      ``finish``, ``(w, extra)``.
     """
     p = view.axis
     n_bits, k_pad = _padded_length(view.x.shape[p], hadamard_size)
@@ -173,8 +178,13 @@ def mx_operand_values(view: ContractionView, op, *, k_out: int, hadamard_size: i
     if op.rounding is Rounding.STOCHASTIC:
         u = bit_view(_uniforms_like(key, view, k_pad), p, n_bits)
     v = values_from_amax(r, amax_bits, op, u)
-    v = v.reshape(z.shape[:p] + (k_pad,) + z.shape[low + 1:])
-    return lax.slice_in_dim(v, 0, k_out, axis=p).astype(jnp.bfloat16)
+    extra = None
+    if finish is None:
+        v = v.astype(jnp.bfloat16)
+    else:
+        v, extra = finish(v, amax_bits)
+    v = lax.slice_in_dim(v.reshape(z.shape[:p] + (k_pad,) + z.shape[low + 1:]), 0, k_out, axis=p)
+    return v if finish is None else (v, extra)
 
 
 def mx_operand_values_tpu(view: ContractionView, op, *, k_out: int,

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mxjax import accelerator, accelerator_fp8
+from mxjax import accelerator, accelerator_fp8, accelerator_mx_fp8
 from mxjax._platform import cpu_barrier, cuda_or_other, per_platform
 from mxjax.accelerator import cast_operands
 from mxjax.dimensions import Dims, free_axes
@@ -321,9 +321,9 @@ def takes_f8_on_cuda(recipe: GemmRecipe) -> bool:
 # rematerialization, a test suite) would otherwise trace them again at every call. Its
 # ops carry the scope 'jit(emulated_gemm)' below the caller's.
 @functools.partial(jax.jit, inline=True,
-                   static_argnames=("dims", "recipe", "gemm_name", "operand_dtypes"))
+                   static_argnames=("dims", "recipe", "gemm_name", "operand_dtypes", "out_dtype"))
 def emulated_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key,
-                  gemm_name: str, operand_dtypes=None) -> jax.Array:
+                  gemm_name: str, operand_dtypes=None, out_dtype=None) -> jax.Array:
     """The XLA reference backend.
 
     The program depends on the platform it is lowered for (not on the tracing
@@ -339,8 +339,9 @@ def emulated_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, ke
         rounding, rhs rounding, Hadamard signs).
       gemm_name: 'fprop', 'dgrad' or 'wgrad' (for backends' error messages).
       operand_dtypes: the GEMM is that of the operands cast to these (`gemm`), or None.
+      out_dtype: the f32 result is cast to it (None: f32).
     Returns:
-      f32 [batch..., Fa, Fb] (free axes flattened, as `canonical_operands`).
+      [batch..., Fa, Fb] (free axes flattened, as `canonical_operands`), f32 or out_dtype.
     """
     k_lhs, k_rhs, k_had = split_key(key if recipe.needs_key else None)
     form = functools.partial(_accelerator_form, dims=dims, recipe=recipe, k_lhs=k_lhs,
@@ -356,15 +357,30 @@ def emulated_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, ke
                                  k_rhs=k_rhs, k_had=k_had, operand_dtypes=operand_dtypes,
                                  swap=gemm_name == "wgrad")
         gpu = functools.partial(cuda_or_other, cuda=cuda, other=gpu)
-    return per_platform(
+    out = per_platform(
         a, b,
         cpu=cpu,
         gpu=gpu,
         tpu=functools.partial(form, form="tpu"))
+    return out if out_dtype is None else out.astype(out_dtype)
+
+
+def _xla_fp8_gemm(a: jax.Array, b: jax.Array, *, dims: Dims, recipe: GemmRecipe, key,
+                  operand_dtypes=None, out_dtype=None) -> jax.Array:
+    """The 'xla_fp8' backend: MXFP4 operands carried exactly in FP8 on XLA's FP8 GEMM
+    (`mxjax.accelerator_mx_fp8`), the emulation's result where they cannot be.
+    [batch..., Fa, Fb], f32 or out_dtype (cast inside the route's branches, so that XLA
+    fuses the cast into the GEMM)."""
+    k_lhs, k_rhs, k_had = split_key(key if recipe.needs_key else None)
+    signs = None if recipe.hadamard is None else rotation_signs(recipe.hadamard, k_had)
+    out = accelerator_mx_fp8.mx_gemm_fp8(a, b, dims, recipe, k_lhs, k_rhs, signs,
+                                         operand_dtypes=operand_dtypes, out_dtype=out_dtype)
+    (ca, cb), (ba, bb) = dims
+    return out.reshape(out.shape[:len(ba)] + (_free_size(a, ba, ca), _free_size(b, bb, cb)))
 
 
 def _kernel_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key,
-                 gemm_name: str, operand_dtypes=None) -> jax.Array:
+                 gemm_name: str, operand_dtypes=None, out_dtype=None) -> jax.Array:
     """Kernel backends ('pallas', 'pallas_fp8', 'triton', 'auto'): packed operands + mx_dot.
 
     Same operands, keys and rotation as `emulated_gemm`; the quantized operands are
@@ -380,7 +396,7 @@ def _kernel_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key
                                             where=gemm_name)
 
     def emulated(a, b):
-        return emulated_gemm(a, b, dims, recipe, key, gemm_name, operand_dtypes)
+        return emulated_gemm(a, b, dims, recipe, key, gemm_name, operand_dtypes, out_dtype)
 
     if all(backend == "xla" for backend, _ in choices.values()):
         return emulated(a, b)
@@ -392,8 +408,9 @@ def _kernel_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key
         def q(x, op, k):
             return quantize_with(x, op, -1, key=k)
 
-        return kernels.mx_dot(q(a3, recipe.lhs, k_lhs), q(b3, recipe.rhs, k_rhs),
-                              backend=backend, platform=platform)
+        out = kernels.mx_dot(q(a3, recipe.lhs, k_lhs), q(b3, recipe.rhs, k_rhs),
+                             backend=backend, platform=platform)
+        return out if out_dtype is None else out.astype(out_dtype)
 
     out = jax.eval_shape(emulated, a, b)
 
@@ -403,13 +420,17 @@ def _kernel_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key
             return lambda a, b: kernels.unavailable(why, out.shape, out.dtype, a, b)
         if backend == "xla":
             return emulated
+        if backend == "xla_fp8":
+            return functools.partial(_xla_fp8_gemm, dims=dims, recipe=recipe, key=key,
+                                     operand_dtypes=operand_dtypes, out_dtype=out_dtype)
         return functools.partial(kernel, backend=backend, platform=platform)
 
     return per_platform(a, b, cpu=branch("cpu"), gpu=branch("gpu"), tpu=branch("tpu"))
 
 
 # Backend name (mxjax.recipes.BACKENDS) -> function(a, b, dims, recipe, key, gemm_name,
-# operand_dtypes) -> f32 [batch..., Fa, Fb]. Every name but 'xla' runs through mxjax.kernels.
+# operand_dtypes, out_dtype) -> [batch..., Fa, Fb] (f32, or out_dtype when given). Every
+# name but 'xla' runs through mxjax.kernels' dispatch.
 _BACKEND_FNS: dict[str, Callable[..., jax.Array]] = {
     "xla": emulated_gemm,
     **{name: _kernel_gemm for name in BACKENDS if name != "xla"},
@@ -477,7 +498,7 @@ def gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key, *,
     def emulated(a, b, key):
         (ca, cb), (ba, bb) = dims
         out = _backend_fn(recipe)(a, b, dims, recipe, key if recipe.needs_key else None,
-                                  gemm_name, operand_dtypes)
+                                  gemm_name, operand_dtypes, out_type.dtype)
         fa = [a.shape[i] for i in free_axes(a.ndim, ba, ca)]
         fb = [b.shape[i] for i in free_axes(b.ndim, bb, cb)]
         out = out.reshape(tuple(a.shape[i] for i in ba) + tuple(fa) + tuple(fb))

@@ -72,7 +72,7 @@ import jax
 from mxjax import formats as F
 from mxjax import interceptor
 from mxjax.formats import BF16, FP8_E4M3, FP8_E5M2, MXFP4, MXFP8_E4M3, NVFP4, Rounding, ScaleRule
-from mxjax.recipes import GEMMS, GemmRecipe, Hadamard, OperandRecipe
+from mxjax.recipes import BACKENDS, GEMMS, GemmRecipe, Hadamard, OperandRecipe
 from mxjax.validation import check_keys
 
 __all__ = ["ABLATIONS", "ALIASES", "PRESETS", "PrecisionPolicy", "canonical_name", "dot_general",
@@ -208,6 +208,22 @@ class PrecisionPolicy:
 
         policy_dot_general.policy = policy
         return policy_dot_general
+
+    def with_backend(self, backend: str) -> PrecisionPolicy:
+        """A copy whose quantized GEMMs all run on `backend` (pass-through GEMMs unchanged).
+
+        ``backend``: one of ``mxjax.recipes.BACKENDS`` ('auto': the fastest route the chip
+        compiled for has, per ``mxjax.kernels.AUTO_CHOICES``). The copy is named
+        ``'<name>@<backend>'`` (the form `resolve` and `get` accept), or None if this
+        policy has no name.
+        """
+        if not isinstance(backend, str) or backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        gemms = {g: (r if r.is_passthrough else dataclasses.replace(r, backend=backend))
+                 for g in GEMMS for r in (getattr(self, g),)}
+        base = self.name.split("@", 1)[0] if self.name else None
+        return dataclasses.replace(self, name=None if base is None else f"{base}@{backend}",
+                                   **gemms)
 
     def replace(self, **changes: Any) -> PrecisionPolicy:
         """A copy with some fields replaced, each GEMM in any form the constructor takes.
@@ -597,10 +613,21 @@ def get(name: str | PrecisionPolicy) -> PrecisionPolicy:
     if isinstance(name, PrecisionPolicy):
         return name
     if isinstance(name, str):
-        name = canonical_name(name, stacklevel=3)
-        if name in PRESETS:
-            return PRESETS[name]()
-    raise ValueError(f"policy: unknown preset {name!r}; valid names: {_valid_names(False)}")
+        policy = _preset(name, stacklevel=4)
+        if policy is not None:
+            return policy
+    raise ValueError(f"policy: unknown preset {name!r}; valid names: {_valid_names(False)} "
+                     f"(each optionally as '<name>@<backend>', backend one of {BACKENDS})")
+
+
+def _preset(spec: str, *, stacklevel: int) -> PrecisionPolicy | None:
+    """The preset `spec` names ('<name>' or '<name>@<backend>'), or None if unknown."""
+    name, at, backend = spec.partition("@")
+    name = canonical_name(name, stacklevel=stacklevel)
+    if name not in PRESETS:
+        return None
+    policy = PRESETS[name]()
+    return policy.with_backend(backend) if at else policy
 
 
 def resolve(spec: str | Mapping[str, Any] | PrecisionPolicy | None) -> PrecisionPolicy | None:
@@ -622,11 +649,12 @@ def resolve(spec: str | Mapping[str, Any] | PrecisionPolicy | None) -> Precision
     if isinstance(spec, str):
         if spec.lower() == "none":
             return None
-        name = canonical_name(spec, stacklevel=3)
-        if name in PRESETS:
-            return PRESETS[name]()
+        policy = _preset(spec, stacklevel=4)
+        if policy is not None:
+            return policy
         raise ValueError(f"policy: unknown preset {spec!r}; valid names: "
-                         f"{_valid_names(True)}")
+                         f"{_valid_names(True)} (each optionally as '<name>@<backend>', "
+                         f"backend one of {BACKENDS})")
     if isinstance(spec, Mapping):
         return from_dict(spec)
     raise TypeError(f"policy: expected a preset name, None or 'none', a policy dict or a "

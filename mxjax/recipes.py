@@ -47,9 +47,11 @@ __all__ = [
 GEMMS = ("fprop", "dgrad", "wgrad")
 
 # Where a GEMM runs (the one list; mxjax.kernels re-exports it). 'xla' is the
-# jnp reference (quantize -> dequantize -> dot in f32 at HIGHEST precision); the
-# others are mxjax.kernels backends; 'auto' picks the best one for the device.
-BACKENDS: tuple[str, ...] = ("xla", "pallas", "pallas_fp8", "triton", "auto")
+# emulation (quantize -> dequantized values -> one XLA dot; docs/NUMERICS.md);
+# 'xla_fp8' the same operands carried exactly in FP8 on XLA's FP8 GEMM
+# (mxjax.accelerator_mx_fp8; MXFP4 only); the others are mxjax.kernels backends;
+# 'auto' picks the best one for the chip compiled for.
+BACKENDS: tuple[str, ...] = ("xla", "xla_fp8", "pallas", "pallas_fp8", "triton", "auto")
 
 
 def _coerce_operand(value: Any, name: str) -> OperandRecipe:

@@ -195,6 +195,16 @@ def capabilities_for(chip: Chip) -> Capabilities:
 
     pallas_mode = {"gpu": "triton", "cpu": "interpret"}.get(platform)
     reasons: dict[str, str] = {"xla": ""}
+    # XLA's FP8 GEMM: FP8 matrix units on the GPU; XLA:CPU computes f8 dots exactly (tests).
+    if platform == "cpu" or (platform == "gpu" and fp8 and not is_amd):
+        reasons["xla_fp8"] = ""
+    elif platform == "gpu" and not kind:
+        reasons["xla_fp8"] = ("no GPU target known (trace under jax.set_mesh / "
+                              "jax.sharding.use_abstract_mesh with the target's abstract "
+                              "device, or on the GPU)")
+    else:
+        reasons["xla_fp8"] = (f"needs FP8 matrix units with XLA FP8 GEMMs (NVIDIA sm_89+); "
+                              f"device is {kind!r}")
     if pallas_mode is None:
         reasons["pallas"] = ("the Pallas kernels target Triton (GPU) or the interpreter (CPU), "
                              f"not {platform}")

@@ -20,6 +20,7 @@ from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
+from mxjax import accelerator_mx_fp8
 from mxjax import formats as F
 from mxjax.kernels import _common as C
 from mxjax.kernels.capabilities import Capabilities, capabilities
@@ -256,7 +257,7 @@ def mx_dot(lhs_q: MXArray, rhs_q: MXArray, *, backend: str = "xla", interpret: b
     Args:
       lhs_q, rhs_q: MXArrays from mxjax.quantize / fused_quantize. 'xla' takes
         any quantized format; the kernel backends take MXFP4 x MXFP4.
-      backend: 'xla' | 'pallas' | 'pallas_fp8' | 'triton' | 'auto'. 'auto' uses
+      backend: 'xla' | 'xla_fp8' | 'pallas' | 'pallas_fp8' | 'triton' | 'auto'. 'auto' uses
         `auto_backend` and, for formats the chosen kernel lacks, 'xla'. An
         explicit kernel backend raises if it cannot run here or lacks the formats.
       interpret: force (or forbid) the Pallas interpreter; default: interpret unless
@@ -270,10 +271,12 @@ def mx_dot(lhs_q: MXArray, rhs_q: MXArray, *, backend: str = "xla", interpret: b
     backend = backend_for_formats(backend, lhs_q.fmt, rhs_q.fmt, where="mx_dot", caps=caps)
     if interpret is None:
         interpret = caps.platform != "gpu"
-    if len(lhs_q.shape) > 2:
+    if len(lhs_q.shape) > 2 and backend != "xla_fp8":
         return _batched(lhs_q, rhs_q, backend, interpret, tiles)
     if backend == "xla":
         return mx_dot_reference(lhs_q, rhs_q)
+    if backend == "xla_fp8":
+        return accelerator_mx_fp8.mx_dot_fp8(lhs_q, rhs_q)
     a, sa, b, sb, (m, n, _) = C.canonical_operands(lhs_q, rhs_q)
     return _kernel(backend, a, sa, b, sb, m, n, interpret, tiles)
 

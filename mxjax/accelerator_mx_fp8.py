@@ -1,0 +1,229 @@
+"""MXFP4 GEMMs on FP8 matrix units: the 'xla_fp8' backend (Hopper's fastest MXFP4 route).
+
+Hopper (H100/H200) has FP8 tensor cores but no FP4 ones. An MXFP4 value is an E2M1
+element times its block's power of two, ``v = q * 2^s`` (``|q| <= 6``, two significant
+bits). Shifted by one power of two per tensor, ``v * 2^-t``, it is exactly an FP8
+value whenever its block's scale is within the FP8 format's window of the tensor's
+largest block scale ``s_max``:
+
+==========  ==========================  ========================================
+carrier     shift ``t``                 exact for blocks with
+==========  ==========================  ========================================
+E4M3        ``s_max - 6`` (6 * 2^6 <= 448)   ``s >= s_max - 14`` (E4M3 subnormals)
+E5M2        ``s_max - 13`` (6 * 2^13 <= 57344) ``s >= s_max - 28``
+==========  ==========================  ========================================
+
+so the GEMM of the dequantized operands is ``dot(A8, B8) * 2^(t_a + t_b)``: one FP8
+GEMM whose products are exact, with the two tensor factors applied to its f32 result
+(XLA folds them into the GEMM as it does the ``fp8`` preset's scales). The operands
+are the emulation's in-place operands (`mxjax.accelerator.mx_operand_values`: each
+operand quantized where it is, in two fusible passes, Hadamard included), cast to
+FP8 instead of bf16 in the second pass: half the bytes the GEMM reads, twice the
+matrix rate.
+
+**No silent loss.** Whether every live block (amax > 0, finite) of both operands is
+inside its window is known after the first pass (from the block amaxes). If one is
+not, the GEMM's result is the emulation's (``lax.cond``; the branch not taken costs
+nothing), so the values never depend on the window: they are the emulation's up to
+summation order and the FP8 MMA's accumulation (docs/NUMERICS.md states the bound).
+A block of NaN or Inf gives NaN where the emulation gives NaN or Inf (E4M3 has no
+Inf).
+
+cuBLAS takes E4M3 x E4M3 and the mixed pairs, not E5M2 x E5M2, so the wide window
+(E5M2) goes to the lhs (X in fprop, dY in dgrad and wgrad: `mxjax.policies`' operand
+order), the narrow one (E4M3) to the rhs (W, and X in wgrad).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mxjax import _bits, accelerator
+from mxjax.formats import E2M1, E4M3, E5M2, ElementFormat
+from mxjax.scaling import SR_UNSCALE
+
+__all__ = [
+    "CARRIERS",
+    "LHS_CARRIER",
+    "RHS_CARRIER",
+    "Carrier",
+    "carrier_window",
+    "encode_exact",
+    "mx_dot_fp8",
+    "mx_gemm_fp8",
+    "takes_fp8_route",
+    "window_of_exponents",
+]
+
+
+class Carrier:
+    """An FP8 format that carries E2M1 x 2^s values exactly: its dtype and window."""
+
+    def __init__(self, fmt: ElementFormat, dtype):
+        self.fmt, self.dtype = fmt, jnp.dtype(dtype)
+        # Largest k with max|q| * 2^k <= the carrier's max (the top block's shift).
+        self.top = math.floor(math.log2(fmt.max_normal / E2M1.max_normal))
+        # Smallest (s - t) whose element grid (min_subnormal(q) * 2^(s - t)) is on the
+        # carrier's grid.
+        self.lowest = round(math.log2(fmt.min_subnormal / E2M1.min_subnormal))
+
+    @property
+    def span(self) -> int:
+        """Blocks with scale exponent >= s_max - span are carried exactly."""
+        return self.top - self.lowest
+
+    def __repr__(self):
+        return f"Carrier({self.fmt.name}, top={self.top}, span={self.span})"
+
+
+CARRIERS = {"e4m3": Carrier(E4M3, jnp.float8_e4m3fn), "e5m2": Carrier(E5M2, jnp.float8_e5m2)}
+LHS_CARRIER = CARRIERS["e5m2"]
+RHS_CARRIER = CARRIERS["e4m3"]
+_MIN_EXP, _MAX_EXP = -126, 127  # _bits.pow2's range
+
+
+def takes_fp8_route(recipe) -> bool:
+    """Whether the 'xla_fp8' route implements the recipe: MXFP4 (E2M1 elements, E8M0
+    scales per 32) on both operands."""
+    return all(op.fmt.scale == "e8m0" and op.fmt.block_size == accelerator.MX_BLOCK
+               and op.fmt.element == E2M1 and not op.fmt.is_per_tensor
+               for op in (recipe.lhs, recipe.rhs))
+
+
+def carrier_window(amax_bits: jax.Array, op, carrier: Carrier) -> tuple[jax.Array, jax.Array]:
+    """(shift t, exact) of one operand from its blocks' amax bits.
+
+    Args:
+      amax_bits: uint32 abs bits of every block's amax (any layout).
+      op: the operand's OperandRecipe (MXFP4).
+      carrier: the FP8 format the values are cast to.
+    Returns:
+      ``t``: int32 scalar, the tensor's shift (values are carried as ``v * 2^-t``), in
+      [-127, 126]; ``exact``: bool scalar, every live finite block is in the window.
+    """
+    s, nonfinite = op.scheme.exponents(amax_bits, op.scale_rule, op.sr_prescale)
+    return window_of_exponents(s, (amax_bits != 0) & ~nonfinite, carrier)
+
+
+def window_of_exponents(s: jax.Array, live: jax.Array, carrier: Carrier):
+    """`carrier_window` from the blocks' scale exponents ``s`` (int32) and which blocks
+    are ``live`` (finite scale and some nonzero value)."""
+    big = jnp.iinfo(jnp.int32).max
+    s_max = jnp.max(jnp.where(live, s, -big))
+    s_min = jnp.min(jnp.where(live, s, big))
+    t = jnp.clip(s_max - carrier.top, -_MAX_EXP, -_MIN_EXP).astype(jnp.int32)
+    # No live block: all values are zero or NaN, carried exactly whatever t.
+    exact = (s_min - t >= carrier.lowest) | ~jnp.any(live)
+    return t, exact
+
+
+def encode_exact(v: jax.Array, t: jax.Array, carrier: Carrier) -> jax.Array:
+    """``v * 2^-t`` cast to the carrier's dtype (exact where `carrier_window` says so).
+
+    ``v``: f32 MX values (NaN for non-finite blocks); ``t`` an int32 scalar in
+    [-127, 126]. The multiply is exact (a power of two, results in the carrier's range).
+    """
+    return (v * _bits.pow2(-t)).astype(carrier.dtype)
+
+
+def _apply_pow2(out: jax.Array, e: jax.Array) -> jax.Array:
+    """out * 2^e for an int32 scalar e in [-254, 252], as two normal-range multiplies."""
+    half = e // 2
+    return (out * _bits.pow2(half)) * _bits.pow2(e - half)
+
+
+def mx_gemm_fp8(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
+                operand_dtypes=None, out_dtype=None) -> jax.Array:
+    """``dot_general(a, b, dims)`` under an MXFP4 recipe on FP8 GEMMs: f32, lax's layout.
+
+    Same operands, keys and rotation as `mxjax.accelerator.mx_gemm` (form 'gpu'), whose
+    result it returns when an operand's blocks span more than its carrier's window.
+
+    Args:
+      a, b: the GEMM's operands (any float dtype), ``dims`` lax dimension numbers.
+      recipe: a GemmRecipe that `takes_fp8_route`.
+      k_lhs, k_rhs: the rounding keys (stochastic rounding) or None.
+      signs: the Hadamard's ±1 vector or None.
+      operand_dtypes: None or a pair of dtypes (or None) a and b are cast to first.
+      out_dtype: the f32 result is cast to this in both branches (None: f32), so that
+        XLA fuses the cast and the factors into the GEMM instead of writing f32 out of
+        the conditional.
+    Returns:
+      ``[batch..., lhs free..., rhs free...]`` (f32 or out_dtype), times each operand's
+      SR unscale.
+    """
+    if not takes_fp8_route(recipe):
+        raise ValueError(f"recipe: the 'xla_fp8' backend takes MXFP4 x MXFP4, got "
+                         f"{recipe.lhs.fmt.name} x {recipe.rhs.fmt.name}")
+    a, b = accelerator.cast_operands(a, b, operand_dtypes)
+    (ca, cb), (ba, bb) = dims
+    va, vb = accelerator.contraction_view(a, ba, ca), accelerator.contraction_view(b, bb, cb)
+    k = va.x.shape[va.axis]
+    h = None if recipe.hadamard is None else recipe.hadamard.block_size
+    kw = {"k_out": k if h is None else -(-k // h) * h, "hadamard_size": h, "signs": signs}
+    ops = ((va, recipe.lhs, k_lhs, LHS_CARRIER), (vb, recipe.rhs, k_rhs, RHS_CARRIER))
+    encoded = []
+    for view, op, key, carrier in ops:
+        def finish(v, amax_bits, op=op, carrier=carrier):
+            t, exact = carrier_window(amax_bits, op, carrier)
+            return encode_exact(v, t, carrier), (t, exact)
+
+        encoded.append(accelerator.mx_operand_values(view, op, key=key, finish=finish, **kw))
+    (qa, (ta, exact_a)), (qb, (tb, exact_b)) = encoded
+    contract = (((va.axis,), (vb.axis,)), (va.batch, vb.batch))
+
+    def fp8(a, b):
+        del a, b
+        out = lax.dot_general(qa, qb, contract, precision=lax.Precision.HIGHEST,
+                              preferred_element_type=jnp.float32)
+        out = _apply_pow2(out, ta + tb)
+        for op in (recipe.lhs, recipe.rhs):
+            if op.sr_prescale:
+                out = out * jnp.float32(SR_UNSCALE)
+        return out if out_dtype is None else out.astype(out_dtype)
+
+    def emulated(a, b):
+        out = accelerator.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs, signs, form="gpu")
+        return out if out_dtype is None else out.astype(out_dtype)
+
+    return lax.cond(exact_a & exact_b, fp8, emulated, a, b)
+
+
+def mx_dot_fp8(lhs_q, rhs_q) -> jax.Array:
+    """f32 [lhs free, rhs free] (or batched): `mxjax.kernels.mx_dot` of two MXFP4 MXArrays
+    by the 'xla_fp8' route (the dot of the dequantized operands at HIGHEST where a block
+    is outside its carrier's window)."""
+    from mxjax.quantization import dequantize  # the MXArray API, above this module
+
+    def operand(q, carrier):
+        scale = q.scales.astype(jnp.int32)
+        nb = scale.shape[q.axis]
+        v = dequantize(q, jnp.float32)
+        blocks = _bits.f32_bits(jnp.where(jnp.isnan(v), 0.0, v)) & _bits.ABS_MASK
+        pad = nb * accelerator.MX_BLOCK - v.shape[q.axis]
+        blocks = jnp.pad(blocks, [(0, pad if i == q.axis else 0) for i in range(v.ndim)])
+        shape = blocks.shape[:q.axis] + (nb, accelerator.MX_BLOCK) + blocks.shape[q.axis + 1:]
+        nonzero = jnp.max(blocks.reshape(shape), axis=q.axis + 1) != 0
+        t, exact = window_of_exponents(scale - 127, nonzero & (scale != 255), carrier)
+        return encode_exact(v, t, carrier), t, exact, v
+
+    qa, ta, exact_a, va = operand(lhs_q, LHS_CARRIER)
+    qb, tb, exact_b, vb = operand(rhs_q, RHS_CARRIER)
+    nbatch = len(lhs_q.shape) - 2
+    batch = tuple(range(nbatch))
+    dims = (((lhs_q.axis,), (rhs_q.axis,)), (batch, batch))
+
+    def fp8(qa, qb, va, vb):
+        out = lax.dot_general(qa, qb, dims, precision=lax.Precision.HIGHEST,
+                              preferred_element_type=jnp.float32)
+        return _apply_pow2(out, ta + tb)
+
+    def reference(qa, qb, va, vb):
+        return lax.dot_general(va, vb, dims, precision=lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
+
+    return lax.cond(exact_a & exact_b, fp8, reference, qa, qb, va, vb)
