@@ -46,8 +46,10 @@ def normalize(abs_bits: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
     abs_bits = abs_bits.astype(jnp.uint32)
     exp = (abs_bits >> 23).astype(jnp.int32)
     frac = abs_bits & 0x7FFFFF
-    # Subnormal: value = frac * 2^-149; leading one at bit p = 31 - clz(frac).
-    p = 31 - lax.clz(frac).astype(jnp.int32)
+    # Subnormal: value = frac * 2^-149; its leading one is at bit p = floor(log2(frac)),
+    # the exponent of float(frac) (exact: frac < 2^23). Not lax.clz: Pallas' GPU (Triton)
+    # lowering has no count-leading-zeros.
+    p = (f32_bits(frac.astype(jnp.int32).astype(jnp.float32)) >> 23).astype(jnp.int32) - 127
     shift = jnp.clip(23 - p, 0, 31).astype(jnp.uint32)
     sub_frac = (frac << shift) & 0x7FFFFF
     sub_exp = p - 22

@@ -86,8 +86,10 @@ class QuantSpec:
         object.__setattr__(self, "recipe", recipe)
 
 
-def _hadamard_tile(x, h: int, signs):
-    """mxjax.hadamard(x, h, axis=-1, signs) for a 2-D tile, op for op (see module doc)."""
+def _hadamard_tile(x, h: int, signs, out_dtype=None):
+    """mxjax.hadamard(x, h, axis=-1, signs) for a 2-D tile, op for op (see module doc).
+
+    ``out_dtype``: the rotated values' dtype (None: x's, as mxjax.hadamard returns)."""
     r, n = x.shape
     xb = x.astype(jnp.float32).reshape(r, n // h, h)
     if signs is not None:
@@ -102,7 +104,7 @@ def _hadamard_tile(x, h: int, signs):
         xb = jnp.swapaxes(jnp.stack([a + b, a - b], axis=-1), -1, -2).reshape(r, n // h, h)
         stride *= 2
     yb = xb * jnp.float32(1.0 / math.sqrt(h))
-    return yb.reshape(r, n).astype(x.dtype)
+    return yb.reshape(r, n).astype(x.dtype if out_dtype is None else out_dtype)
 
 
 def _quantize_tile(y, spec: QuantSpec, u, dtype=jnp.float32):
@@ -131,7 +133,7 @@ def _pack_tile(codes):
     return (lo | (hi << 4)).reshape(r, n // 2)
 
 
-def _fused_kernel(*refs, row, col, shape, tiles, flags):
+def _fused_kernel(*refs, row, col, shape, tiles, flags, value_dtype):
     n_rows, n_cols = shape
     br, bc = tiles
     it = iter(refs)
@@ -143,6 +145,8 @@ def _fused_kernel(*refs, row, col, shape, tiles, flags):
     outs = list(it)
 
     x = x_ref[...]
+    if value_dtype is not None:
+        x = x.astype(value_dtype)
     if (row is not None and row.hadamard) or (col is not None and col.hadamard):
         i, j = pl.program_id(0), pl.program_id(1)
         rows = i * br + lax.broadcasted_iota(jnp.int32, (br, bc), 0)
@@ -190,6 +194,7 @@ def fused_quantize(
     block_rows: int = 128,
     block_cols: int = 128,
     interpret: bool | None = None,
+    value_dtype=None,
 ) -> tuple[MXArray | None, MXArray | None]:
     """Quantizes a 2-D array into a row-wise and/or a column-wise MX copy in one pass.
 
@@ -205,6 +210,9 @@ def fused_quantize(
       row_key, col_key: PRNG keys for STOCHASTIC rounding of each copy.
       block_rows, block_cols: tile size (powers of two, multiples of 32).
       interpret: run the Pallas interpreter (default: unless the backend is GPU).
+      value_dtype: None, or float32: quantize ``x.astype(float32)`` instead (the
+        rotation kept in f32 and the scale bounded by f32, as mxjax's GEMMs quantize
+        their f32 canonical operands), converted in the kernel, not materialized.
     Returns:
       (row MXArray with codes u8[R, pad32(C)/2 (FP4) or pad32(C)], scales u8[R, pad32(C)/32],
        axis=1; col MXArray with codes u8[pad32(R)/2 or pad32(R), C], scales u8[pad32(R)/32, C],
@@ -219,6 +227,8 @@ def fused_quantize(
         raise TypeError(f"x: expected float32, bfloat16 or float16, got {x.dtype}")
     if row is None and col is None:
         raise ValueError("row, col: ask for at least one copy")
+    if value_dtype is not None and jnp.dtype(value_dtype) != jnp.float32:
+        raise ValueError(f"value_dtype: expected None or float32, got {value_dtype!r}")
     for name, spec in (("row", row), ("col", col)):
         if spec is not None and not isinstance(spec, QuantSpec):
             raise TypeError(f"{name}: expected a QuantSpec or None, got {type(spec).__name__}")
@@ -289,8 +299,8 @@ def fused_quantize(
 
         params = plt.CompilerParams(num_warps=4, num_stages=1)
     kernel = functools.partial(
-        _fused_kernel, row=row, col=col, shape=(n_rows, n_cols), tiles=(br, bc), flags=flags
-    )
+        _fused_kernel, row=row, col=col, shape=(n_rows, n_cols), tiles=(br, bc), flags=flags,
+        value_dtype=None if value_dtype is None else jnp.float32)
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,

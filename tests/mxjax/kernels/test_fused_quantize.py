@@ -166,3 +166,27 @@ def test_errors(np_rng):
         fused_quantize(x, row="mxfp4")
     with pytest.raises(TypeError, match="recipe: expected an OperandRecipe"):
         QuantSpec(recipe=3)
+
+
+@pytest.mark.parametrize("rounding", [F.Rounding.NEAREST_EVEN, F.Rounding.STOCHASTIC])
+def test_value_dtype_f32_quantizes_the_f32_values_of_a_bf16_input(np_rng, rounding):
+    # What mxjax's GEMMs quantize: the f32 canonical operand, rotated in f32 (no bf16
+    # rounding after the Hadamard), its scale bounded by f32.
+    x = jnp.asarray(hard_matrix(np_rng, (64, 96), specials=False), jnp.bfloat16)
+    x = x.at[3, 5].set(jnp.nan).at[7, :32].set(jnp.bfloat16(2.0**120))
+    spec = QuantSpec(recipe=OperandRecipe(fmt=F.MXFP4, scale_rule=F.ScaleRule.EVEN,
+                                          rounding=rounding), hadamard=16)
+    signs = mxjax.fixed_signs(0, 16)
+    keys = jax.random.split(jax.random.key(3)) if rounding is F.Rounding.STOCHASTIC else (
+        None, None)
+    row, col = fused_quantize(x, row=spec, col=spec, row_signs=signs, col_signs=signs,
+                              row_key=keys[0], col_key=keys[1], block_rows=32, block_cols=32,
+                              value_dtype=jnp.float32)
+    x32 = x.astype(jnp.float32)
+    assert_same_mx(row, _reference(x32, spec, 1, signs, key=keys[0]))
+    assert_same_mx(col, _reference(x32, spec, 0, signs, key=keys[1]))
+    # ...which is not what the bf16 input's own quantization gives (the rotation rounds).
+    plain, _ = fused_quantize(x, row=spec, row_signs=signs, row_key=keys[0])
+    assert not np.array_equal(np.asarray(plain.codes), np.asarray(row.codes))
+    with pytest.raises(ValueError, match="value_dtype: expected None or float32"):
+        fused_quantize(x, row=spec, value_dtype=jnp.bfloat16)
