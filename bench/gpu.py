@@ -25,12 +25,14 @@ after every section when --table-out is given it is rewritten there):
   ceilings. Device copy bandwidth (bytes read + written) and bf16 GEMM TFLOP/s at 8192^3.
   layer8b. One Llama 3.1-8B decoder layer's train step (bench/programs.py's `layer_8b`:
      loss and gradients w.r.t. the layer's parameters and input, micro-batch 1, seq 8192)
-     under each --layer-policies row (POLICY[@BACKEND][/ATTENTION]; default LAYER_ROWS:
+     under each --layer-policies row (POLICY[@BACKEND][/ATTENTION][?]; default LAYER_ROWS:
      bf16 with fused and with explicit attention, fp8, mxfp4_all_h16 with the XLA
-     emulation and with every GEMM on 'xla_fp8', nvfp4). All rows are compiled first (a
-     row that cannot be built or compiled says why), then timed in interleaved rounds
-     (one call per row per round, the rows' order rotating), median of >= 5 rounds;
-     ms and ratio to the first bf16/fused row, compile seconds and XLA's temp memory.
+     emulation and with every GEMM on 'xla_fp8', nvfp4 if time remains). All rows are
+     compiled first (a row that cannot be built or compiled says why), then timed in
+     interleaved rounds (one call per row per round, the rows' order rotating), median of
+     >= 5 rounds; ms and ratio to the bf16/fused row, compile seconds, XLA's temp memory.
+     A row marked '?' is compiled after those rounds, if its compile fits the deadline,
+     then all rows are timed in further rounds (the table is whole before it starts).
   quantize (not in the default set). The fused Pallas kernel's GB/s (row; row+column; with
      H16), its fraction of the copy bandwidth, and mxjax.quantize under XLA.
   gemm. MXFP4 GEMM TFLOP/s at 8192^3 and the Llama-3.1-8B projection shapes (8192 tokens)
@@ -306,17 +308,18 @@ def ceilings(table: Table, sz: Sizes, deadline: float) -> float | None:
 # --------------------------------------------------------------------------- layer8b
 
 ATTENTION_IMPLS = ("fused", "explicit", "jax")  # models.llama.LlamaConfig.attention_impl
-LAYER_ROWS = "bf16/fused,bf16/explicit,fp8,mxfp4_all_h16,mxfp4_all_h16@xla_fp8,nvfp4"
+LAYER_ROWS = "bf16/fused,bf16/explicit,fp8,mxfp4_all_h16,mxfp4_all_h16@xla_fp8,nvfp4?"
 MIN_ROUNDS = 5
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerRow:
-    """One --layer-policies entry: POLICY[@BACKEND][/ATTENTION]."""
+    """One --layer-policies entry: POLICY[@BACKEND][/ATTENTION][?]."""
 
     policy: str  # as given: a mxjax.policies preset or alias ('bf16': 'passthrough')
     backend: str | None  # every GEMM's backend; None: the preset's own
     attention: str  # LlamaConfig.attention_impl
+    optional: bool = dataclasses.field(default=False, compare=False)  # '?': if time remains
 
     @property
     def preset(self) -> str:
@@ -334,12 +337,14 @@ class LayerRow:
 
     @property
     def label(self) -> str:
-        return f"{self.policy}{'@' + self.backend if self.backend else ''}/{self.attention}"
+        return (f"{self.policy}{'@' + self.backend if self.backend else ''}/{self.attention}"
+                f"{'?' if self.optional else ''}")
 
 
 def parse_layer_rows(text: str) -> list[LayerRow]:
-    """--layer-policies: comma-separated POLICY[@BACKEND][/ATTENTION] (attention default
-    'fused'). The policy must be a preset; the backend is not checked here (a backend this
+    """--layer-policies: comma-separated POLICY[@BACKEND][/ATTENTION][?] (attention default
+    'fused'; a trailing '?': compiled only after the other rows have been timed, if time
+    remains). The policy must be a preset; the backend is not checked here (a backend this
     mxjax does not know is that row's error, not the run's)."""
     from mxjax import policies
 
@@ -347,7 +352,8 @@ def parse_layer_rows(text: str) -> list[LayerRow]:
     for item in (t.strip() for t in text.split(",")):
         if not item:
             continue
-        rest, _, attention = item.partition("/")
+        optional = item.endswith("?")
+        rest, _, attention = item.removesuffix("?").partition("/")
         policy, _, backend = rest.partition("@")
         attention = attention or "fused"
         if attention not in ATTENTION_IMPLS:
@@ -362,7 +368,8 @@ def parse_layer_rows(text: str) -> list[LayerRow]:
         except (KeyError, ValueError, TypeError) as e:
             raise ValueError(f"--layer-policies: {item!r}: unknown policy {policy!r} "
                              f"({type(e).__name__}: {e})") from None
-        row = LayerRow(policy=policy, backend=backend or None, attention=attention)
+        row = LayerRow(policy=policy, backend=backend or None, attention=attention,
+                       optional=optional)
         if row not in rows:  # a repeated row would be timed once anyway
             rows.append(row)
     if not rows:
@@ -435,7 +442,8 @@ def layer8b_section(table: Table, sz: Sizes, deadline: float, rows_spec: list[La
             base_note = f"ratio to {r.label} (no bf16/fused)" if r else "no bf16 row timed"
         out = []
         for row in rows_spec:
-            cells = (row.policy, row.backend or "-", row.attention)
+            cells = (row.policy + ("?" if row.optional else ""), row.backend or "-",
+                     row.attention)
             e = live.get(row)
             if e is None or row in why or not e["times"]:
                 note = why.get(row, f"compiled, not timed yet (warm call {e['call'] * 1e3:.2f} "
@@ -455,21 +463,21 @@ def layer8b_section(table: Table, sz: Sizes, deadline: float, rows_spec: list[La
                                 note.strip("; ")))
         rows[1:] = out + program_note
 
-    publish(False)
-    for row in rows_spec:
+    def compile_row(row: LayerRow) -> None:
         # Leave time for the rounds: each compiled row, and this one, MIN_ROUNDS calls.
         calls = [e["call"] for e in live.values()]
         reserve = MIN_ROUNDS * (sum(calls) + max(calls, default=0.0)) + 1.0
         if not pace.ok(reserve):
             why[row] = SKIPPED
-            continue
+            return
         log(f"layer8b: building and compiling {row.label}")
         t = time.perf_counter()
         try:
             fn, abstract, what = _layer_program(row, sz)
             note = (f"program: {what} (bench/programs.py layer_program); GEMM backend '-': "
                     "the preset's own; ms: median of the interleaved rounds, one call per row "
-                    "per round")
+                    "per round; rows marked ? were compiled after the others were timed, then "
+                    "all were timed in further rounds")
             program_note[:] = [note]
             sig = _arg_signature(abstract)
             if sig not in args_cache:
@@ -491,22 +499,35 @@ def layer8b_section(table: Table, sz: Sizes, deadline: float, rows_spec: list[La
         finally:
             pace.took(time.perf_counter() - t)
         publish(False)
-    order = list(live)
-    for r in range(sz.layer_rounds):
-        if r >= MIN_ROUNDS and elapsed() > deadline:
-            break
-        k = r % len(order) if order else 0
-        for row in order[k:] + order[:k]:  # the rows' order rotates round by round
-            if row in why:
-                continue  # failed in an earlier round
-            e = live[row]
-            try:
-                tc = time.perf_counter()
-                jax.block_until_ready(e["fn"](*e["args"]))
-                e["times"].append(time.perf_counter() - tc)
-            except Exception as err:  # noqa: BLE001 - reported in the table
-                why[row] = short_error(err)
-        publish(False)
+
+    def rounds() -> None:
+        order = [r for r in live if r not in why]
+        for n in range(sz.layer_rounds):
+            if n >= MIN_ROUNDS and elapsed() > deadline:
+                break
+            k = n % len(order) if order else 0
+            for row in order[k:] + order[:k]:  # the rows' order rotates round by round
+                if row in why:
+                    continue  # failed in an earlier round
+                e = live[row]
+                try:
+                    tc = time.perf_counter()
+                    jax.block_until_ready(e["fn"](*e["args"]))
+                    e["times"].append(time.perf_counter() - tc)
+                except Exception as err:  # noqa: BLE001 - reported in the table
+                    why[row] = short_error(err)
+            publish(False)
+
+    publish(False)
+    for row in rows_spec:
+        if not row.optional:
+            compile_row(row)
+    rounds()
+    for row in rows_spec:
+        if row.optional:
+            compile_row(row)
+            if row in live:
+                rounds()
     publish(True)
     stats = jax.devices()[0].memory_stats() or {}  # None on CPU
     if "peak_bytes_in_use" in stats:

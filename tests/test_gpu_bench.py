@@ -18,6 +18,7 @@ def test_default_layer_rows():
         ("mxfp4_all_h16", None, "fused"), ("mxfp4_all_h16", "xla_fp8", "fused"),
         ("nvfp4", None, "fused")]
     assert [r.is_baseline for r in rows] == [True] + [False] * 5
+    assert [r.optional for r in rows] == [False] * 5 + [True]  # nvfp4: if time remains
     assert rows[0].preset == "passthrough"  # 'bf16' is the deprecated alias
 
 
@@ -89,3 +90,15 @@ def test_layer8b_ratio_falls_back_to_another_bf16_row_and_says_so():
     cells = dict(zip(rows[0], rows[1]))
     assert cells["vs bf16/fused"] == " 1.00x"
     assert cells["note"] == "ratio to bf16/explicit (no bf16/fused)"
+
+
+def test_layer8b_optional_row_is_compiled_after_the_first_rounds():
+    table = gpu.Table()
+    rows_spec = gpu.parse_layer_rows("bf16?,bf16/explicit")
+    gpu.layer8b_section(table, gpu.SMOKE, time.perf_counter() - gpu.T0 + 600.0, rows_spec)
+    (_, rows), = table.sections
+    got = {r[2]: dict(zip(rows[0], r)) for r in rows[1:3]}
+    rounds = gpu.SMOKE.layer_rounds
+    assert got["fused"]["n"] == str(rounds)  # only the rounds after its compile
+    assert got["explicit"]["n"] == str(2 * rounds)  # before it and after it
+    assert got["fused"]["vs bf16/fused"] == " 1.00x"
