@@ -51,8 +51,10 @@ def layer_program(policy_name: str, batch: int = 1, seq: int = 2048, *, size: st
                   attention_impl: str | None = None):
     """(fn, abstract args): bench/export_shape.py's decoder-layer train step.
 
-    ``size``: the LlamaConfig preset ('llama3_1b', 'llama3_8b'); ``attention_impl``: the
-    config's attention implementation (None: the config's default).
+    ``policy_name``: a preset name, or a PrecisionPolicy (bench/gpu.py's layer rows with
+    every GEMM's backend set); ``size``: the LlamaConfig preset ('llama3_1b',
+    'llama3_8b'; 'tiny' for CPU smoke runs); ``attention_impl``: the config's attention
+    implementation (None: the config's default).
     """
     from bench import export_shape
     from models.llama import LlamaConfig
