@@ -229,11 +229,11 @@ class Pace:
 # --------------------------------------------------------------------------- tests
 
 GPU_TEST_FILES = ("tests/mxjax/kernels/test_kernels_gpu.py", "tests/mxjax/test_fp8_gemm_gpu.py",
-                  "tests/models/test_fused_attention.py")
+                  "tests/models/test_fused_attention.py", "tests/mxjax/test_xla_fp8_gpu.py")
 # --quick-tests deselects these (node-id prefixes; a test added to the files still runs):
 # the fused-quantize kernel tests, the second GEMM shape, the batched Pallas GEMM, the FP8
 # tensor-core bound at K = 256 (K = 4096 stays).
-_KERNELS, _FP8, _ATTN = GPU_TEST_FILES
+_KERNELS, _FP8, _ATTN, _XLA_FP8 = GPU_TEST_FILES
 QUICK_TESTS_DESELECT = (
     f"{_KERNELS}::test_fused_quantize_bit_exact",
     f"{_KERNELS}::test_fused_quantize_stochastic",
