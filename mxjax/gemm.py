@@ -422,11 +422,11 @@ def _kernel_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key
         if backend == "xla":
             return emulated
         if backend == "xla_fp8":
-            # On GPUs the operands are quantized by the one-pass Pallas kernel (XLA splits
-            # the two-pass form's Hadamard into f32 intermediates); XLA:CPU keeps XLA's.
+            # XLA's two-pass quantizer everywhere: on an H200 the one-pass Pallas kernel
+            # (quantizer='pallas') ran 3x (row) to 10x (column) slower than it
+            # (bench/gpu_probe_xla_fp8.py, docs/PERFORMANCE.md).
             return functools.partial(_xla_fp8_gemm, dims=dims, recipe=recipe, key=key,
-                                     operand_dtypes=operand_dtypes, out_dtype=out_dtype,
-                                     quantizer="pallas" if platform == "gpu" else "xla")
+                                     operand_dtypes=operand_dtypes, out_dtype=out_dtype)
         return functools.partial(kernel, backend=backend, platform=platform)
 
     return per_platform(a, b, cpu=branch("cpu"), gpu=branch("gpu"), tpu=branch("tpu"))

@@ -1,0 +1,137 @@
+"""Where the xla_fp8 layer's time goes on a GPU (one-off probe for the lent H200).
+
+Times, interleaved (median of rounds after warm-up): the 8B layer (seq 8192, fwd+bwd) under
+bf16 (fused attention), mxfp4_all_h16 (emulation), fp8, and mxfp4_all_h16@xla_fp8 with the
+Pallas quantizer and with XLA's two-pass quantizer; then the quantize passes alone on a
+[8192, 14336] bf16 operand (Pallas fused_quantize row / col, XLA's form), and one cond.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax
+import jax.numpy as jnp
+
+import mxjax
+from bench import programs
+from mxjax import accelerator, accelerator_mx_fp8, policies
+from mxjax.kernels import QuantSpec, fused_quantize
+
+T0 = time.perf_counter()
+
+
+def log(msg):
+    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+
+def run(fn, args, n=1):
+    out = fn(*args)
+    jax.block_until_ready(out)
+    return out
+
+
+def timeit(fn, args, iters=5):
+    run(fn, args)
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        run(fn, args)
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def layer_rows(budget_s):
+    rows = {}
+    xla_quantizer = {"value": False}
+    orig_as_2d = accelerator_mx_fp8._as_2d
+
+    def as_2d(view):
+        return None if xla_quantizer["value"] else orig_as_2d(view)
+
+    accelerator_mx_fp8._as_2d = as_2d
+    specs = [("bf16", "passthrough", False), ("xla_fp8 pallas-q", "mxfp4_all_h16@xla_fp8", False),
+             ("xla_fp8 xla-q", "mxfp4_all_h16@xla_fp8", True), ("fp8", "fp8", False),
+             ("emulation", "mxfp4_all_h16", False)]
+    compiled = {}
+    args = None
+    for name, pol, xq in specs:
+        if time.perf_counter() - T0 > budget_s:
+            log(f"skip {name} (budget)")
+            continue
+        xla_quantizer["value"] = xq
+        fn, abstract = programs.program("layer_8b", pol, attention_impl="fused")
+        if args is None:
+            args = programs.concrete_args(abstract)
+        t = time.perf_counter()
+        try:
+            compiled[name] = jax.jit(fn).lower(*args).compile()
+        except Exception as e:  # noqa: BLE001
+            log(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        log(f"{name} compiled in {time.perf_counter() - t:.1f} s")
+    for _ in range(2):
+        for name, c in compiled.items():
+            run(c, args)
+    times = {name: [] for name in compiled}
+    for _ in range(5):
+        for name, c in compiled.items():
+            t = time.perf_counter()
+            run(c, args)
+            times[name].append(time.perf_counter() - t)
+    for name, ts in times.items():
+        rows[name] = statistics.median(ts)
+    base = rows.get("bf16")
+    for name, t in rows.items():
+        log(f"layer8b {name:18s} {t * 1e3:8.2f} ms  {t / base:5.2f}x bf16" if base else name)
+    return rows
+
+
+def quantize_rows():
+    x = (0.02 * jax.random.normal(jax.random.key(0), (8192, 14336))).astype(jnp.bfloat16)
+    op = policies.get("mxfp4_all_h16").fprop.lhs
+    signs = mxjax.fixed_signs(0, 16)
+    spec = QuantSpec(recipe=op, hadamard=16)
+    cases = {
+        "pallas row": jax.jit(lambda v: fused_quantize(v, row=spec, row_signs=signs,
+                                                       value_dtype=jnp.float32)[0].codes),
+        "pallas col": jax.jit(lambda v: fused_quantize(v, col=spec, col_signs=signs,
+                                                       value_dtype=jnp.float32)[1].codes),
+        "pallas row 64x256": jax.jit(lambda v: fused_quantize(
+            v, row=spec, row_signs=signs, value_dtype=jnp.float32, block_rows=64,
+            block_cols=256)[0].codes),
+        "pallas_operand row (+decode)": jax.jit(lambda v: accelerator_mx_fp8.pallas_operand(
+            v, 1, op, hadamard_size=16, signs=signs, key=None,
+            carrier=accelerator_mx_fp8.LHS_CARRIER)[0]),
+        "xla two-pass row (f8)": jax.jit(lambda v: accelerator.mx_operand_values(
+            accelerator.contraction_view(v, (), (1,)), op, k_out=14336, hadamard_size=16,
+            signs=signs, key=None, finish=lambda w, ab: (accelerator_mx_fp8.encode_exact(
+                w, accelerator_mx_fp8.carrier_window(ab, op, accelerator_mx_fp8.LHS_CARRIER)[0],
+                accelerator_mx_fp8.LHS_CARRIER), None))[0]),
+        "copy (x+1)": jax.jit(lambda v: v + 1),
+    }
+    for name, fn in cases.items():
+        try:
+            t = timeit(fn, (x,))
+            log(f"quantize {name:30s} {t * 1e6:9.1f} us  {2 * x.size / t / 1e9:7.0f} GB/s of input")
+        except Exception as e:  # noqa: BLE001
+            log(f"quantize {name}: {type(e).__name__}: {str(e)[:200]}")
+
+
+def cond_row():
+    x = jnp.ones((1024,), jnp.float32)
+    f = jax.jit(lambda v: jax.lax.cond(v[0] > 0, lambda u: u + 1, lambda u: u - 1, v))
+    g = jax.jit(lambda v: v + 1)
+    log(f"cond 1k: {timeit(f, (x,), 20) * 1e6:.1f} us vs plain {timeit(g, (x,), 20) * 1e6:.1f} us")
+
+
+if __name__ == "__main__":
+    log(f"jax {jax.__version__} {jax.devices()}")
+    quantize_rows()
+    cond_row()
+    layer_rows(float(sys.argv[1]) if len(sys.argv) > 1 else 200.0)
