@@ -60,7 +60,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("operand_recipe",),
         ("quantization", "rotation", "accelerator_values"),
         ("recipes", "accelerator_tpu"),
-        ("kernels", "accelerator", "accelerator_fp8"),
+        ("kernels", "accelerator", "accelerator_fp8", "accelerator_fp4"),
         ("gemm",),
         ("gemm_record",),
         ("interceptor",),

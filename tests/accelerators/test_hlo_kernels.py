@@ -89,3 +89,37 @@ def test_a_kernel_with_a_fused_producer_is_its_custom_call():
     assert k.bytes_read == 64 * 128 * 4 and k.bytes_written == 64 * 128 * 2
     assert [s.split("{")[0] for s in k.call_operands] == ["bf16[64,128]"]
     assert [s.split("{")[0] for s in hk.kernels(HLO)[3].call_operands] == ["f32[64,16]"]
+
+
+COND_HLO = """HloModule c, is_scheduled=true
+
+%on_true (p: (f32[8,8], f32[8,8])) -> f32[8,8] {
+  %p = (f32[8,8]{1,0}, f32[8,8]{1,0}) parameter(0)
+  %a = f32[8,8]{1,0} get-tuple-element(%p), index=0
+  %b = f32[8,8]{1,0} get-tuple-element(%p), index=1
+  ROOT %dt = f32[8,8]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%on_false (q: (f32[8,8], f32[8,8])) -> f32[8,8] {
+  %q = (f32[8,8]{1,0}, f32[8,8]{1,0}) parameter(0)
+  %c = f32[8,8]{1,0} get-tuple-element(%q), index=0
+  ROOT %n = f32[8,8]{1,0} negate(%c)
+}
+
+ENTRY %main (pred: pred[], x: f32[8,8], y: f32[8,8]) -> f32[8,8] {
+  %pred = pred[] parameter(0)
+  %x = f32[8,8]{1,0} parameter(1)
+  %y = f32[8,8]{1,0} parameter(2)
+  %t = (f32[8,8]{1,0}, f32[8,8]{1,0}) tuple(%x, %y)
+  ROOT %r = f32[8,8]{1,0} conditional(%pred, %t, %t), BRANCHES
+}
+""".replace("BRANCHES", "true_computation=%on_true, false_computation=%on_false")
+
+
+def test_a_predicate_conditionals_branches_are_walked():
+    """A bool-predicate conditional prints true_computation= / false_computation= (not
+    branch_computations=): both branches' kernels and GEMMs are seen."""
+    module = hk.parse_module(COND_HLO)
+    r = next(i for i in module.computations[module.entry] if i.opcode == "conditional")
+    assert r.called == ("on_true", "on_false")
+    assert [g[1:3] for g in hk.gemm_operand_types(COND_HLO)] == [("dot", ("f32", "f32"))]
