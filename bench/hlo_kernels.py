@@ -36,10 +36,9 @@ _ARRAY_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _HEADER_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _NAME_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 _OPERAND_RE = re.compile(r"%([\w.\-]+)")
-# A predicate conditional names its two branches true_computation= / false_computation=,
-# an indexed one branch_computations={...}.
-_CALLS_RE = re.compile(
-    r"\b(?:calls|body|condition|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+_CALLS_RE = re.compile(r"\b(?:calls|body|condition|to_apply)=%?([\w.\-]+)")
+# An indexed conditional names its branches branch_computations={...}, a predicate one
+# (lax.cond) true_computation= / false_computation=.
 _BRANCHES_RE = re.compile(r"branch_computations=\{([^}]*)\}")
 _PRED_BRANCHES_RE = re.compile(r"\b(true|false)_computation=%?([\w.\-]+)")
 _TARGET_RE = re.compile(r'custom_call_target="([^"]+)"')

@@ -44,6 +44,7 @@ from jax import lax
 
 from mxjax import _bits, accelerator
 from mxjax.formats import E2M1, E4M3, E5M2, ElementFormat
+from mxjax.quantization import dequantize
 from mxjax.scaling import SR_UNSCALE
 
 __all__ = [
@@ -55,7 +56,6 @@ __all__ = [
     "encode_exact",
     "mx_dot_fp8",
     "mx_gemm_fp8",
-    "pallas_operand",
     "takes_fp8_route",
     "window_of_exponents",
 ]
@@ -137,82 +137,8 @@ def _apply_pow2(out: jax.Array, e: jax.Array) -> jax.Array:
     return (out * _bits.pow2(half)) * _bits.pow2(e - half)
 
 
-def _e2m1_values(codes: jax.Array) -> jax.Array:
-    """f32 values of 4-bit E2M1 codes (uint8, one code per element)."""
-    mag = (codes & 7).astype(jnp.int32)
-    e, m = mag >> 1, (mag & 1).astype(jnp.float32)
-    v = jnp.where(e == 0, m * 0.5, (1.0 + m * 0.5) * _bits.pow2(jnp.maximum(e, 1) - 1))
-    return jnp.where((codes & 8) != 0, -v, v)
-
-
-def _unpack(packed: jax.Array, axis: int) -> jax.Array:
-    """uint8 codes two per byte along `axis` (the first in the low nibble) -> one per byte."""
-    pair = jnp.stack([packed & 15, packed >> 4], axis=axis + 1)
-    shape = list(packed.shape)
-    shape[axis] *= 2
-    return pair.reshape(shape)
-
-
-def pallas_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, signs, key,
-                   carrier: Carrier, interpret: bool = False):
-    """One 2-D operand by the one-pass Pallas quantizer, carried in FP8.
-
-    ``mxjax.kernels.fused_quantize`` (rotation, block amax, scale, rounding and packing in
-    one read of ``x2``, the f32 values of the GEMMs' canonical operands) writes the codes
-    and scale bytes; one elementwise pass turns them into ``q * 2^(s - t)`` in the
-    carrier. The codes and scales are `mxjax.quantize`'s bit for bit (the kernel's
-    tests), so the values are the emulation's.
-
-    Args:
-      x2: ``[R, K]`` (axis 1) or ``[K, C]`` (axis 0), K a multiple of the Hadamard size.
-      axis: the contraction axis (0 or 1).
-      op: the OperandRecipe (MXFP4).
-      hadamard_size, signs: the rotation, or None.
-      key: the rounding key (stochastic rounding) or None.
-      carrier: the FP8 format.
-      interpret: run the kernel in the Pallas interpreter (CPU tests).
-    Returns:
-      ``(q, (t, exact))``: q of the carrier's dtype, x2's shape with K padded to 32.
-    """
-    from mxjax.kernels import QuantSpec, fused_quantize  # Pallas: kept out of `import mxjax`
-
-    spec = QuantSpec(recipe=op, hadamard=hadamard_size)
-    kw = {"row": spec, "row_signs": signs, "row_key": key} if axis == 1 else {
-        "col": spec, "col_signs": signs, "col_key": key}
-    row_q, col_q = fused_quantize(x2, interpret=interpret, value_dtype=jnp.float32, **kw)
-    q = row_q if axis == 1 else col_q
-    codes = _unpack(q.codes, axis)
-    scale = q.scales.astype(jnp.int32)
-    s = jnp.repeat(scale, accelerator.MX_BLOCK, axis=axis) - 127
-    nonzero = jnp.max((q.codes & 0x77).reshape(_blocks_shape(q.codes.shape, axis)),
-                      axis=axis + 1) != 0
-    t, exact = window_of_exponents(scale - 127, nonzero & (scale != 255), carrier)
-    shift = jnp.clip(s - t, _MIN_EXP, _MAX_EXP)
-    v = _e2m1_values(codes) * _bits.pow2(shift)
-    v = jnp.where(jnp.repeat(scale == 255, accelerator.MX_BLOCK, axis=axis), jnp.nan, v)
-    return v.astype(carrier.dtype), (t, exact)
-
-
-def _blocks_shape(packed_shape, axis: int):
-    """The packed codes' shape with `axis` split into (blocks, 16 bytes)."""
-    shape = list(packed_shape)
-    nb = shape[axis] // (accelerator.MX_BLOCK // 2)
-    return tuple(shape[:axis]) + (nb, accelerator.MX_BLOCK // 2) + tuple(shape[axis + 1:])
-
-
-def _as_2d(view) -> tuple[jax.Array, int] | None:
-    """view.x as [rows, K] (axis 1) or [K, cols] (axis 0), or None when K is in the middle."""
-    x, p = view.x, view.axis
-    if p == x.ndim - 1:
-        return x.reshape(-1, x.shape[p]), 1
-    if p == 0:
-        return x.reshape(x.shape[0], -1), 0
-    return None
-
-
 def mx_gemm_fp8(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
-                operand_dtypes=None, out_dtype=None, quantizer: str = "xla",
-                interpret: bool = False) -> jax.Array:
+                operand_dtypes=None, out_dtype=None) -> jax.Array:
     """``dot_general(a, b, dims)`` under an MXFP4 recipe on FP8 GEMMs: f32, lax's layout.
 
     Same operands, keys and rotation as `mxjax.accelerator.mx_gemm` (form 'gpu'), whose
@@ -227,10 +153,6 @@ def mx_gemm_fp8(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
       out_dtype: the f32 result is cast to this in both branches (None: f32), so that
         XLA fuses the cast and the factors into the GEMM instead of writing f32 out of
         the conditional.
-      quantizer: 'xla' (`mxjax.accelerator.mx_operand_values`' two fusible passes) or
-        'pallas' (`pallas_operand`: the one-pass kernel, then one decode pass) for
-        operands whose contraction is their first or last axis (others take 'xla').
-      interpret: the Pallas quantizer in the interpreter (CPU tests).
     Returns:
       ``[batch..., lhs free..., rhs free...]`` (f32 or out_dtype), times each operand's
       SR unscale.
@@ -245,24 +167,8 @@ def mx_gemm_fp8(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
     h = None if recipe.hadamard is None else recipe.hadamard.block_size
     kw = {"k_out": k if h is None else -(-k // h) * h, "hadamard_size": h, "signs": signs}
     ops = ((va, recipe.lhs, k_lhs, LHS_CARRIER), (vb, recipe.rhs, k_rhs, RHS_CARRIER))
-    if quantizer not in ("xla", "pallas"):
-        raise ValueError(f"quantizer: expected 'xla' or 'pallas', got {quantizer!r}")
     encoded = []
     for view, op, key, carrier in ops:
-        flat = _as_2d(view) if quantizer == "pallas" else None
-        if flat is not None:
-            x2, axis = flat
-            pad = kw["k_out"] - x2.shape[axis]
-            if pad:
-                x2 = jnp.pad(x2, [(0, pad) if i == axis else (0, 0) for i in range(2)])
-            q, extra = pallas_operand(x2, axis, op, hadamard_size=h, signs=signs, key=key,
-                                      carrier=carrier, interpret=interpret)
-            q = lax.slice_in_dim(q, 0, kw["k_out"], axis=axis)
-            shape = list(view.x.shape)
-            shape[view.axis] = kw["k_out"]
-            encoded.append((q.reshape(shape), extra))
-            continue
-
         def finish(v, amax_bits, op=op, carrier=carrier):
             t, exact = carrier_window(amax_bits, op, carrier)
             return encode_exact(v, t, carrier), (t, exact)
@@ -292,8 +198,6 @@ def mx_dot_fp8(lhs_q, rhs_q) -> jax.Array:
     """f32 [lhs free, rhs free] (or batched): `mxjax.kernels.mx_dot` of two MXFP4 MXArrays
     by the 'xla_fp8' route (the dot of the dequantized operands at HIGHEST where a block
     is outside its carrier's window)."""
-    from mxjax.quantization import dequantize  # the MXArray API, above this module
-
     def operand(q, carrier):
         scale = q.scales.astype(jnp.int32)
         nb = scale.shape[q.axis]

@@ -366,7 +366,7 @@ def emulated_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, ke
 
 
 def _xla_fp8_gemm(a: jax.Array, b: jax.Array, *, dims: Dims, recipe: GemmRecipe, key,
-                  operand_dtypes=None, out_dtype=None, quantizer: str = "xla") -> jax.Array:
+                  operand_dtypes=None, out_dtype=None) -> jax.Array:
     """The 'xla_fp8' backend: MXFP4 operands carried exactly in FP8 on XLA's FP8 GEMM
     (`mxjax.accelerator_mx_fp8`), the emulation's result where they cannot be.
     [batch..., Fa, Fb], f32 or out_dtype (cast inside the route's branches, so that XLA
@@ -374,8 +374,7 @@ def _xla_fp8_gemm(a: jax.Array, b: jax.Array, *, dims: Dims, recipe: GemmRecipe,
     k_lhs, k_rhs, k_had = split_key(key if recipe.needs_key else None)
     signs = None if recipe.hadamard is None else rotation_signs(recipe.hadamard, k_had)
     out = accelerator_mx_fp8.mx_gemm_fp8(a, b, dims, recipe, k_lhs, k_rhs, signs,
-                                         operand_dtypes=operand_dtypes, out_dtype=out_dtype,
-                                         quantizer=quantizer)
+                                         operand_dtypes=operand_dtypes, out_dtype=out_dtype)
     (ca, cb), (ba, bb) = dims
     return out.reshape(out.shape[:len(ba)] + (_free_size(a, ba, ca), _free_size(b, bb, cb)))
 
@@ -422,9 +421,8 @@ def _kernel_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key
         if backend == "xla":
             return emulated
         if backend == "xla_fp8":
-            # XLA's two-pass quantizer everywhere: on an H200 the one-pass Pallas kernel
-            # (quantizer='pallas') ran 3x (row) to 10x (column) slower than it
-            # (bench/gpu_probe_xla_fp8.py, docs/PERFORMANCE.md).
+            # XLA's two-pass quantizer on every platform: on an H200 the one-pass Pallas
+            # kernel (mxjax.kernels.fp8_operand) ran 3x (row) to 10x (column) slower.
             return functools.partial(_xla_fp8_gemm, dims=dims, recipe=recipe, key=key,
                                      operand_dtypes=operand_dtypes, out_dtype=out_dtype)
         return functools.partial(kernel, backend=backend, platform=platform)

@@ -41,7 +41,9 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     #  - the emulated GEMM's accelerator forms: their f32-scaled MX values
     #    (accelerator_values), the TPU kernel (accelerator_tpu), then the in-place
     #    operands and GEMM (accelerator), which mxjax.gemm calls; beside it the CUDA
-    #    form of the FP8 recipes (accelerator_fp8: f8 operands on FP8 tensor cores).
+    #    form of the FP8 recipes (accelerator_fp8: f8 operands on FP8 tensor cores) and
+    #    the NVFP4 re-encoding of MXFP4 (accelerator_fp4); above them the 'xla_fp8'
+    #    route (accelerator_mx_fp8: the in-place MX operands carried in FP8).
     #  - kernels sit above recipes (they take the backend names from mxjax.recipes)
     #    and below mxjax.gemm (one GEMM under a recipe), their only caller, which
     #    imports them lazily so that `import mxjax` stays free of Pallas.
@@ -60,7 +62,9 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("operand_recipe",),
         ("quantization", "rotation", "accelerator_values"),
         ("recipes", "accelerator_tpu"),
-        ("kernels", "accelerator", "accelerator_fp8", "accelerator_fp4"),
+        ("accelerator", "accelerator_fp8", "accelerator_fp4"),
+        ("accelerator_mx_fp8",),
+        ("kernels",),
         ("gemm",),
         ("gemm_record",),
         ("interceptor",),

@@ -118,8 +118,14 @@ ENTRY %main (pred: pred[], x: f32[8,8], y: f32[8,8]) -> f32[8,8] {
 
 def test_a_predicate_conditionals_branches_are_walked():
     """A bool-predicate conditional prints true_computation= / false_computation= (not
-    branch_computations=): both branches' kernels and GEMMs are seen."""
+    branch_computations=): both are its called computations, and the roofline charges the
+    true branch (mxjax's exact routes' fast path) only."""
     module = hk.parse_module(COND_HLO)
     r = next(i for i in module.computations[module.entry] if i.opcode == "conditional")
     assert r.called == ("on_true", "on_false")
+    assert r.charged == ("on_true",)
     assert [g[1:3] for g in hk.gemm_operand_types(COND_HLO)] == [("dot", ("f32", "f32"))]
+    assert [k.name for k in hk.kernels(COND_HLO)] == ["dt"]  # the false branch's negate: not
+    swapped = COND_HLO.replace("true_computation=%on_true, false_computation=%on_false",
+                               "true_computation=%on_false, false_computation=%on_true")
+    assert [k.name for k in hk.kernels(swapped)] == ["n"] and not hk.gemm_operand_types(swapped)

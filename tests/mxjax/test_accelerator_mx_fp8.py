@@ -280,35 +280,38 @@ def test_policy_at_backend_names():
 
 
 @pytest.mark.parametrize("preset", ["mxfp4_all_h16", "mxfp4_all_sr"])
-@pytest.mark.parametrize("layout", ["xw", "xT_w", "batched"])
-def test_pallas_quantizer_gives_the_same_gemm_bit_for_bit(preset, layout):
-    # The GPU form's one-pass kernel (interpreted here) and XLA's two-pass form carry the
-    # same values (the batched rhs, contracted in the middle, takes XLA's form in both).
-    shape_a, shape_b, dims = DIMS[layout]
-    a, b = _operands(shape_a, shape_b, seed=6, dtype=jnp.bfloat16)
-    recipe = _recipe(preset)
-    signs = mxjax.fixed_signs(0, 16) if recipe.hadamard else None
-    k1, k2 = jax.random.split(jax.random.key(8)) if recipe.needs_key else (None, None)
-    pallas = M.mx_gemm_fp8(a, b, dims, recipe, k1, k2, signs, quantizer="pallas",
-                           interpret=True)
-    chex.assert_trees_all_equal(pallas, M.mx_gemm_fp8(a, b, dims, recipe, k1, k2, signs))
-    chex.assert_trees_all_equal(pallas, _emulation_keyed(a, b, dims, recipe, signs, k1, k2))
+@pytest.mark.parametrize("axis", [0, 1])
+def test_pallas_fp8_operand_is_the_xla_forms_bit_for_bit(preset, axis):
+    # The one-pass kernel (interpreted here) carries the same values, shift and flag as
+    # the route's XLA form.
+    from mxjax.kernels.fp8_operand import fp8_operand
+
+    x = jax.random.normal(jax.random.key(6), (48, 96) if axis == 1 else (96, 40))
+    x = x.astype(jnp.bfloat16)
+    op = _recipe(preset).lhs
+    signs = mxjax.fixed_signs(0, 16)
+    key = jax.random.key(8) if op.needs_key else None
+    q, (t, exact) = fp8_operand(x, axis, op, hadamard_size=16, signs=signs, key=key,
+                                carrier=M.LHS_CARRIER, interpret=True)
+    view = accelerator.contraction_view(x, (), (axis,))
+    want, (t2, exact2) = accelerator.mx_operand_values(
+        view, op, k_out=96, hadamard_size=16, signs=signs, key=key,
+        finish=lambda v, ab: (M.encode_exact(v, M.carrier_window(ab, op, M.LHS_CARRIER)[0],
+                                             M.LHS_CARRIER),
+                              M.carrier_window(ab, op, M.LHS_CARRIER)))
+    assert (int(t), bool(exact)) == (int(t2), bool(exact2))
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(want).view(np.uint8))
 
 
-def _emulation_keyed(a, b, dims, recipe, signs, k1, k2):
-    return accelerator.mx_gemm(a, b, dims, recipe, k1, k2, signs, form="gpu")
+def test_pallas_fp8_operand_decodes_codes_and_nan_blocks():
+    from mxjax.kernels.fp8_operand import fp8_operand
 
-
-def test_pallas_quantizer_decodes_codes_and_nan_blocks():
     x = jax.random.normal(jax.random.key(9), (8, 64)).at[2, 40].set(jnp.nan)
     op = policies.get("mxfp4_all").fprop.lhs
-    q, (t, exact) = M.pallas_operand(x, 1, op, hadamard_size=None, signs=None, key=None,
-                                     carrier=M.LHS_CARRIER, interpret=True)
+    q, (t, exact) = fp8_operand(x, 1, op, hadamard_size=None, signs=None, key=None,
+                                carrier=M.LHS_CARRIER, interpret=True)
     assert bool(exact) and q.dtype == jnp.float8_e5m2
     v = np.asarray(q.astype(jnp.float32), np.float64) * 2.0 ** int(t)
     want = np.asarray(ref.fake_quantize(np.asarray(x), "mxfp4", 1, scale_rule="even"))
     np.testing.assert_array_equal(np.isnan(v), np.isnan(want))
     np.testing.assert_array_equal(v[~np.isnan(v)], want[~np.isnan(want)])
-    with pytest.raises(ValueError, match="quantizer: expected 'xla' or 'pallas'"):
-        M.mx_gemm_fp8(x, x.T, (((1,), (0,)), ((), ())), _recipe("mxfp4_all"), None, None,
-                      None, quantizer="triton")

@@ -55,8 +55,8 @@ def test_fp8_route_is_within_the_device_bound(k):
     a = rng.standard_normal((512, k)).astype(np.float32)
     b = (rng.standard_normal((k, 384)) * np.exp(rng.uniform(-3, 3, (1, 384)))).astype(np.float32)
     dims = (((1,), (0,)), ((), ()))
-    c = jax.jit(lambda a, b: M.mx_gemm_fp8(a, b, dims, RECIPE, None, None, SIGNS,
-                                           quantizer="pallas"))(jnp.asarray(a), jnp.asarray(b))
+    c = jax.jit(lambda a, b: M.mx_gemm_fp8(a, b, dims, RECIPE, None, None, SIGNS))(
+        jnp.asarray(a), jnp.asarray(b))
     aq, bq = _quantized(a), _quantized(b.T).T
     exact, mag = aq @ bq, np.abs(aq) @ np.abs(bq)
     err = np.abs(np.asarray(c, np.float64) - exact)
@@ -71,8 +71,7 @@ def test_past_the_window_the_route_is_the_emulation_on_the_gpu():
     a = jnp.asarray(rng.standard_normal((256, 512)), jnp.float32).at[0, :32].multiply(2.0**40)
     b = jnp.asarray(rng.standard_normal((512, 128)), jnp.float32)
     dims = (((1,), (0,)), ((), ()))
-    route = jax.jit(lambda a, b: M.mx_gemm_fp8(a, b, dims, RECIPE, None, None, SIGNS,
-                                               quantizer="pallas"))(a, b)
+    route = jax.jit(lambda a, b: M.mx_gemm_fp8(a, b, dims, RECIPE, None, None, SIGNS))(a, b)
     emu = jax.jit(lambda a, b: accelerator.mx_gemm(a, b, dims, RECIPE, None, None, SIGNS))(a, b)
     # Two programs may get different GEMM algorithms: equal up to f32 summation order.
     aq, bq = _quantized(a), _quantized(b.T).T
