@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mxjax import accelerator, accelerator_fp8, accelerator_mx_fp8
+from mxjax import accelerator, accelerator_fp4, accelerator_fp8, accelerator_mx_fp8
 from mxjax._platform import cpu_barrier, cuda_or_other, per_platform
 from mxjax.accelerator import cast_operands
 from mxjax.dimensions import Dims, free_axes
@@ -379,6 +379,17 @@ def _xla_fp8_gemm(a: jax.Array, b: jax.Array, *, dims: Dims, recipe: GemmRecipe,
     return out.reshape(out.shape[:len(ba)] + (_free_size(a, ba, ca), _free_size(b, bb, cb)))
 
 
+def _xla_fp4_gemm(a: jax.Array, b: jax.Array, *, dims: Dims, recipe: GemmRecipe, key,
+                  operand_dtypes=None, out_dtype=None) -> jax.Array:
+    """The 'xla_fp4' backend: the canonical operands quantized by `mxjax.quantize` and
+    re-encoded exactly as NVFP4 for XLA's block-scaled dot (`mxjax.accelerator_fp4`), the
+    dequantized operands' f32 dot where they cannot be. [batch..., Fa, Fb]."""
+    a, b = cast_operands(a, b, operand_dtypes)
+    a3, b3, k_lhs, k_rhs = quantizer_operands(*canonical_operands(a, b, dims), recipe, key)
+    out = accelerator_fp4.fp4_block_scaled_dot(a3, b3, recipe, k_lhs, k_rhs)
+    return out if out_dtype is None else out.astype(out_dtype)
+
+
 def _kernel_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key,
                  gemm_name: str, operand_dtypes=None, out_dtype=None) -> jax.Array:
     """Kernel backends ('pallas', 'pallas_fp8', 'triton', 'auto'): packed operands + mx_dot.
@@ -420,6 +431,9 @@ def _kernel_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key
             return lambda a, b: kernels.unavailable(why, out.shape, out.dtype, a, b)
         if backend == "xla":
             return emulated
+        if backend == "xla_fp4":
+            return functools.partial(_xla_fp4_gemm, dims=dims, recipe=recipe, key=key,
+                                     operand_dtypes=operand_dtypes, out_dtype=out_dtype)
         if backend == "xla_fp8":
             # XLA's two-pass quantizer on every platform: on an H200 the one-pass Pallas
             # kernel (mxjax.kernels.fp8_operand) ran 3x (row) to 10x (column) slower.

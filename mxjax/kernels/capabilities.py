@@ -205,6 +205,15 @@ def capabilities_for(chip: Chip) -> Capabilities:
     else:
         reasons["xla_fp8"] = (f"needs FP8 matrix units with XLA FP8 GEMMs (NVIDIA sm_89+); "
                               f"device is {kind!r}")
+    # XLA's block-scaled dot: cuDNN's FP4 MMA on Blackwell; XLA:CPU expands it (tests).
+    if platform == "cpu" or (platform == "gpu" and not is_amd and cc is not None
+                             and cc >= (10, 0)):
+        reasons["xla_fp4"] = ""
+    else:
+        reasons["xla_fp4"] = (f"needs block-scaled FP4 MMA reached by XLA (cuDNN, NVIDIA "
+                              f"Blackwell sm_100+); device is {kind or 'unknown'!r}"
+                              + (" (an unknown GPU: trace under the target's abstract mesh)"
+                                 if platform == "gpu" and not kind else ""))
     if pallas_mode is None:
         reasons["pallas"] = ("the Pallas kernels target Triton (GPU) or the interpreter (CPU), "
                              f"not {platform}")

@@ -257,7 +257,8 @@ def mx_dot(lhs_q: MXArray, rhs_q: MXArray, *, backend: str = "xla", interpret: b
     Args:
       lhs_q, rhs_q: MXArrays from mxjax.quantize / fused_quantize. 'xla' takes
         any quantized format; the kernel backends take MXFP4 x MXFP4.
-      backend: 'xla' | 'xla_fp8' | 'pallas' | 'pallas_fp8' | 'triton' | 'auto'. 'auto' uses
+      backend: 'xla' | 'xla_fp8' | 'pallas' | 'pallas_fp8' | 'triton' | 'auto' ('xla_fp4'
+        raises: it is a GEMM recipe's backend only). 'auto' uses
         `auto_backend` and, for formats the chosen kernel lacks, 'xla'. An
         explicit kernel backend raises if it cannot run here or lacks the formats.
       interpret: force (or forbid) the Pallas interpreter; default: interpret unless
@@ -271,12 +272,16 @@ def mx_dot(lhs_q: MXArray, rhs_q: MXArray, *, backend: str = "xla", interpret: b
     backend = backend_for_formats(backend, lhs_q.fmt, rhs_q.fmt, where="mx_dot", caps=caps)
     if interpret is None:
         interpret = caps.platform != "gpu"
-    if len(lhs_q.shape) > 2 and backend != "xla_fp8":
+    if len(lhs_q.shape) > 2 and backend not in ("xla_fp8", "xla_fp4"):
         return _batched(lhs_q, rhs_q, backend, interpret, tiles)
     if backend == "xla":
         return mx_dot_reference(lhs_q, rhs_q)
     if backend == "xla_fp8":
         return accelerator_mx_fp8.mx_dot_fp8(lhs_q, rhs_q)
+    if backend == "xla_fp4":
+        raise ValueError("mx_dot: backend 'xla_fp4' quantizes canonical operands itself; it "
+                         "runs as a GEMM recipe's backend (mxjax.dot_general), not on "
+                         "MXArrays: use backend='xla' or 'xla_fp8' here")
     a, sa, b, sb, (m, n, _) = C.canonical_operands(lhs_q, rhs_q)
     return _kernel(backend, a, sa, b, sb, m, n, interpret, tiles)
 

@@ -334,3 +334,50 @@ def test_the_full_window_is_exact_and_on_the_mma_branch():
     assert {0x01, 0x02, 0x04} <= used and max(used) == 0x78  # 2^-9, 2^-8, 2^-7 .. 2^8
     np.testing.assert_array_equal(np.asarray(mxjax.dequantize(quantize_with(a3, MXFP4))), a3)
     assert _on_mma(a3, b3)
+
+
+# --- the 'xla_fp4' backend: this route as a GEMM recipe's backend -------------------------
+
+
+def test_backend_through_the_policy_fwd_and_bwd_equals_the_emulation_on_cpu():
+    import chex
+
+    import mxjax
+    from mxjax import policies
+
+    x = jax.random.normal(jax.random.key(0), (64, 96)).astype(jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (96, 48)).astype(jnp.bfloat16)
+    dims = (((1,), (0,)), ((), ()))
+
+    def grads(policy):
+        def loss(x, w):
+            y = mxjax.dot_general(x, w, dims, policy=policy)
+            return jnp.sum(jnp.square(y.astype(jnp.float32)))
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
+
+    # XLA:CPU expands the block-scaled dot into exact f32 products summed in f32, as the
+    # emulation's dot: the same values here.
+    chex.assert_trees_all_equal(grads(policies.get("mxfp4_all_h16@xla_fp4")),
+                                grads(policies.get("mxfp4_all_h16")))
+
+
+@pytest.mark.parametrize("kind,cc,ok", [
+    ("NVIDIA B200", (10, 0), True), ("NVIDIA GB300", (10, 3), True),
+    ("NVIDIA H200", (9, 0), False), ("", None, False), ("AMD Instinct MI355X", None, False)])
+def test_capabilities_of_xla_fp4(kind, cc, ok):
+    from mxjax.kernels import Chip, capabilities_for
+
+    caps = capabilities_for(Chip(platform="gpu", device_kind=kind, compute_capability=cc))
+    assert caps.can_run("xla_fp4") == ok, caps.reason("xla_fp4")
+    assert capabilities_for(Chip(platform="cpu", device_kind="cpu")).can_run("xla_fp4")
+    tpu = capabilities_for(Chip(platform="tpu", device_kind="TPU v5 lite"))
+    assert "Blackwell" in tpu.reason("xla_fp4")
+
+
+def test_mx_dot_refuses_xla_fp4_with_a_reason():
+    import mxjax
+    from mxjax.kernels import mx_dot
+
+    q = mxjax.quantize(jnp.ones((8, 64)), mxjax.MXFP4, axis=1)
+    with pytest.raises(ValueError, match="xla_fp4.*GEMM recipe"):
+        mx_dot(q, q, backend="xla_fp4")
