@@ -19,6 +19,16 @@ the PTX is available:
 
     pip install -e '.[aot-gpu,gpu]' 'triton==3.9.0'
     python bench/native_fp4.py [--targets b200,h200] [--paths ...] [--size 4096]
+    python bench/native_fp4.py --targets mi355x,mi300x --paths triton
+
+AMD targets (``mi355x``: gfx950, block-scaled FP4 MFMA; ``mi300x``: gfx942, none) take
+the ``triton`` path only: Triton's AMD backend (in every triton wheel) compiles the
+kernel to AMDGCN without a GPU. XLA's deviceless ROCm compile needs the jax-rocm7 PJRT
+plugin and the ROCm runtime libraries it links to, which pip does not install; the
+other paths are reported as not tried (docs/PERFORMANCE.md, "MI355X (gfx950),
+deviceless"). Counted in the AMDGCN: ``v_mfma_scale_f32_{32x32x64,16x16x128}_f8f6f4``
+(gfx950's block-scaled MFMA), those with both operands E2M1 (``cbsz:4 blgp:4``), and
+every other ``v_mfma``.
 
 XLA's deviceless GPU compile writes no PTX (``xla_dump_to`` has the HLO and the
 thunk sequence; the executable keeps the cubin compressed), so the PTX columns
@@ -61,6 +71,17 @@ INSTRUCTIONS = (
     ("e4m3 operands", r"\.e4m3\b"),
 )
 _COMPUTE_CAPABILITY = {"b200": 100, "h200": 90, "h100": 90}
+# AMD targets -> HIP architecture (wavefront 64). Compiled by Triton's AMD backend only.
+AMD_TARGETS = {"mi355x": "gfx950", "mi300x": "gfx942"}
+# AMDGCN patterns: (label, regex). cbsz/blgp give the A/B formats; 4 is E2M1.
+AMD_INSTRUCTIONS = (
+    ("v_mfma_scale 32x32x64", r"\bv_mfma_scale_f32_32x32x64_f8f6f4\b"),
+    ("v_mfma_scale 16x16x128", r"\bv_mfma_scale_f32_16x16x128_f8f6f4\b"),
+    ("e2m1 x e2m1 (cbsz:4 blgp:4)", r"\bv_mfma_scale_\w+[^\n]*\bcbsz:4 blgp:4\b"),
+    ("other v_mfma", r"\bv_mfma_(?!scale_)\w+"),
+)
+_AMD_NOT_TRIED = ("not tried: XLA's deviceless ROCm compile needs the ROCm runtime "
+                  "libraries (docs/PERFORMANCE.md, 'MI355X (gfx950), deviceless')")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,7 +91,7 @@ class Result:
     ok: bool
     error: str
     kernels: tuple[str, ...]  # custom-call targets / GEMM categories of the optimized program
-    instructions: dict[str, int] | None  # None: no PTX to read
+    instructions: dict[str, int] | None  # None: no PTX / AMDGCN to read
 
 
 def _packed(m: int, n: int, k: int):
@@ -128,15 +149,30 @@ def count_instructions(ptx: str) -> dict[str, int]:
     return {label: len(re.findall(rx, ptx)) for label, rx in INSTRUCTIONS}
 
 
+def count_amd_instructions(amdgcn: str) -> dict[str, int]:
+    return {label: len(re.findall(rx, amdgcn)) for label, rx in AMD_INSTRUCTIONS}
+
+
+def amd_unavailable_reason() -> str | None:
+    """None if Triton's AMD backend can compile here, else why not."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install 'mxjax[aot-gpu]')"
+    if importlib.util.find_spec("triton.backends.amd") is None:
+        return "this triton has no AMD backend (triton.backends.amd)"
+    return None
+
+
 def _short(e: BaseException) -> str:
     lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
     return f"{type(e).__name__}: {lines[0][:160] if lines else ''}"
 
 
-def triton_ptx(target: str, size: int) -> str:
-    """PTX of the 'triton' backend's kernel for `target`, compiled by Triton itself."""
+def _triton_compile(gpu_target, size: int):
+    """The 'triton' backend's kernel at `size`^3, compiled by Triton for `gpu_target`
+    (a ``triton.backends.compiler.GPUTarget``) with the launch options it runs with."""
     import triton
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from mxjax.kernels import triton_gemm
@@ -146,9 +182,25 @@ def triton_ptx(target: str, size: int) -> str:
     signature = {"a_ptr": "*u8", "sa_ptr": "*u8", "b_ptr": "*u8", "sb_ptr": "*u8",
                  "c_ptr": "*fp32", **{name: "constexpr" for name in plan.constants}}
     src = ASTSource(fn=triton_gemm._kernel(), signature=signature, constexprs=plan.constants)
-    compiled = triton.compile(src, target=GPUTarget("cuda", _COMPUTE_CAPABILITY[target], 32),
-                              options={"num_warps": 8, "num_stages": 3})
-    return compiled.asm["ptx"]
+    return triton.compile(src, target=gpu_target, options={"num_warps": 8, "num_stages": 3})
+
+
+def triton_ptx(target: str, size: int) -> str:
+    """PTX of the 'triton' backend's kernel for `target`, compiled by Triton itself."""
+    from triton.backends.compiler import GPUTarget
+
+    return _triton_compile(GPUTarget("cuda", _COMPUTE_CAPABILITY[target], 32), size).asm["ptx"]
+
+
+def triton_amdgcn(target: str, size: int) -> str:
+    """AMDGCN assembly of the 'triton' backend's kernel for the AMD `target` (a key of
+    AMD_TARGETS), compiled by Triton's AMD backend without a GPU."""
+    from triton.backends.compiler import GPUTarget
+
+    if target not in AMD_TARGETS:
+        raise ValueError(f"target: {target!r} is not an AMD target; expected one of "
+                         f"{sorted(AMD_TARGETS)}")
+    return _triton_compile(GPUTarget("hip", AMD_TARGETS[target], 64), size).asm["amdgcn"]
 
 
 def _kernel_names(compiled) -> tuple[str, ...]:
@@ -167,6 +219,18 @@ def _kernel_names(compiled) -> tuple[str, ...]:
 
 
 def compile_path(target: str, path: str, size: int) -> Result:
+    if target in AMD_TARGETS:
+        if path != "triton":
+            return Result(target=target, path=path, ok=False, error=_AMD_NOT_TRIED, kernels=(),
+                          instructions=None)
+        try:
+            asm = triton_amdgcn(target, size)
+        except Exception as e:  # noqa: BLE001 - a path that does not lower is a finding
+            return Result(target=target, path=path, ok=False, error=_short(e), kernels=(),
+                          instructions=None)
+        return Result(target=target, path=path, ok=True, error="",
+                      kernels=("triton (own compile)",),
+                      instructions=count_amd_instructions(asm))
     try:
         if path == "triton":
             ptx = triton_ptx(target, size)
@@ -183,7 +247,12 @@ def compile_path(target: str, path: str, size: int) -> Result:
 
 
 def table(results: list[Result]) -> list[str]:
-    labels = [label for label, _ in INSTRUCTIONS]
+    """The results as aligned text rows: a column per instruction counted (PTX labels for
+    NVIDIA targets, AMDGCN labels for AMD ones; '-' where a row has no such count)."""
+    labels = [label for label, _ in INSTRUCTIONS] if any(
+        r.target not in AMD_TARGETS for r in results) else []
+    if any(r.target in AMD_TARGETS for r in results):
+        labels += [label for label, _ in AMD_INSTRUCTIONS]
     header = ("target", "path", "lowers", "GEMM kernels") + tuple(labels)
     rows = [header]
     for r in results:
@@ -192,7 +261,7 @@ def table(results: list[Result]) -> list[str]:
             continue
         names = ", ".join(dict.fromkeys(r.kernels)) or "-"
         counts = ("-",) * len(labels) if r.instructions is None else tuple(
-            str(r.instructions.get(label, 0)) for label in labels)
+            str(r.instructions.get(label, "-")) for label in labels)
         rows.append((r.target, r.path, "yes", names) + counts)
     widths = [min(max(len(row[i]) for row in rows), 90) for i in range(len(header))]
     out = []
@@ -211,9 +280,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     results = []
     for target in [t.strip() for t in args.targets.split(",") if t.strip()]:
-        if aot.TARGETS[target].kind != "gpu":
+        if target in AMD_TARGETS:
+            why = amd_unavailable_reason()
+        elif aot.TARGETS[target].kind != "gpu":
             raise SystemExit(f"--targets: {target!r} is not a GPU target")
-        why = aot.unavailable_reason(aot.TARGETS[target])
+        else:
+            why = aot.unavailable_reason(aot.TARGETS[target])
         if why:
             raise SystemExit(f"{target}: {why}")
         for path in [p.strip() for p in args.paths.split(",") if p.strip()]:
