@@ -75,20 +75,22 @@ class AutoChoice:
 
 AUTO_CHOICES: tuple[AutoChoice, ...] = (
     AutoChoice(
-        platform="gpu", min_compute_capability=(10, 0), backend="xla",
+        platform="gpu", min_compute_capability=(10, 0), backend="xla_fp8",
         evidence=(
-            "Blackwell (B200): the 'triton' backend (tl.dot_scaled on the FP4 units) has no "
-            "estimate: jax-triton 0.4.1 fails under jax 0.12 (docs/NUMERICS.md, 'Kernel "
-            "backends'), so no compile of it exists; the Pallas kernels run bf16/FP8 dots as on "
-            "Hopper, where they lose to the emulation (next row). The emulation stays until "
-            "a bench/accelerator_cost.py roofline shows a kernel faster.")),
+            "Blackwell (B200), Llama 3.1-8B decoder layer at seq 8192, fwd+bwd, under "
+            "mxfp4_all_h16 (bench/accelerator_cost.py rates roofline, deviceless, "
+            "2026-12-04; never run on a B200): 'xla_fp8' 9.25 ms (1.43x bf16), 'xla_fp4' "
+            "10.35 ms (1.60x: cuDNN's FP4 MMA in all 21 GEMMs, but its canonical-layout "
+            "quantize passes cost more), the emulation 11.11 ms (1.72x). The 'triton' "
+            "backend has no estimate (jax-triton 0.4.1 fails under jax 0.12).")),
     AutoChoice(
-        platform="gpu", min_compute_capability=(9, 0), backend="xla",
+        platform="gpu", min_compute_capability=(9, 0), backend="xla_fp8",
         evidence=(
-            "Hopper (H100/H200): 'pallas_fp8' estimated at 1.80-2.08x bf16 for an H200 "
-            "(deviceless roofline, never measured on a device), 'pallas' slower still; "
-            "the emulation (XLA, bf16 GEMM operands) 1.23x bf16 (bench/accelerator_cost.py, "
-            "the 1B layer's roofline under mxfp4_all_h16, docs/results/accelerator_cost.md).")),
+            "Hopper (H200), the same layer: measured on an H200 (jax 0.11.2, "
+            "bench/gpu_probe_xla_fp8.py, interleaved medians, 2026-12-04) 'xla_fp8' "
+            "31.11 ms against the emulation's 31.80 ms (bf16 20.05 ms); deviceless rates "
+            "roofline 16.35 against 21.25 ms. 'pallas_fp8' estimated 1.80-2.08x bf16 on "
+            "the 1B layer, 'pallas' slower still.")),
     AutoChoice(
         platform="gpu", backend="xla",
         evidence=("older or unknown GPUs: no kernel estimate; the kernels' bf16 dots are the "

@@ -74,23 +74,26 @@ def test_the_chip_compiled_for_is_the_targets(target, kind, cc):
     assert caps.fp8_tensor_cores == (target != "v5e")
 
 
-@pytest.mark.parametrize("target", ["h200", "b200", "v5e"])
-def test_auto_picks_the_emulation_on_each_chip(target):
-    """AUTO_CHOICES: no kernel is estimated faster than the emulation on these chips, so
-    'auto' compiles to exactly the program of backend='xla' (no Triton/Pallas GEMM)."""
+@pytest.mark.parametrize("target,route", [("h200", "xla_fp8"), ("b200", "xla_fp8"),
+                                          ("v5e", "xla")])
+def test_auto_compiles_to_the_route_of_each_chip(target, route):
+    """AUTO_CHOICES: 'xla_fp8' on H200 and B200 (FP8 GEMMs on the exact FP8 carriers), the
+    emulation on v5e; 'auto' compiles to exactly that backend's program."""
     from mxjax import kernels
 
     caps = _caps_for(target)
-    assert kernels.auto_backend(caps) == "xla"
+    assert kernels.auto_backend(caps) == route
     assert kernels.auto_choice(caps).evidence
     from bench import hlo_kernels as hk
 
     def shape(text):
         return [(k.category, k.target, k.gemm_flops, k.bytes) for k in hk.kernels(text)]
 
-    auto, xla = _compiled_text(target, "auto"), _compiled_text(target, "xla")
-    assert shape(auto) == shape(xla)
+    auto, explicit = _compiled_text(target, "auto"), _compiled_text(target, route)
+    assert shape(auto) == shape(explicit)
     assert "__gpu$xla.gpu.triton" not in auto
+    gemms = {types for _, _, types, _ in hk.gemm_operand_types(auto)}
+    assert gemms == ({("f8e5m2", "f8e4m3fn")} if route == "xla_fp8" else gemms)
 
 
 @pytest.mark.parametrize("target", ["h200", "b200"])

@@ -36,7 +36,8 @@ def _caps(**kw) -> Capabilities:
     base = {"platform": "gpu", "device_kind": "NVIDIA H200", "compute_capability": (9, 0),
                 "native_fp4": False, "fp8_tensor_cores": True, "pallas_mode": "triton",
                 "jax_triton": True,
-                "backends": (("xla", ""), ("pallas", ""), ("pallas_fp8", ""), ("triton", ""))}
+                "backends": (("xla", ""), ("xla_fp8", ""), ("xla_fp4", ""), ("pallas", ""),
+                             ("pallas_fp8", ""), ("triton", ""))}
     base.update(kw)
     return Capabilities(**base)
 
@@ -47,7 +48,7 @@ def test_cpu_capabilities():
     assert caps.platform == "cpu" and caps.compute_capability is None
     assert not caps.native_fp4 and not caps.fp8_tensor_cores
     assert caps.pallas_mode == "interpret"
-    assert caps.runnable == ("xla", "pallas", "pallas_fp8")
+    assert caps.runnable == ("xla", "xla_fp8", "xla_fp4", "pallas", "pallas_fp8")
     assert "GPU" in caps.reason("triton")
     assert resolve_backend("auto") == "xla"
     assert resolve_backend("pallas") == "pallas"  # runs, in interpret mode
@@ -64,18 +65,19 @@ def test_unknown_backend_raises():
         resolve_backend("cuda")
     with pytest.raises(ValueError, match="backend"):
         capabilities().reason("cuda")
-    assert set(BACKENDS) == {"xla", "pallas", "pallas_fp8", "triton", "auto"}
+    assert set(BACKENDS) == {"xla", "xla_fp8", "xla_fp4", "pallas", "pallas_fp8", "triton",
+                             "auto"}
 
 
 def test_auto_choice_per_device():
-    """'auto' follows AUTO_CHOICES: the emulation wherever no kernel is estimated faster
-    (H200: pallas_fp8 1.80-2.08x bf16 against 1.23x for the emulation)."""
+    """'auto' follows AUTO_CHOICES: 'xla_fp8' on Hopper and Blackwell (measured on an H200,
+    estimated for a B200), the emulation wherever no route is estimated faster."""
     h200 = _caps()
-    assert auto_backend(h200) == "xla"
-    assert "1.80-2.08x" in auto_choice(h200).evidence
+    assert auto_backend(h200) == "xla_fp8"
+    assert "31.11 ms" in auto_choice(h200).evidence
     blackwell = _caps(device_kind="NVIDIA B200", compute_capability=(10, 0), native_fp4=True)
     assert auto_choice(blackwell).min_compute_capability == (10, 0)
-    assert auto_backend(blackwell) == "xla"
+    assert auto_backend(blackwell) == "xla_fp8"
     ampere = _caps(device_kind="NVIDIA A100", compute_capability=(8, 0), fp8_tensor_cores=False,
                    backends=(("xla", ""), ("pallas", ""), ("pallas_fp8", "no fp8"), ("triton", "")))
     assert auto_backend(ampere) == "xla"
@@ -84,8 +86,10 @@ def test_auto_choice_per_device():
     assert resolve_backend("auto", tpu) == "xla"
     with pytest.raises(BackendUnavailableError, match="no fp8"):
         resolve_backend("pallas_fp8", ampere)
-    # Every row names its evidence, and no row picks a kernel: none is estimated faster.
-    assert all(row.evidence and row.backend == "xla" for row in AUTO_CHOICES)
+    # Every row names its evidence; only GPU rows with FP8 units pick a route.
+    assert all(row.evidence for row in AUTO_CHOICES)
+    assert {row.backend for row in AUTO_CHOICES if row.platform != "gpu"
+            or row.min_compute_capability is None} == {"xla"}
 
 
 def test_auto_choice_takes_a_kernel_row_only_where_it_runs():
@@ -93,8 +97,8 @@ def test_auto_choice_takes_a_kernel_row_only_where_it_runs():
     row = AutoChoice(platform="gpu", min_compute_capability=(9, 0), backend="pallas_fp8",
                      evidence="synthetic")
     assert row.backend == "pallas_fp8"
-    no_fp8 = _caps(backends=(("xla", ""), ("pallas", ""), ("pallas_fp8", "no fp8"),
-                             ("triton", "")))
+    no_fp8 = _caps(backends=(("xla", ""), ("xla_fp8", "no fp8"), ("xla_fp4", "no fp4"),
+                             ("pallas", ""), ("pallas_fp8", "no fp8"), ("triton", "")))
     assert auto_backend(no_fp8) == "xla"
 
 
