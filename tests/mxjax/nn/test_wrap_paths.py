@@ -35,8 +35,9 @@ def _lowered(fn, *args) -> str:
 
 
 def _quantizes(program: str) -> bool:
-    """Whether a lowered program holds a quantizer (its exponent step: count-leading-zeros)."""
-    return "count-leading-zeros(" in program
+    """Whether a lowered program holds a quantizer (its block amax: a max-reduction of the
+    elements' abs bits, u32)."""
+    return re.search(r"= u32\[[0-9,]*\]\S* reduce\(", program) is not None
 
 
 def _no_mxjax(program: str) -> None:
