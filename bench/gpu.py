@@ -20,7 +20,7 @@ after every section when --table-out is given it is rewritten there):
      tests/models/test_fused_attention.py (kernels; FP8 GEMMs on the FP8 tensor cores within
      docs/NUMERICS.md's device bound, printed with -s; cuDNN flash attention against the
      explicit form); a failure stops the run unless --keep-going (then the table says so).
-     --quick-tests deselects QUICK_TESTS_DESELECT (13 of the 21 tests run).
+     --quick-tests deselects QUICK_TESTS_DESELECT (the slower half of the tests).
      Run in a subprocess before this process touches the GPU (both would preallocate).
   ceilings. Device copy bandwidth (bytes read + written) and bf16 GEMM TFLOP/s at 8192^3.
   layer8b. One Llama 3.1-8B decoder layer's train step (bench/programs.py's `layer_8b`:
@@ -229,17 +229,19 @@ class Pace:
 # --------------------------------------------------------------------------- tests
 
 GPU_TEST_FILES = ("tests/mxjax/kernels/test_kernels_gpu.py", "tests/mxjax/test_fp8_gemm_gpu.py",
-                  "tests/models/test_fused_attention.py", "tests/mxjax/test_xla_fp8_gpu.py")
+                  "tests/models/test_fused_attention.py", "tests/mxjax/test_xla_fp8_gpu.py",
+                  "tests/mxjax/test_accelerator_fp4_gpu.py")
 # --quick-tests deselects these (node-id prefixes; a test added to the files still runs):
 # the fused-quantize kernel tests, the second GEMM shape, the batched Pallas GEMM, the FP8
 # tensor-core bound at K = 256 (K = 4096 stays).
-_KERNELS, _FP8, _ATTN, _XLA_FP8 = GPU_TEST_FILES
+_KERNELS, _FP8, _ATTN, _XLA_FP8, _FP4 = GPU_TEST_FILES
 QUICK_TESTS_DESELECT = (
     f"{_KERNELS}::test_fused_quantize_bit_exact",
     f"{_KERNELS}::test_fused_quantize_stochastic",
     f"{_KERNELS}::test_gemm_backends_within_tolerance[shape1]",
     f"{_KERNELS}::test_batched_pallas",
     f"{_FP8}::test_tensor_core_gemm_is_within_the_device_bound[256-",
+    _FP4,  # the B200 route (on Hopper XLA expands its block-scaled dot to f32)
 )
 
 
@@ -836,7 +838,7 @@ def main(argv=None) -> int:
                     help="drop 'tests' from --sections (only to re-run the table after they "
                          "passed)")
     ap.add_argument("--quick-tests", action="store_true",
-                    help="the tests section deselects QUICK_TESTS_DESELECT (13 of 21 tests run)")
+                    help="the tests section deselects QUICK_TESTS_DESELECT (the slower half)")
     ap.add_argument("--keep-going", action="store_true",
                     help="measure even when the GPU tests fail (the table says they failed)")
     ap.add_argument("--layer-policies", default=LAYER_ROWS, metavar="ROWS",

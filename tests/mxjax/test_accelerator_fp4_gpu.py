@@ -12,8 +12,6 @@ is printed. Not yet in bench/gpu.py's list.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import numpy as np
 import pytest
@@ -22,19 +20,13 @@ import mxjax
 from mxjax import accelerator_fp4
 from mxjax.quantization import quantize_with
 from tests.mxjax.test_accelerator_fp4 import MXFP4, RECIPE, _on_mma, full_window_operands
+from tests.mxjax.test_fp8_gemm_gpu import U32, device_bound
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(jax.default_backend() != "gpu",
                        reason="needs a CUDA GPU (bench/gpu.py runs these on a lent GPU)"),
 ]
-
-U32 = 2.0 ** -24
-
-
-def device_bound(k: int) -> float:
-    return math.ceil(k / 32) * 2.0 ** -13 + (k + 4) * U32
-
 
 @pytest.mark.parametrize("k", [256, 4096])
 @pytest.mark.parametrize("case", ["gaussian", "full_window"])

@@ -210,7 +210,10 @@ def test_stochastic_rounding_recipe_uses_the_emulations_draws():
     chex.assert_trees_all_equal(out, emu)
 
 
-def test_backend_through_the_policy_fwd_and_bwd_equals_the_emulation_on_cpu():
+@pytest.mark.parametrize("backend", ["xla_fp8", "xla_fp4"])
+def test_backend_through_the_policy_fwd_and_bwd_equals_the_emulation_on_cpu(backend):
+    # XLA:CPU contracts the carriers (and expands xla_fp4's block-scaled dot) into exact
+    # f32 products summed in f32, as the emulation's dot: the same values here.
     x, w = _operands((64, 96), (96, 48), seed=5, dtype=jnp.bfloat16)
     dims = (((1,), (0,)), ((), ()))
 
@@ -220,7 +223,7 @@ def test_backend_through_the_policy_fwd_and_bwd_equals_the_emulation_on_cpu():
             return jnp.sum(jnp.square(y.astype(jnp.float32)))
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
 
-    chex.assert_trees_all_equal(grads(policies.get("mxfp4_all_h16@xla_fp8")),
+    chex.assert_trees_all_equal(grads(policies.get(f"mxfp4_all_h16@{backend}")),
                                 grads(policies.get("mxfp4_all_h16")))
 
 
