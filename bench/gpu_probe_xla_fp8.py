@@ -1,9 +1,12 @@
-"""Where the xla_fp8 layer's time goes on a GPU (one-off probe for the lent H200).
+"""Where the xla_fp8 layer's time goes on a GPU (a probe for the lent H200).
 
-Times, interleaved (median of rounds after warm-up): the 8B layer (seq 8192, fwd+bwd) under
-bf16 (fused attention), mxfp4_all_h16 (emulation), fp8, and mxfp4_all_h16@xla_fp8 with the
-Pallas quantizer and with XLA's two-pass quantizer; then the quantize passes alone on a
-[8192, 14336] bf16 operand (Pallas fused_quantize row / col, XLA's form), and one cond.
+First the quantize passes alone on a [8192, 14336] bf16 operand (XLA's two-pass form into
+FP8; unless --no-pallas, the Pallas fused_quantize row- and column-wise), and one
+lax.cond; then the Llama 3.1-8B layer (seq 8192, fwd+bwd, fused attention) under
+--policies (default: bf16, mxfp4_all_h16@xla_fp8, fp8, mxfp4_all_h16), compiled first,
+timed in interleaved rounds (medians of 5 after 2 warm-ups), ratio to the first.
+
+    PYTHONPATH=$PWD python3 bench/gpu_probe_xla_fp8.py 215 [--policies ...] [--no-pallas]
 """
 
 from __future__ import annotations
@@ -47,12 +50,11 @@ def timeit(fn, args, iters=5):
     return statistics.median(ts)
 
 
-def layer_rows(budget_s):
+def layer_rows(budget_s, policies_csv):
     """The layer's step time per policy (the Pallas-quantizer variant of 2026-12-04 was
     measured with the route's quantizer switched to the kernel: 120.7 ms)."""
     rows = {}
-    specs = [("bf16", "passthrough", False), ("xla_fp8", "mxfp4_all_h16@xla_fp8", False),
-             ("fp8", "fp8", False), ("emulation", "mxfp4_all_h16", False)]
+    specs = [(p, "passthrough" if p == "bf16" else p, False) for p in policies_csv.split(",")]
     compiled = {}
     args = None
     for name, pol, _ in specs:
@@ -80,13 +82,13 @@ def layer_rows(budget_s):
             times[name].append(time.perf_counter() - t)
     for name, ts in times.items():
         rows[name] = statistics.median(ts)
-    base = rows.get("bf16")
+    base = rows.get(policies_csv.split(",")[0])
     for name, t in rows.items():
         log(f"layer8b {name:18s} {t * 1e3:8.2f} ms  {t / base:5.2f}x bf16" if base else name)
     return rows
 
 
-def quantize_rows():
+def quantize_rows(pallas: bool):
     x = (0.02 * jax.random.normal(jax.random.key(0), (8192, 14336))).astype(jnp.bfloat16)
     op = policies.get("mxfp4_all_h16").fprop.lhs
     signs = mxjax.fixed_signs(0, 16)
@@ -110,6 +112,8 @@ def quantize_rows():
         "copy (x+1)": jax.jit(lambda v: v + 1),
     }
     for name, fn in cases.items():
+        if not pallas and "pallas" in name:
+            continue
         try:
             t = timeit(fn, (x,))
             log(f"quantize {name:30s} {t * 1e6:9.1f} us  {2 * x.size / t / 1e9:7.0f} GB/s of input")
@@ -125,7 +129,16 @@ def cond_row():
 
 
 if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("budget_s", type=float, nargs="?", default=200.0,
+                    help="no layer compile starts after this many seconds")
+    ap.add_argument("--policies", default="bf16,mxfp4_all_h16@xla_fp8,fp8,mxfp4_all_h16",
+                    help="the layer rows (the first is the baseline)")
+    ap.add_argument("--no-pallas", action="store_true", help="skip the Pallas quantize rows")
+    args = ap.parse_args()
     log(f"jax {jax.__version__} {jax.devices()}")
-    quantize_rows()
+    quantize_rows(not args.no_pallas)
     cond_row()
-    layer_rows(float(sys.argv[1]) if len(sys.argv) > 1 else 200.0)
+    layer_rows(args.budget_s, args.policies)
