@@ -12,15 +12,16 @@ program for XLA's GPU and TPU compilers:
   layout a bf16 GEMM would (XLA keeps its transpose folding and GEMM merges);
 * **bit view** (GPU): the contraction axis is split into (blocks, 2, 2, 2, 2, 2),
   so the Hadamard butterflies (`mxjax.rotation.hadamard_bit_view`) and the block
-  amax are plain elementwise ops and a reduction over size-2 axes. XLA:GPU's cost
-  model materializes the butterflies in f32 after two or three stages (each stage
-  doubles the inputs a fused element recomputes), so the program is: one pass from
-  the operand to the f32 butterflies before the last stage, the block amax from
-  them (for h <= 32 without the last stage: ``max(|a + b|, |a - b|) == |a| + |b|``),
-  and the last stage, rounding and bf16 convert in one elementwise pass from them
-  (H200 deviceless, [8192, 14336] bf16 H16 operand to FP8: 1.9 GB moved, 71 PTX
-  instructions per element; 2.6 GB and 106 with the rotation recomputed behind a
-  barrier, which XLA split in both passes);
+  amax are plain elementwise ops and a reduction over size-2 axes: XLA fuses the
+  convert, the rotation and the amax into one reduction pass, and the rotation
+  (recomputed), the rounding and the bf16 convert into one elementwise pass; a
+  barrier on the input of the second pass keeps XLA from materializing the f32
+  rotated operand between the two instead. For h <= 32 the amax skips the last
+  butterfly stage (``max(|a + b|, |a - b|) == |a| + |b|`` in f32), which lets XLA
+  fuse the amax pass whole even for operands larger than the L2 cache (its cost model
+  materializes f32 butterflies after two stages there: H200 deviceless, [8192, 14336]
+  bf16 H16 operand to FP8, 2.57 GB moved before, 1.66 GB now, the rounding pass
+  still split);
 * **cheap scaling**: the power-of-two scalings are f32 multiplies
   (`mxjax.accelerator_values`, which says where the values agree); round-to-nearest-
   even rounds in place (`nearest_even_values`, the TPU kernel's form, the Hadamard's
@@ -141,7 +142,7 @@ def _padded_length(k: int, hadamard_size: int | None) -> tuple[int, int]:
 
 def mx_operand_values(view: ContractionView, op, *, k_out: int, hadamard_size: int | None,
                       signs: jax.Array | None, key: jax.Array | None,
-                      recompute: bool = False, finish=None):
+                      recompute: bool = True, finish=None):
     """Fake-quantized MX values of one operand, in place, as bf16 (per-tensor factors left out).
 
     The GPU form (the bit view, module docstring).
@@ -154,10 +155,9 @@ def mx_operand_values(view: ContractionView, op, *, k_out: int, hadamard_size: i
       hadamard_size: h, or None for no rotation.
       signs: the rotation's ±1 vector or None.
       key: the rounding key (stochastic rounding) or None.
-      recompute: recompute the rotation in the rounding pass (behind a barrier).
-        Off by default: XLA:GPU materializes f32 butterflies after two or three
-        stages anyway (its cost model), so the barrier made it do so in both passes
-        (H200 deviceless, [8192, 14336] H16 operand: 2.6 GB moved instead of 1.9 GB).
+      recompute: recompute the rotation in the rounding pass (behind a barrier)
+        instead of letting XLA materialize it between the passes (fewer bytes for
+        most operand shapes, deviceless H200 compiles).
       finish: None, or ``finish(v, amax_bits) -> (w, extra)``: maps the f32 values
         (the bit view's shape) to what the GEMM reads instead of their bf16 cast
         (`mxjax.accelerator_mx_fp8`: an exact FP8 encoding), given every block's amax
