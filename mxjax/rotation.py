@@ -29,8 +29,8 @@ from jax import lax
 
 from mxjax._platform import cpu_or_accelerator
 
-__all__ = ["HADAMARD_SIZES", "bit_view", "fixed_signs", "hadamard", "hadamard_bit_view",
-           "random_signs"]
+__all__ = ["HADAMARD_SIZES", "bit_view", "butterfly_stage", "fixed_signs", "hadamard",
+           "hadamard_bit_view", "random_signs"]
 
 HADAMARD_SIZES = (16, 32, 64, 128)
 # XLA:CPU's form materializes the butterflies after every this many stages (module docstring).
@@ -66,7 +66,8 @@ def bit_view(x: jnp.ndarray, axis: int, n_bits: int) -> jnp.ndarray:
 
 def hadamard_bit_view(z: jnp.ndarray, block_size: int, low_bit_axis: int,
                       signs: jnp.ndarray | None = None,
-                      stages_per_pass: int | None = None) -> jnp.ndarray:
+                      stages_per_pass: int | None = None,
+                      normalize: bool = True, last_stage: bool = True) -> jnp.ndarray:
     """The normalized H_h of `hadamard` on blocks laid out as bit axes (`bit_view`), f32.
 
     Args:
@@ -78,6 +79,11 @@ def hadamard_bit_view(z: jnp.ndarray, block_size: int, low_bit_axis: int,
       stages_per_pass: None (every stage in one expression), or materialize the
         butterflies (``lax.optimization_barrier``) after every this many stages
         (XLA:CPU's form; the values do not depend on it).
+      normalize: False leaves out the final multiply by 1/sqrt(h) (the caller applies
+        it: `mxjax.accelerator_values.nearest_even_values`' prescale).
+      last_stage: False stops before the last stage (on axis ``low_bit_axis - log2(h)
+        + 1``, the highest bit) and leaves out the 1/sqrt(h): `butterfly_stage` on that
+        axis completes the unnormalized transform.
     Returns:
       f32 array of z's shape: the same values as `hadamard` on the flat layout.
       Stage t (stride 2^t) combines the two halves a, b of bit axis
@@ -97,15 +103,22 @@ def hadamard_bit_view(z: jnp.ndarray, block_size: int, low_bit_axis: int,
         if signs.shape != (h,):
             raise ValueError(f"signs: expected shape ({h},), got {signs.shape}")
         z = z * signs.reshape((2,) * k + trailing)
-    plus_minus = jnp.asarray([1.0, -1.0], jnp.float32)
-    for t in range(k):
-        ax = low_bit_axis - t
-        a = lax.index_in_dim(z, 0, ax, keepdims=True)
-        b = lax.index_in_dim(z, 1, ax, keepdims=True)
-        z = a + plus_minus.reshape((2,) + (1,) * (z.ndim - ax - 1)) * b
+    for t in range(k if last_stage else k - 1):
+        z = butterfly_stage(z, low_bit_axis - t)
         if stages_per_pass and (t + 1) % stages_per_pass == 0 and t + 1 < k:
             z = lax.optimization_barrier(z)
-    return z * jnp.float32(1.0 / math.sqrt(h))
+    if not last_stage:
+        return z
+    return z * jnp.float32(1.0 / math.sqrt(h)) if normalize else z
+
+
+def butterfly_stage(z: jnp.ndarray, axis: int) -> jnp.ndarray:
+    """One butterfly stage on bit axis `axis` (size 2) of f32 `z`: halves a, b become
+    ``a + b`` (bit 0) and ``a + (-1) * b`` (bit 1)."""
+    plus_minus = jnp.asarray([1.0, -1.0], jnp.float32)
+    a = lax.index_in_dim(z, 0, axis, keepdims=True)
+    b = lax.index_in_dim(z, 1, axis, keepdims=True)
+    return a + plus_minus.reshape((2,) + (1,) * (z.ndim - axis - 1)) * b
 
 
 def hadamard(

@@ -1,0 +1,116 @@
+"""Cost of the GPU form's quantize passes on one operand, from a deviceless compile.
+
+Compiles `mxjax.accelerator.mx_operand_values` (MXFP4 + H16, RNE, FP8 carrier as in
+the 'xla_fp8' route, or bf16) for an H200 without one, with XLA's dumps on, and
+prints per kernel the bytes it moves, the elementwise ops in its HLO
+(`bench.hlo_kernels`) and the PTX instructions its threads execute (straight-line
+kernels: instructions in the entry times launched threads; reductions' loops and
+divergent branches are counted once, so read those as a floor), then the totals per
+input element and a roofline estimate: per kernel max(bytes / 3.2e12 B/s, PTX
+instructions / 33e12 per s) (the H200's measured copy rate and one instruction per
+f32 lane per clock).
+
+    .venv-aot/bin/python bench/quantize_cost.py [--shape 8192,14336] [--axis 1]
+        [--out f8|bf16] [--no-barrier]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HBM_BYTES_PER_S = 3.2e12  # H200 copy, measured
+INSTR_PER_S = 33e12  # 132 SMs x 128 lanes x 1.98 GHz
+
+
+_LAUNCH_RE = re.compile(
+    r"\] (\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]")
+
+
+def ptx_kernels(dump: Path) -> dict[str, tuple[int, int]]:
+    """kernel name -> (threads launched, PTX instructions in its entry) from an XLA dump."""
+    threads = {}
+    for f in dump.glob("*thunk_sequence.txt"):
+        for line in f.read_text().splitlines():
+            m = _LAUNCH_RE.search(line)
+            if m:
+                g = [int(m[i]) for i in range(2, 8)]
+                threads[m[1]] = g[0] * g[1] * g[2] * g[3] * g[4] * g[5]
+    out = {}
+    for f in dump.glob("*.ptx"):
+        for m in re.finditer(r"\.entry (\w+)\((.*?)\n\}\n", f.read_text(), re.DOTALL):
+            count = collections.Counter()
+            for line in m[2].splitlines():
+                s = line.strip()
+                if not s or s.startswith((".", "//", "{", "}", ")")) or s.endswith(":"):
+                    continue
+                op = s.split()[1] if s.startswith("@") else s.split()[0]
+                if not op.startswith(("ld.param", "cvta", "griddepcontrol", "ret")):
+                    count[op] += 1
+            out[m[1]] = (threads.get(m[1], 0), sum(count.values()))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="8192,14336")
+    ap.add_argument("--axis", type=int, default=1, help="the contraction axis")
+    ap.add_argument("--out", choices=("f8", "bf16"), default="f8")
+    ap.add_argument("--no-barrier", action="store_true", help="recompute=False")
+    args = ap.parse_args(argv)
+    dump = Path(tempfile.mkdtemp(prefix="quantize_cost_"))
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_dump_to={dump} --xla_dump_emitter_re=.*")
+    from bench import aot
+
+    aot.use_cpu_host()
+    import jax
+    import jax.numpy as jnp
+
+    import mxjax
+    from bench import hlo_kernels as hk
+    from mxjax import accelerator, accelerator_mx_fp8, policies
+
+    shape = tuple(int(s) for s in args.shape.split(","))
+    op = policies.get("mxfp4_all_h16").fprop.lhs
+    signs = mxjax.fixed_signs(0, 16)
+    carrier = accelerator_mx_fp8.LHS_CARRIER
+
+    def finish(w, amax_bits):
+        t = accelerator_mx_fp8.carrier_window(amax_bits, op, carrier)[0]
+        return accelerator_mx_fp8.encode_exact(w, t, carrier), None
+
+    def fn(v):
+        out = accelerator.mx_operand_values(
+            accelerator.contraction_view(v, (), (args.axis,)), op, k_out=shape[args.axis],
+            hadamard_size=16, signs=signs, key=None, recompute=not args.no_barrier,
+            finish=finish if args.out == "f8" else None)
+        return out[0] if args.out == "f8" else out
+
+    compiled = aot.compile_for(fn, (jax.ShapeDtypeStruct(shape, jnp.bfloat16),), "h200")
+    ks = hk.kernels(compiled.as_text())
+    ptx = ptx_kernels(dump)
+    n = shape[0] * shape[1]
+    tot_b = tot_alu = tot_ptx = est = 0.0
+    for k in ks:
+        b = k.bytes_read + k.bytes_written
+        thr, ins = ptx.get(k.name.replace(".", "_"), (0, 0))
+        tot_b, tot_alu, tot_ptx = tot_b + b, tot_alu + k.alu_ops, tot_ptx + thr * ins
+        est += max(b / HBM_BYTES_PER_S, thr * ins / INSTR_PER_S)
+        print(f"  {k.name:48s} {b / 1e9:7.3f} GB  HLO alu/elem {k.alu_ops / n:6.2f}  "
+              f"PTX/elem {thr * ins / n:7.2f}  {k.shape[:48]}")
+    print(f"{shape} axis {args.axis} -> {args.out}{' (no barrier)' if args.no_barrier else ''}: "
+          f"{len(ks)} kernels, {tot_b / 1e9:.3f} GB, HLO alu/elem {tot_alu / n:.1f}, "
+          f"PTX instr/elem {tot_ptx / n:.1f}, est {est * 1e6:.0f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
