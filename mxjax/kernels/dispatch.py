@@ -79,17 +79,18 @@ AUTO_CHOICES: tuple[AutoChoice, ...] = (
         evidence=(
             "Blackwell (B200), Llama 3.1-8B decoder layer at seq 8192, fwd+bwd, under "
             "mxfp4_all_h16 (bench/accelerator_cost.py rates roofline, deviceless, "
-            "2026-12-04; never run on a B200): 'xla_fp8' 9.25 ms (1.43x bf16), 'xla_fp4' "
-            "10.35 ms (1.60x: cuDNN's FP4 MMA in all 21 GEMMs, but its canonical-layout "
-            "quantize passes cost more), the emulation 11.11 ms (1.72x). The 'triton' "
+            "2026-12-04; never run on a B200): 'xla_fp8' 7.70 ms (1.19x bf16), the "
+            "emulation 9.50 ms (1.47x), 'xla_fp4' 10.35 ms (1.60x: cuDNN's FP4 MMA in all "
+            "21 GEMMs, but its canonical-layout quantize passes cost more). The 'triton' "
             "backend has no estimate (jax-triton 0.4.1 fails under jax 0.12).")),
     AutoChoice(
         platform="gpu", min_compute_capability=(9, 0), backend="xla_fp8",
         evidence=(
             "Hopper (H200), the same layer: measured on an H200 (jax 0.11.2, "
             "bench/gpu_probe_xla_fp8.py, interleaved medians, 2026-12-04) 'xla_fp8' "
-            "31.11 ms against the emulation's 31.80 ms (bf16 20.05 ms); deviceless rates "
-            "roofline 16.35 against 21.25 ms. 'pallas_fp8' estimated 1.80-2.08x bf16 on "
+            "27.41 ms against the emulation's 27.62 ms (bf16 20.26 ms; before the cheaper "
+            "quantize passes 31.11 against 31.80 ms): faster, by little; deviceless rates "
+            "roofline 14.32 against 19.10 ms. 'pallas_fp8' estimated 1.80-2.08x bf16 on "
             "the 1B layer, 'pallas' slower still.")),
     AutoChoice(
         platform="gpu", backend="xla",
