@@ -8,8 +8,8 @@
 * On the 8B layer (seq 8192, the rates roofline) ``xla_fp8`` is estimated faster than the
   emulation on both chips ('auto''s choice there); ``xla_fp4`` is printed (its canonical
   quantize passes make it slower than the emulation on B200). The issue's targets (H200
-  <= 0.95x bf16; B200 <= 0.6x bf16 and <= 0.83x fp8) are not met (docs/PERFORMANCE.md says where the time goes): they are
-  printed here, not asserted.
+  <= 0.95x bf16; B200 <= 0.6x bf16 and <= 0.83x fp8) are not met (docs/PERFORMANCE.md
+  says where the time goes): they are printed here, not asserted.
 """
 
 from __future__ import annotations
