@@ -101,19 +101,24 @@ def _fp4_dot_gemms(target: str, b: int, m: int, n: int, k: int):
     text = aot.compile_for(
         lambda a, w: accelerator_fp4.fp4_block_scaled_dot(a, w, recipe, None, None),
         (S((b, m, k), jnp.bfloat16), S((b, n, k), jnp.bfloat16)), require(target)).as_text()
-    conditionals = sum(1 for c in hk.parse_module(text).computations.values()
-                       for i in c if i.opcode == "conditional")
-    return tuple((g[1], g[2]) for g in hk.gemm_operand_types(text)), conditionals
+    module = hk.parse_module(text)
+    conds = [i for c in module.computations.values() for i in c if i.opcode == "conditional"]
+    # gemm_operand_types charges a lax.cond's true branch (the MMA); the false branch (the
+    # fallback) is read here: its dots, fused or not.
+    fallback = [dot for cond in conds for name in cond.called if name not in cond.charged
+                for dot, _ in hk._inner_dots(module, name)]
+    return (tuple((g[1], g[2]) for g in hk.gemm_operand_types(text)), len(conds),
+            len(fallback))
 
 
 @pytest.mark.parametrize("b,m,n,k", [(1, 4096, 4096, 4096), (2, 512, 384, 1000),
                                      (1, 8192, 14336, 4096)])
 def test_fp4_block_scaled_dot_is_the_cudnn_fp4_mma_on_b200_and_f32_on_h200(b, m, n, k):
-    gemms, conditionals = _fp4_dot_gemms("b200", b, m, n, k)
-    # One conditional: the cuDNN FP4 MMA (exact operands) or the f32 emulation.
-    assert conditionals == 1
-    assert collections.Counter(gemms) == {(CUDNN, F4): 1, ("fusion", ("f32", "f32")): 1}, gemms
-    h200, h_conditionals = _fp4_dot_gemms("h200", b, m, n, k)
+    gemms, conditionals, fallback = _fp4_dot_gemms("b200", b, m, n, k)
+    # One conditional: the cuDNN FP4 MMA (exact operands, charged) or the f32 emulation.
+    assert conditionals == 1 and fallback == 1
+    assert collections.Counter(gemms) == {(CUDNN, F4): 1}, gemms
+    h200, h_conditionals, h_fallback = _fp4_dot_gemms("h200", b, m, n, k)
     print(f"h200 {b}x{m}x{n}x{k}: {h200}")
-    assert h_conditionals == 1
-    assert h200 == (("fusion", ("f32", "f32")),) * 2, h200
+    assert h_conditionals == 1 and h_fallback == 1
+    assert h200 == (("fusion", ("f32", "f32")),), h200
