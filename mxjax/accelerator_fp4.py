@@ -60,6 +60,7 @@ from mxjax.scaling import SR_UNSCALE
 
 __all__ = [
     "E4M3_POW2_RANGE",
+    "e4m3_pow2_bits",
     "fp4_block_scaled_dot",
     "fp4_operand",
     "reencode",
@@ -84,7 +85,7 @@ def takes_mxfp4(recipe) -> bool:
     return _mxfp4(recipe.lhs) and _mxfp4(recipe.rhs)
 
 
-def _e4m3_pow2_bits(j: jax.Array) -> jax.Array:
+def e4m3_pow2_bits(j: jax.Array) -> jax.Array:
     """E4M3 bit patterns (int32) of 2^j for int32 j in [-9, 8]."""
     return jnp.where(j >= -6, (j + 7) << 3, jnp.left_shift(1, jnp.maximum(j + 9, 0)))
 
@@ -124,7 +125,7 @@ def reencode(codes: jax.Array, scale_bytes: jax.Array):
     j = e - s
     in_window = (j >= lo) & (j <= hi)
     exact = jnp.all(in_window | ~live)
-    bits = _e4m3_pow2_bits(jnp.clip(j, lo, hi))
+    bits = e4m3_pow2_bits(jnp.clip(j, lo, hi))
     bits = jnp.where((scale_bytes == _E8M0_NAN) | (live & ~in_window), _E4M3_NAN, bits)
     scales = jnp.repeat(bits.astype(jnp.uint8), _MX_BLOCK // _NV_BLOCK, axis=-1)
     elements = lax.bitcast_convert_type(

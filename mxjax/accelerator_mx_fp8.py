@@ -32,10 +32,15 @@ Inf).
 cuBLAS takes E4M3 x E4M3 and the mixed pairs, not E5M2 x E5M2, so the wide window
 (E5M2) goes to the lhs (X in fprop, dY in dgrad and wgrad: `mxjax.policies`' operand
 order), the narrow one (E4M3) to the rhs (W, and X in wgrad).
+
+`mx_gemm_fp4` (the 'xla_fp4' backend) carries the same in-place operands in NVFP4 instead
+(E2M1 elements, E4M3 scales per 16: `mxjax.accelerator_fp4`'s exact re-encoding) for
+XLA's block-scaled dot, cuDNN's FP4 MMA on Blackwell.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -43,6 +48,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mxjax import _bits, accelerator
+from mxjax.accelerator_fp4 import E4M3_POW2_RANGE, e4m3_pow2_bits
 from mxjax.formats import E2M1, E4M3, E5M2, ElementFormat
 from mxjax.quantization import dequantize
 from mxjax.scaling import SR_UNSCALE
@@ -55,6 +61,7 @@ __all__ = [
     "carrier_window",
     "encode_exact",
     "mx_dot_fp8",
+    "mx_gemm_fp4",
     "mx_gemm_fp8",
     "takes_fp8_route",
     "window_of_exponents",
@@ -226,3 +233,92 @@ def mx_dot_fp8(lhs_q, rhs_q) -> jax.Array:
                                preferred_element_type=jnp.float32)
 
     return lax.cond(exact_a & exact_b, fp8, reference, qa, qb, va, vb)
+
+
+def _fp4_finish(v, amax_bits, op):
+    """`mx_operand_values`' finish for the NVFP4 carrier: E2M1 elements (f4) and per-16 E4M3
+    scales ``2^(s - t)`` in the bit view, with (t, exact)."""
+    lo, hi = E4M3_POW2_RANGE
+    s, nonfinite = op.scheme.exponents(amax_bits, op.scale_rule, op.sr_prescale)
+    live = (amax_bits != 0) & ~nonfinite
+    big = jnp.iinfo(jnp.int32).max
+    s_max = jnp.max(jnp.where(live, s, -big))
+    t = jnp.where(jnp.any(live), s_max - hi, 0).astype(jnp.int32)
+    # Exact: every live block's 2^(s - t) an E4M3 power of two, its elements E2M1 values
+    # times a normal-range 2^s (no NaN block: those take the emulation).
+    ok = (s - t >= lo) & (s >= _MIN_EXP) & (s <= _MAX_EXP - 1)
+    exact = jnp.all(ok | ~live) & ~jnp.any(nonfinite)
+    q = v * _bits.pow2(jnp.clip(-s, _MIN_EXP, _MAX_EXP))
+    bits = e4m3_pow2_bits(jnp.clip(s - t, lo, hi)).astype(jnp.uint8)
+    return q.astype(jnp.float4_e2m1fn), (lax.bitcast_convert_type(bits, jnp.float8_e4m3fn),
+                                         t, exact)
+
+
+def _canonical(x, view, k_axis_len):
+    """x laid out like view.x (K at view.axis) -> [B, F, K'] (batch, free, contraction)."""
+    p = view.axis
+    free = [i for i in range(x.ndim) if i != p and i not in view.batch]
+    perm = tuple(view.batch) + tuple(free) + (p,)
+    b = math.prod(x.shape[i] for i in view.batch)
+    f = math.prod(x.shape[i] for i in free)
+    return jnp.transpose(x, perm).reshape(b, f, k_axis_len)
+
+
+def mx_gemm_fp4(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
+                operand_dtypes=None, out_dtype=None) -> jax.Array:
+    """``dot_general(a, b, dims)`` under an MXFP4 recipe on the NVFP4 block-scaled dot.
+
+    The operands are quantized in place by the emulation's GPU form (as `mx_gemm_fp8`'s),
+    written as E2M1 elements with per-16 E4M3 scales ``2^(s - t)`` (`mxjax.accelerator_fp4`'s
+    window: ``s >= s_max - 17``), laid out ``[B, F, K]`` and contracted by
+    ``jax.nn.scaled_matmul`` (cuDNN's FP4 MMA on Blackwell), times ``2^(t_a + t_b)``. An
+    operand with a block outside the window, a NaN block or a scale beyond 2^+-126 takes
+    the emulation's result (``lax.cond``).
+
+    Returns:
+      ``[B, Fa, Fb]`` (batch and free axes flattened), f32 or out_dtype.
+    """
+    if not takes_fp8_route(recipe):
+        raise ValueError(f"recipe: the 'xla_fp4' backend takes MXFP4 x MXFP4, got "
+                         f"{recipe.lhs.fmt.name} x {recipe.rhs.fmt.name}")
+    a, b = accelerator.cast_operands(a, b, operand_dtypes)
+    (ca, cb), (ba, bb) = dims
+    va, vb = accelerator.contraction_view(a, ba, ca), accelerator.contraction_view(b, bb, cb)
+    k = va.x.shape[va.axis]
+    h = None if recipe.hadamard is None else recipe.hadamard.block_size
+    # The whole padded contraction (a multiple of 32): NVFP4 scales cover 16 elements.
+    n_bits = max(5, 0 if h is None else h.bit_length() - 1)
+    k_pad = -(-k // (1 << n_bits)) << n_bits
+    kw = {"k_out": k_pad, "hadamard_size": h, "signs": signs}
+    encoded = []
+    for view, op, key in ((va, recipe.lhs, k_lhs), (vb, recipe.rhs, k_rhs)):
+        q, (scales, t, exact) = accelerator.mx_operand_values(
+            view, op, key=key, finish=functools.partial(_fp4_finish, op=op), **kw)
+        # Scales: one per 32-block in the bit view, repeated for its two 16-halves.
+        scales = jnp.repeat(scales.reshape(_block_shape(view, k_pad)), 2, axis=view.axis)
+        encoded.append((_canonical(q, view, k_pad), _canonical(scales, view, k_pad // 16),
+                        t, exact))
+    (qa, sa, ta, exact_a), (qb, sb, tb, exact_b) = encoded
+
+    def fp4(a, b):
+        del a, b
+        out = jax.nn.scaled_matmul(qa, qb, sa, sb, preferred_element_type=jnp.float32)
+        out = _apply_pow2(out, ta + tb)
+        for op in (recipe.lhs, recipe.rhs):
+            if op.sr_prescale:
+                out = out * jnp.float32(SR_UNSCALE)
+        return out if out_dtype is None else out.astype(out_dtype)
+
+    def emulated(a, b):
+        out = accelerator.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs, signs, form="gpu")
+        out = out.reshape(qa.shape[0], qa.shape[1], qb.shape[1])
+        return out if out_dtype is None else out.astype(out_dtype)
+
+    return lax.cond(exact_a & exact_b, fp4, emulated, a, b)
+
+
+def _block_shape(view, k_pad):
+    """view.x's shape with K replaced by its number of 32-blocks."""
+    shape = list(view.x.shape)
+    shape[view.axis] = k_pad // accelerator.MX_BLOCK
+    return tuple(shape)

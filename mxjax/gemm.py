@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mxjax import accelerator, accelerator_fp4, accelerator_fp8, accelerator_mx_fp8
+from mxjax import accelerator, accelerator_fp8, accelerator_mx_fp8
 from mxjax._platform import cpu_barrier, cuda_or_other, per_platform
 from mxjax.accelerator import cast_operands
 from mxjax.dimensions import Dims, free_axes
@@ -381,13 +381,16 @@ def _xla_fp8_gemm(a: jax.Array, b: jax.Array, *, dims: Dims, recipe: GemmRecipe,
 
 def _xla_fp4_gemm(a: jax.Array, b: jax.Array, *, dims: Dims, recipe: GemmRecipe, key,
                   operand_dtypes=None, out_dtype=None) -> jax.Array:
-    """The 'xla_fp4' backend: the canonical operands quantized by `mxjax.quantize` and
-    re-encoded exactly as NVFP4 for XLA's block-scaled dot (`mxjax.accelerator_fp4`), the
-    dequantized operands' f32 dot where they cannot be. [batch..., Fa, Fb]."""
-    a, b = cast_operands(a, b, operand_dtypes)
-    a3, b3, k_lhs, k_rhs = quantizer_operands(*canonical_operands(a, b, dims), recipe, key)
-    out = accelerator_fp4.fp4_block_scaled_dot(a3, b3, recipe, k_lhs, k_rhs)
-    return out if out_dtype is None else out.astype(out_dtype)
+    """The 'xla_fp4' backend: the in-place MXFP4 operands written as NVFP4 (E2M1 with E4M3
+    scales per 16) for XLA's block-scaled dot (`mxjax.accelerator_mx_fp8.mx_gemm_fp4`), the
+    emulation's result where they cannot be. [batch..., Fa, Fb]."""
+    k_lhs, k_rhs, k_had = split_key(key if recipe.needs_key else None)
+    signs = None if recipe.hadamard is None else rotation_signs(recipe.hadamard, k_had)
+    out = accelerator_mx_fp8.mx_gemm_fp4(a, b, dims, recipe, k_lhs, k_rhs, signs,
+                                         operand_dtypes=operand_dtypes, out_dtype=out_dtype)
+    (ca, cb), (ba, bb) = dims
+    return out.reshape(tuple(a.shape[i] for i in ba)
+                       + (_free_size(a, ba, ca), _free_size(b, bb, cb)))
 
 
 def _kernel_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key,

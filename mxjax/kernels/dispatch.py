@@ -80,8 +80,9 @@ AUTO_CHOICES: tuple[AutoChoice, ...] = (
             "Blackwell (B200), Llama 3.1-8B decoder layer at seq 8192, fwd+bwd, under "
             "mxfp4_all_h16 (bench/accelerator_cost.py rates roofline, deviceless, "
             "2026-12-04; never run on a B200): 'xla_fp8' 7.70 ms (1.19x bf16), the "
-            "emulation 9.50 ms (1.47x), 'xla_fp4' 10.35 ms (1.60x: cuDNN's FP4 MMA in all "
-            "21 GEMMs, but its canonical-layout quantize passes cost more). The 'triton' "
+            "emulation 9.50 ms (1.47x), 'xla_fp4' 9.53 ms (1.47x: cuDNN's FP4 MMA in all 21 "
+            "GEMMs, but the NVFP4 operands' transposes into [B, F, K] and the f32 results "
+            "written out of cuDNN cost what the FP4 MMA saves). The 'triton' "
             "backend has no estimate (jax-triton 0.4.1 fails under jax 0.12).")),
     AutoChoice(
         platform="gpu", min_compute_capability=(9, 0), backend="xla_fp8",

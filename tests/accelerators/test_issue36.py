@@ -6,10 +6,10 @@
   (``__cudnn$blockScaledDot`` on f4e2m1fn x f4e2m1fn). The attention's GEMMs are the
   fused cuDNN calls, the only others.
 * On the 8B layer (seq 8192, the rates roofline) ``xla_fp8`` is estimated faster than the
-  emulation on both chips ('auto''s choice there); ``xla_fp4`` is printed (its canonical
-  quantize passes make it slower than the emulation on B200). The issue's targets (H200
-  <= 0.95x bf16; B200 <= 0.6x bf16 and <= 0.83x fp8) are not met (docs/PERFORMANCE.md
-  says where the time goes): they are printed here, not asserted.
+  emulation on both chips ('auto''s choice there); ``xla_fp4`` is printed (its operands'
+  transposes into [B, F, K] and cuDNN's f32 results leave it at the emulation's time).
+  The issue's targets (H200 <= 0.95x bf16; B200 <= 0.6x bf16 and <= 0.83x fp8) are not
+  met (docs/PERFORMANCE.md says where the time goes): printed here, not asserted.
 """
 
 from __future__ import annotations

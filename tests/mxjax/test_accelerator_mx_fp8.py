@@ -7,6 +7,7 @@ the MXFP4 values, float64 numpy for the GEMM.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import chex
@@ -135,6 +136,10 @@ def _route(a, b, dims, recipe, signs):
 
 def _emulation(a, b, dims, recipe, signs):
     return accelerator.mx_gemm(a, b, dims, recipe, None, None, signs, form="gpu")
+
+
+def _emulation_keyed(a, b, dims, recipe, signs, k1, k2):
+    return accelerator.mx_gemm(a, b, dims, recipe, k1, k2, signs, form="gpu")
 
 
 @pytest.mark.parametrize("layout", sorted(DIMS))
@@ -318,3 +323,40 @@ def test_pallas_fp8_operand_decodes_codes_and_nan_blocks():
     want = np.asarray(ref.fake_quantize(np.asarray(x), "mxfp4", 1, scale_rule="even"))
     np.testing.assert_array_equal(np.isnan(v), np.isnan(want))
     np.testing.assert_array_equal(v[~np.isnan(v)], want[~np.isnan(want)])
+
+
+# --- 'xla_fp4' in place: the same operands written as NVFP4 for the block-scaled dot ------
+
+
+@pytest.mark.parametrize("layout", sorted(DIMS))
+@pytest.mark.parametrize("preset", ["mxfp4_all_h16", "mxfp4_all_sr"])
+def test_fp4_route_takes_the_block_scaled_dot_and_equals_the_emulation_on_cpu(layout, preset):
+    shape_a, shape_b, dims = DIMS[layout]
+    a, b = _operands(shape_a, shape_b, seed=10, dtype=jnp.bfloat16)
+    recipe = _recipe(preset, "xla_fp4")
+    signs = mxjax.fixed_signs(0, 16) if recipe.hadamard else None
+    k1, k2 = jax.random.split(jax.random.key(11)) if recipe.needs_key else (None, None)
+    out = jax.jit(lambda a, b: M.mx_gemm_fp4(a, b, dims, recipe, k1, k2, signs))(a, b)
+    emu = _emulation_keyed(a, b, dims, recipe, signs, k1, k2)
+    # XLA:CPU expands scaled_matmul to exact f32 products summed in f32: the same sums.
+    chex.assert_trees_all_equal(out, emu.reshape(out.shape))
+    # ...through the block-scaled dot: its operands are exact for these tensors.
+    view = accelerator.contraction_view(a, dims[1][0], dims[0][0])
+    k = view.x.shape[view.axis]
+    _, (_, _, exact) = accelerator.mx_operand_values(
+        view, recipe.lhs, k_out=-(-k // 32) * 32, hadamard_size=16 if signs is not None else None,
+        signs=signs, key=k1, finish=functools.partial(M._fp4_finish, op=recipe.lhs))
+    assert bool(exact)
+
+
+def test_fp4_route_past_the_window_or_with_nan_takes_the_emulation():
+    shape_a, shape_b, dims = DIMS["xw"]
+    a, b = _operands(shape_a, shape_b, seed=12)
+    recipe = _recipe("mxfp4_all_h16", "xla_fp4")
+    signs = mxjax.fixed_signs(0, 16)
+    wide = a.at[0, :32].multiply(2.0**30)  # 30 binades: past NVFP4 scales' 18
+    nan = a.at[3, 5].set(jnp.nan)
+    for x in (wide, nan):
+        out = jax.jit(lambda a, b: M.mx_gemm_fp4(a, b, dims, recipe, None, None, signs))(x, b)
+        emu = _emulation(x, b, dims, recipe, signs)
+        chex.assert_trees_all_equal(out, emu.reshape(out.shape))
