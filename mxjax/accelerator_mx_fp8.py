@@ -138,6 +138,27 @@ def encode_exact(v: jax.Array, t: jax.Array, carrier: Carrier) -> jax.Array:
     return (v * _bits.pow2(-t)).astype(carrier.dtype)
 
 
+def _in_place_views(a, b, dims, recipe, operand_dtypes, backend: str):
+    """(a, b cast, their contraction views, the Hadamard size or None) for an MXFP4 route."""
+    if not takes_fp8_route(recipe):
+        raise ValueError(f"recipe: the {backend!r} backend takes MXFP4 x MXFP4, got "
+                         f"{recipe.lhs.fmt.name} x {recipe.rhs.fmt.name}")
+    a, b = accelerator.cast_operands(a, b, operand_dtypes)
+    (ca, cb), (ba, bb) = dims
+    va, vb = accelerator.contraction_view(a, ba, ca), accelerator.contraction_view(b, bb, cb)
+    h = None if recipe.hadamard is None else recipe.hadamard.block_size
+    return a, b, va, vb, h
+
+
+def _scaled_result(out: jax.Array, shift: jax.Array, recipe, out_dtype) -> jax.Array:
+    """A carriers' GEMM result times 2^shift and each operand's SR unscale, cast."""
+    out = _apply_pow2(out, shift)
+    for op in (recipe.lhs, recipe.rhs):
+        if op.sr_prescale:
+            out = out * jnp.float32(SR_UNSCALE)
+    return out if out_dtype is None else out.astype(out_dtype)
+
+
 def _apply_pow2(out: jax.Array, e: jax.Array) -> jax.Array:
     """out * 2^e for an int32 scalar e in [-254, 252], as two normal-range multiplies."""
     half = e // 2
@@ -164,14 +185,8 @@ def mx_gemm_fp8(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
       ``[batch..., lhs free..., rhs free...]`` (f32 or out_dtype), times each operand's
       SR unscale.
     """
-    if not takes_fp8_route(recipe):
-        raise ValueError(f"recipe: the 'xla_fp8' backend takes MXFP4 x MXFP4, got "
-                         f"{recipe.lhs.fmt.name} x {recipe.rhs.fmt.name}")
-    a, b = accelerator.cast_operands(a, b, operand_dtypes)
-    (ca, cb), (ba, bb) = dims
-    va, vb = accelerator.contraction_view(a, ba, ca), accelerator.contraction_view(b, bb, cb)
+    a, b, va, vb, h = _in_place_views(a, b, dims, recipe, operand_dtypes, "xla_fp8")
     k = va.x.shape[va.axis]
-    h = None if recipe.hadamard is None else recipe.hadamard.block_size
     kw = {"k_out": k if h is None else -(-k // h) * h, "hadamard_size": h, "signs": signs}
     ops = ((va, recipe.lhs, k_lhs, LHS_CARRIER), (vb, recipe.rhs, k_rhs, RHS_CARRIER))
     encoded = []
@@ -188,11 +203,7 @@ def mx_gemm_fp8(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
         del a, b
         out = lax.dot_general(qa, qb, contract, precision=lax.Precision.HIGHEST,
                               preferred_element_type=jnp.float32)
-        out = _apply_pow2(out, ta + tb)
-        for op in (recipe.lhs, recipe.rhs):
-            if op.sr_prescale:
-                out = out * jnp.float32(SR_UNSCALE)
-        return out if out_dtype is None else out.astype(out_dtype)
+        return _scaled_result(out, ta + tb, recipe, out_dtype)
 
     def emulated(a, b):
         out = accelerator.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs, signs, form="gpu")
@@ -278,14 +289,8 @@ def mx_gemm_fp4(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
     Returns:
       ``[B, Fa, Fb]`` (batch and free axes flattened), f32 or out_dtype.
     """
-    if not takes_fp8_route(recipe):
-        raise ValueError(f"recipe: the 'xla_fp4' backend takes MXFP4 x MXFP4, got "
-                         f"{recipe.lhs.fmt.name} x {recipe.rhs.fmt.name}")
-    a, b = accelerator.cast_operands(a, b, operand_dtypes)
-    (ca, cb), (ba, bb) = dims
-    va, vb = accelerator.contraction_view(a, ba, ca), accelerator.contraction_view(b, bb, cb)
+    a, b, va, vb, h = _in_place_views(a, b, dims, recipe, operand_dtypes, "xla_fp4")
     k = va.x.shape[va.axis]
-    h = None if recipe.hadamard is None else recipe.hadamard.block_size
     # The whole padded contraction (a multiple of 32): NVFP4 scales cover 16 elements.
     n_bits = max(5, 0 if h is None else h.bit_length() - 1)
     k_pad = -(-k // (1 << n_bits)) << n_bits
@@ -303,11 +308,7 @@ def mx_gemm_fp4(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
     def fp4(a, b):
         del a, b
         out = jax.nn.scaled_matmul(qa, qb, sa, sb, preferred_element_type=jnp.float32)
-        out = _apply_pow2(out, ta + tb)
-        for op in (recipe.lhs, recipe.rhs):
-            if op.sr_prescale:
-                out = out * jnp.float32(SR_UNSCALE)
-        return out if out_dtype is None else out.astype(out_dtype)
+        return _scaled_result(out, ta + tb, recipe, out_dtype)
 
     def emulated(a, b):
         out = accelerator.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs, signs, form="gpu")
