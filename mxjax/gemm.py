@@ -395,7 +395,9 @@ def _xla_fp4_gemm(a: jax.Array, b: jax.Array, *, dims: Dims, recipe: GemmRecipe,
 
 def _kernel_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key,
                  gemm_name: str, operand_dtypes=None, out_dtype=None) -> jax.Array:
-    """Kernel backends ('pallas', 'pallas_fp8', 'triton', 'auto'): packed operands + mx_dot.
+    """Every backend but 'xla': the MXFP4 routes 'xla_fp8' and 'xla_fp4' (in-place operands
+    in exact FP8 / NVFP4 carriers), and the kernels ('pallas', 'pallas_fp8', 'triton':
+    packed operands + mx_dot), 'auto' resolving to one of them or to 'xla'.
 
     Same operands, keys and rotation as `emulated_gemm`; the quantized operands are
     packed (`quantize`) and contracted by `mxjax.kernels.mx_dot`. The backend is resolved
