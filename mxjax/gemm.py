@@ -365,32 +365,25 @@ def emulated_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, ke
     return out if out_dtype is None else out.astype(out_dtype)
 
 
-def _xla_fp8_gemm(a: jax.Array, b: jax.Array, *, dims: Dims, recipe: GemmRecipe, key,
-                  operand_dtypes=None, out_dtype=None) -> jax.Array:
-    """The 'xla_fp8' backend: MXFP4 operands carried exactly in FP8 on XLA's FP8 GEMM
-    (`mxjax.accelerator_mx_fp8`), the emulation's result where they cannot be.
-    [batch..., Fa, Fb], f32 or out_dtype (cast inside the route's branches, so that XLA
-    fuses the cast into the GEMM)."""
+def _mx_route_gemm(a: jax.Array, b: jax.Array, *, route, dims: Dims, recipe: GemmRecipe, key,
+                   operand_dtypes=None, out_dtype=None) -> jax.Array:
+    """The 'xla_fp8' and 'xla_fp4' backends: ``route`` is `mxjax.accelerator_mx_fp8`'s
+    `mx_gemm_fp8` (MXFP4 operands carried exactly in FP8 on XLA's FP8 GEMM) or
+    `mx_gemm_fp4` (written as NVFP4 for XLA's block-scaled dot), each the emulation's
+    result where the operands cannot be carried. [batch..., Fa, Fb], f32 or out_dtype (cast
+    inside the route's branches, so that XLA can fuse the cast into the GEMM)."""
     k_lhs, k_rhs, k_had = split_key(key if recipe.needs_key else None)
     signs = None if recipe.hadamard is None else rotation_signs(recipe.hadamard, k_had)
-    out = accelerator_mx_fp8.mx_gemm_fp8(a, b, dims, recipe, k_lhs, k_rhs, signs,
-                                         operand_dtypes=operand_dtypes, out_dtype=out_dtype)
-    (ca, cb), (ba, bb) = dims
-    return out.reshape(out.shape[:len(ba)] + (_free_size(a, ba, ca), _free_size(b, bb, cb)))
-
-
-def _xla_fp4_gemm(a: jax.Array, b: jax.Array, *, dims: Dims, recipe: GemmRecipe, key,
-                  operand_dtypes=None, out_dtype=None) -> jax.Array:
-    """The 'xla_fp4' backend: the in-place MXFP4 operands written as NVFP4 (E2M1 with E4M3
-    scales per 16) for XLA's block-scaled dot (`mxjax.accelerator_mx_fp8.mx_gemm_fp4`), the
-    emulation's result where they cannot be. [batch..., Fa, Fb]."""
-    k_lhs, k_rhs, k_had = split_key(key if recipe.needs_key else None)
-    signs = None if recipe.hadamard is None else rotation_signs(recipe.hadamard, k_had)
-    out = accelerator_mx_fp8.mx_gemm_fp4(a, b, dims, recipe, k_lhs, k_rhs, signs,
-                                         operand_dtypes=operand_dtypes, out_dtype=out_dtype)
+    out = route(a, b, dims, recipe, k_lhs, k_rhs, signs, operand_dtypes=operand_dtypes,
+                out_dtype=out_dtype)
     (ca, cb), (ba, bb) = dims
     return out.reshape(tuple(a.shape[i] for i in ba)
                        + (_free_size(a, ba, ca), _free_size(b, bb, cb)))
+
+
+# The MXFP4 routes by backend name.
+_MX_ROUTES = {"xla_fp8": accelerator_mx_fp8.mx_gemm_fp8,
+              "xla_fp4": accelerator_mx_fp8.mx_gemm_fp4}
 
 
 def _kernel_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key,
@@ -436,14 +429,12 @@ def _kernel_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key
             return lambda a, b: kernels.unavailable(why, out.shape, out.dtype, a, b)
         if backend == "xla":
             return emulated
-        if backend == "xla_fp4":
-            return functools.partial(_xla_fp4_gemm, dims=dims, recipe=recipe, key=key,
-                                     operand_dtypes=operand_dtypes, out_dtype=out_dtype)
-        if backend == "xla_fp8":
+        if backend in _MX_ROUTES:
             # XLA's two-pass quantizer on every platform: on an H200 the one-pass Pallas
             # kernel (mxjax.kernels.fp8_operand) ran 3x (row) to 10x (column) slower.
-            return functools.partial(_xla_fp8_gemm, dims=dims, recipe=recipe, key=key,
-                                     operand_dtypes=operand_dtypes, out_dtype=out_dtype)
+            return functools.partial(_mx_route_gemm, route=_MX_ROUTES[backend], dims=dims,
+                                     recipe=recipe, key=key, operand_dtypes=operand_dtypes,
+                                     out_dtype=out_dtype)
         return functools.partial(kernel, backend=backend, platform=platform)
 
     return per_platform(a, b, cpu=branch("cpu"), gpu=branch("gpu"), tpu=branch("tpu"))
