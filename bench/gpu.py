@@ -16,7 +16,8 @@ Usage, from the repository root on the GPU machine:
 
 Sections (--sections picks them, they run in this order; the table is printed last, and
 after every section when --table-out is given it is rewritten there):
-  tests. pytest -m gpu tests/mxjax/kernels/test_kernels_gpu.py tests/mxjax/test_fp8_gemm_gpu.py
+  tests. pytest -m gpu tests/mxjax/kernels/test_kernels_gpu.py
+     tests/mxjax/routes/test_fp8_units_gpu.py
      tests/models/test_fused_attention.py (kernels; FP8 GEMMs on the FP8 tensor cores within
      docs/NUMERICS.md's device bound, printed with -s; cuDNN flash attention against the
      explicit form); a failure stops the run unless --keep-going (then the table says so).
@@ -228,9 +229,11 @@ class Pace:
 
 # --------------------------------------------------------------------------- tests
 
-GPU_TEST_FILES = ("tests/mxjax/kernels/test_kernels_gpu.py", "tests/mxjax/test_fp8_gemm_gpu.py",
-                  "tests/models/test_fused_attention.py", "tests/mxjax/test_xla_fp8_gpu.py",
-                  "tests/mxjax/test_accelerator_fp4_gpu.py")
+GPU_TEST_FILES = ("tests/mxjax/kernels/test_kernels_gpu.py",
+                  "tests/mxjax/routes/test_fp8_units_gpu.py",
+                  "tests/models/test_fused_attention.py",
+                  "tests/mxjax/routes/test_xla_fp8_gpu.py",
+                  "tests/mxjax/routes/test_xla_fp4_gpu.py")
 # --quick-tests deselects these (node-id prefixes; a test added to the files still runs):
 # the fused-quantize kernel tests, the second GEMM shape, the batched Pallas GEMM, the FP8
 # tensor-core bound at K = 256 (K = 4096 stays).

@@ -23,9 +23,10 @@ import jax.numpy as jnp
 
 import mxjax
 from bench import programs
-from mxjax import accelerator, accelerator_mx_fp8, policies
+from mxjax import policies
 from mxjax.kernels import QuantSpec, fused_quantize
 from mxjax.kernels.fp8_operand import fp8_operand
+from mxjax.routes import in_place, xla_fp8
 
 T0 = time.perf_counter()
 
@@ -95,14 +96,14 @@ def quantize_rows(pallas: bool):
     spec = QuantSpec(recipe=op, hadamard=16)
 
     def xla_operand(v, axis, recompute=True):
-        carrier = accelerator_mx_fp8.LHS_CARRIER
+        carrier = xla_fp8.LHS_CARRIER
 
         def finish(w, ab):
-            t = accelerator_mx_fp8.carrier_window(ab, op, carrier)[0]
-            return accelerator_mx_fp8.encode_exact(w, t, carrier), None
+            t = xla_fp8.carrier_window(ab, op, carrier)[0]
+            return xla_fp8.encode_exact(w, t, carrier), None
 
-        return accelerator.mx_operand_values(
-            accelerator.contraction_view(v, (), (axis,)), op, k_out=v.shape[axis],
+        return in_place.mx_operand_values(
+            in_place.contraction_view(v, (), (axis,)), op, k_out=v.shape[axis],
             hadamard_size=16, signs=signs, key=None, recompute=recompute, finish=finish)[0]
 
     cases = {
@@ -115,7 +116,7 @@ def quantize_rows(pallas: bool):
             block_cols=256)[0].codes),
         "pallas_operand row (+decode)": jax.jit(lambda v: fp8_operand(
             v, 1, op, hadamard_size=16, signs=signs, key=None,
-            carrier=accelerator_mx_fp8.LHS_CARRIER)[0]),
+            carrier=xla_fp8.LHS_CARRIER)[0]),
         "xla two-pass row (f8)": jax.jit(lambda v: xla_operand(v, 1)),
         # Without the recompute barrier (deviceless: 1.89 GB moved vs 1.66 GB with it).
         "xla two-pass row (f8, no barrier)": jax.jit(lambda v: xla_operand(v, 1, False)),

@@ -1,6 +1,6 @@
 """Cost of the GPU form's quantize passes on one operand, from a deviceless compile.
 
-Compiles `mxjax.accelerator.mx_operand_values` (MXFP4 + H16, RNE, FP8 carrier as in
+Compiles `mxjax.routes.in_place.mx_operand_values` (MXFP4 + H16, RNE, FP8 carrier as in
 the 'xla_fp8' route, or bf16) for an H200 without one, with XLA's dumps on, and
 prints per kernel the bytes it moves, the elementwise ops in its HLO
 (`bench.hlo_kernels`) and the PTX instructions its threads execute (straight-line
@@ -62,7 +62,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="8192,14336")
     ap.add_argument("--axis", type=int, default=1, help="the contraction axis")
-    ap.add_argument("--out", choices=("f8", "bf16"), default="f8")
+    ap.add_argument("--out", choices=("f8", "f4", "bf16"), default="f8",
+                    help="f8: the 'xla_fp8' lhs carrier; f4: the 'xla_fp4' operand "
+                         "(E2M1 + E4M3 scales, [F, K]); bf16: the emulation's values")
+    ap.add_argument("--target", default="h200")
     ap.add_argument("--no-barrier", action="store_true", help="recompute=False")
     args = ap.parse_args(argv)
     dump = Path(tempfile.mkdtemp(prefix="quantize_cost_"))
@@ -76,25 +79,31 @@ def main(argv=None) -> int:
 
     import mxjax
     from bench import hlo_kernels as hk
-    from mxjax import accelerator, accelerator_mx_fp8, policies
+    from mxjax import policies
+    from mxjax.routes import in_place, xla_fp4, xla_fp8
 
     shape = tuple(int(s) for s in args.shape.split(","))
     op = policies.get("mxfp4_all_h16").fprop.lhs
     signs = mxjax.fixed_signs(0, 16)
-    carrier = accelerator_mx_fp8.LHS_CARRIER
+    carrier = xla_fp8.LHS_CARRIER
 
     def finish(w, amax_bits):
-        t = accelerator_mx_fp8.carrier_window(amax_bits, op, carrier)[0]
-        return accelerator_mx_fp8.encode_exact(w, t, carrier), None
+        t = xla_fp8.carrier_window(amax_bits, op, carrier)[0]
+        return xla_fp8.encode_exact(w, t, carrier), None
 
     def fn(v):
-        out = accelerator.mx_operand_values(
-            accelerator.contraction_view(v, (), (args.axis,)), op, k_out=shape[args.axis],
+        view = in_place.contraction_view(v, (), (args.axis,))
+        if args.out == "f4":
+            q, scales, _, exact = xla_fp4.in_place_operand(
+                view, op, None, k_out=shape[args.axis], hadamard_size=16, signs=signs)
+            return q, scales, exact
+        out = in_place.mx_operand_values(
+            view, op, k_out=shape[args.axis],
             hadamard_size=16, signs=signs, key=None, recompute=not args.no_barrier,
             finish=finish if args.out == "f8" else None)
         return out[0] if args.out == "f8" else out
 
-    compiled = aot.compile_for(fn, (jax.ShapeDtypeStruct(shape, jnp.bfloat16),), "h200")
+    compiled = aot.compile_for(fn, (jax.ShapeDtypeStruct(shape, jnp.bfloat16),), args.target)
     ks = hk.kernels(compiled.as_text())
     ptx = ptx_kernels(dump)
     n = shape[0] * shape[1]

@@ -31,14 +31,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mxjax import accelerator, accelerator_fp8, accelerator_mx_fp8
 from mxjax._platform import cpu_barrier, cuda_or_other, per_platform
-from mxjax.accelerator import cast_operands
 from mxjax.dimensions import Dims, free_axes
 from mxjax.layout import canonical_dimension_numbers
 from mxjax.quantization import fake_quantize_parts_with, fake_quantize_with, quantize_with
 from mxjax.recipes import BACKENDS, GemmRecipe
 from mxjax.rotation import fixed_signs, hadamard, random_signs
+from mxjax.routes import fp8_units, in_place, xla_fp4, xla_fp8
+from mxjax.routes.in_place import cast_operands
 from mxjax.scaling import SR_UNSCALE, OperandRange
 
 __all__ = [
@@ -251,14 +251,14 @@ def _in_place_mx(recipe: GemmRecipe) -> bool:
 
 def _accelerator_form(a, b, dims: Dims, recipe: GemmRecipe, k_lhs, k_rhs, k_had, *,
                       form: str, operand_dtypes=None):
-    """GPU/TPU forms: MX operands in place (`mxjax.accelerator`), others canonical.
+    """GPU/TPU forms: MX operands in place (`mxjax.routes.in_place`), others canonical.
 
     ``operand_dtypes``: the GEMM of the operands cast to them (`gemm`); the in-place
     forms take the casts into their quantize pass.
     """
     if _in_place_mx(recipe):
         signs = None if recipe.hadamard is None else rotation_signs(recipe.hadamard, k_had)
-        out = accelerator.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs, signs, form=form,
+        out = in_place.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs, signs, form=form,
                                   operand_dtypes=operand_dtypes)
         (ca, cb), (ba, bb) = dims
         nb = len(ba)
@@ -275,7 +275,7 @@ def _free_size(x: jax.Array, batch, contract) -> int:
 
 def _cuda_f8_form(a, b, dims: Dims, recipe: GemmRecipe, k_lhs, k_rhs, k_had, *,
                   operand_dtypes=None, swap: bool = False):
-    """CUDA form of FP8 recipes: f8 operands on FP8 tensor cores (`mxjax.accelerator_fp8`).
+    """CUDA form of FP8 recipes: f8 operands on FP8 tensor cores (`mxjax.routes.fp8_units`).
 
     Per-tensor FP8 operands are quantized in place (their scale is the whole tensor's,
     whatever the layout) unless the recipe rotates or draws uniforms, which follow
@@ -289,30 +289,30 @@ def _cuda_f8_form(a, b, dims: Dims, recipe: GemmRecipe, k_lhs, k_rhs, k_had, *,
     """
     a, b = cast_operands(a, b, operand_dtypes)
     (ca, cb), (ba, bb) = dims
-    if accelerator_fp8.takes_block_scaled(recipe):
+    if fp8_units.takes_block_scaled(recipe):
         a3, b3 = _rotate(*canonical_operands(a, b, dims), recipe, k_had)
-        return accelerator_fp8.block_scaled_dot(a3, b3, recipe, k_lhs, k_rhs)
+        return fp8_units.block_scaled_dot(a3, b3, recipe, k_lhs, k_rhs)
     if recipe.hadamard is None and not recipe.needs_key:
-        aq, a_factors = accelerator_fp8.f8_operand(a, recipe.lhs, None)
-        bq, b_factors = accelerator_fp8.f8_operand(b, recipe.rhs, None)
+        aq, a_factors = fp8_units.f8_operand(a, recipe.lhs, None)
+        bq, b_factors = fp8_units.f8_operand(b, recipe.rhs, None)
         fa, fb = _free_size(a, ba, ca), _free_size(b, bb, cb)
         if not swap:
-            out = accelerator_fp8.f8_dot(aq, bq, dims.as_lax(), a_factors, b_factors)
+            out = fp8_units.f8_dot(aq, bq, dims.as_lax(), a_factors, b_factors)
             return out.reshape(out.shape[:len(ba)] + (fa, fb))
         # dot(b, a), transposed back (the factors in the same order as above).
-        out = accelerator_fp8.f8_dot(bq, aq, ((cb, ca), (bb, ba)), a_factors, b_factors)
+        out = fp8_units.f8_dot(bq, aq, ((cb, ca), (bb, ba)), a_factors, b_factors)
         out = out.reshape(out.shape[:len(ba)] + (fb, fa))
         return jnp.swapaxes(out, -1, -2)
     a3, b3 = _rotate(*canonical_operands(a, b, dims), recipe, k_had)
-    aq, a_factors = accelerator_fp8.f8_operand(a3, recipe.lhs, k_lhs)
-    bq, b_factors = accelerator_fp8.f8_operand(b3, recipe.rhs, k_rhs)
-    return accelerator_fp8.f8_dot(aq, bq, canonical_dimension_numbers(a3.ndim - 2),
+    aq, a_factors = fp8_units.f8_operand(a3, recipe.lhs, k_lhs)
+    bq, b_factors = fp8_units.f8_operand(b3, recipe.rhs, k_rhs)
+    return fp8_units.f8_dot(aq, bq, canonical_dimension_numbers(a3.ndim - 2),
                                   a_factors, b_factors)
 
 
 def takes_f8_on_cuda(recipe: GemmRecipe) -> bool:
     """Whether the GEMM's CUDA form runs on FP8 tensor cores (per-tensor FP8 or MXFP8)."""
-    return accelerator_fp8.takes_f8_operands(recipe) or accelerator_fp8.takes_block_scaled(recipe)
+    return fp8_units.takes_f8_operands(recipe) or fp8_units.takes_block_scaled(recipe)
 
 
 # Jitted (inlined into the caller's jaxpr) so that JAX caches its trace per operand
@@ -330,7 +330,7 @@ def emulated_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, ke
     machine): XLA:CPU gets canonical operands and `_cpu_gemm`, GPUs and TPUs
     `_accelerator_form` (docs/NUMERICS.md, "Emulated GEMM"), except that CUDA gets
     f8 operands on FP8 tensor cores for per-tensor FP8 and MXFP8 recipes
-    (`_cuda_f8_form`, `mxjax.accelerator_fp8`).
+    (`_cuda_f8_form`, `mxjax.routes.fp8_units`).
 
     Args:
       a, b: the GEMM's operands (any float dtype) and its dimension numbers.
@@ -367,11 +367,12 @@ def emulated_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, ke
 
 def _mx_route_gemm(a: jax.Array, b: jax.Array, *, route, dims: Dims, recipe: GemmRecipe, key,
                    operand_dtypes=None, out_dtype=None) -> jax.Array:
-    """The 'xla_fp8' and 'xla_fp4' backends: ``route`` is `mxjax.accelerator_mx_fp8`'s
-    `mx_gemm_fp8` (MXFP4 operands carried exactly in FP8 on XLA's FP8 GEMM) or
-    `mx_gemm_fp4` (written as NVFP4 for XLA's block-scaled dot), each the emulation's
-    result where the operands cannot be carried. [batch..., Fa, Fb], f32 or out_dtype (cast
-    inside the route's branches, so that XLA can fuse the cast into the GEMM)."""
+    """The 'xla_fp8' and 'xla_fp4' backends: ``route`` is `mxjax.routes.xla_fp8.mx_gemm_fp8`
+    (MXFP4 operands carried exactly in FP8 on XLA's FP8 GEMM) or
+    `mxjax.routes.xla_fp4.mx_gemm_fp4` (written as NVFP4 for XLA's block-scaled dot), each
+    the emulation's result where the operands cannot be carried. [batch..., Fa, Fb], f32
+    or out_dtype (cast inside the route's branches, so that XLA can fuse the cast into
+    the GEMM)."""
     k_lhs, k_rhs, k_had = split_key(key if recipe.needs_key else None)
     signs = None if recipe.hadamard is None else rotation_signs(recipe.hadamard, k_had)
     out = route(a, b, dims, recipe, k_lhs, k_rhs, signs, operand_dtypes=operand_dtypes,
@@ -382,8 +383,8 @@ def _mx_route_gemm(a: jax.Array, b: jax.Array, *, route, dims: Dims, recipe: Gem
 
 
 # The MXFP4 routes by backend name.
-_MX_ROUTES = {"xla_fp8": accelerator_mx_fp8.mx_gemm_fp8,
-              "xla_fp4": accelerator_mx_fp8.mx_gemm_fp4}
+_MX_ROUTES = {"xla_fp8": xla_fp8.mx_gemm_fp8,
+              "xla_fp4": xla_fp4.mx_gemm_fp4}
 
 
 def _kernel_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key,

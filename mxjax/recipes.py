@@ -49,8 +49,8 @@ GEMMS = ("fprop", "dgrad", "wgrad")
 # Where a GEMM runs (the one list; mxjax.kernels re-exports it). 'xla' is the
 # emulation (quantize -> dequantized values -> one XLA dot; docs/NUMERICS.md);
 # 'xla_fp8' the same operands carried exactly in FP8 on XLA's FP8 GEMM
-# (mxjax.accelerator_mx_fp8; MXFP4 only); 'xla_fp4' MXFP4 re-encoded exactly as NVFP4
-# for XLA's block-scaled dot (cuDNN's FP4 MMA on Blackwell; mxjax.accelerator_fp4); the
+# (mxjax.routes.xla_fp8; MXFP4 only); 'xla_fp4' MXFP4 re-encoded exactly as NVFP4
+# for XLA's block-scaled dot (cuDNN's FP4 MMA on Blackwell; mxjax.routes.xla_fp4); the
 # others are mxjax.kernels backends; 'auto' picks the best one for the chip compiled for.
 BACKENDS: tuple[str, ...] = ("xla", "xla_fp8", "xla_fp4", "pallas", "pallas_fp8", "triton",
                              "auto")

@@ -38,12 +38,9 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     #    (operand_recipe; mxjax.recipes re-exports it), then quantization; beside the
     #    schemes, MXFP4 values by integer rounding of the bit pattern (e2m1_bits), the
     #    path fake_quantize takes for deterministic MXFP4.
-    #  - the emulated GEMM's accelerator forms: their f32-scaled MX values
-    #    (accelerator_values), the TPU kernel (accelerator_tpu), then the in-place
-    #    operands and GEMM (accelerator), which mxjax.gemm calls; beside it the CUDA
-    #    form of the FP8 recipes (accelerator_fp8: f8 operands on FP8 tensor cores) and
-    #    the NVFP4 re-encoding of MXFP4 (accelerator_fp4); above them the 'xla_fp8'
-    #    route (accelerator_mx_fp8: the in-place MX operands carried in FP8).
+    #  - the execution routes (mxjax.routes, one module per route) sit above the quantizer
+    #    and the recipes: their own order is LAYERS["mxjax.routes"]; mxjax.kernels calls
+    #    the 'xla_fp8' route for MXArrays, mxjax.gemm chooses among them.
     #  - kernels sit above recipes (they take the backend names from mxjax.recipes)
     #    and below mxjax.gemm (one GEMM under a recipe), their only caller, which
     #    imports them lazily so that `import mxjax` stays free of Pallas.
@@ -60,10 +57,9 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("elements",),
         ("scaling", "e2m1_bits"),
         ("operand_recipe",),
-        ("quantization", "rotation", "accelerator_values"),
-        ("recipes", "accelerator_tpu"),
-        ("accelerator", "accelerator_fp8", "accelerator_fp4"),
-        ("accelerator_mx_fp8",),
+        ("quantization", "rotation"),
+        ("recipes",),
+        ("routes",),
         ("kernels",),
         ("gemm",),
         ("gemm_record",),
@@ -72,6 +68,17 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("diagnostics",),
         ("nn",),
         ("testing",),
+    ),
+    #  - the emulation's f32 values (in_place_values), its TPU kernel (in_place_tpu), then
+    #    its GPU form and GEMM (in_place); beside it FP8 recipes on FP8 units (fp8_units);
+    #    the MXFP4 routes reuse the emulation's in-place operands: 'xla_fp8' (carried in
+    #    FP8), then 'xla_fp4' (NVFP4, sharing xla_fp8's window and result scaling).
+    "mxjax.routes": (
+        ("in_place_values",),
+        ("in_place_tpu",),
+        ("in_place", "fp8_units"),
+        ("xla_fp8",),
+        ("xla_fp4",),
     ),
     "models": (("sharding",), ("attention",), ("llama",), ("hf_config", "hf_files"), ("hf",)),
     #  - the config and the run's extension points first; then the pieces that need only
@@ -356,7 +363,7 @@ def test_the_checker_refuses_planted_violations(tmp_path, monkeypatch, module, s
 
 
 def test_import_mxjax_loads_neither_flax_nor_the_kernels():
-    # Pallas itself is imported with mxjax (the TPU form's kernel, mxjax.accelerator_tpu):
+    # Pallas itself is imported with mxjax (the TPU form's kernel, mxjax.routes.in_place_tpu):
     # importing it at the first quantized trace would make earlier programs recompile
     # (tests/mxjax/test_import_effects.py). mxjax's own kernels stay out until used.
     code = ("import sys, mxjax\n"

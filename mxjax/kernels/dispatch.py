@@ -20,7 +20,6 @@ from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from mxjax import accelerator_mx_fp8
 from mxjax import formats as F
 from mxjax.kernels import _common as C
 from mxjax.kernels.capabilities import Capabilities, capabilities
@@ -31,6 +30,7 @@ from mxjax.kernels.triton_gemm import mxfp4_matmul_triton
 from mxjax.layout import canonical_dimension_numbers
 from mxjax.quantization import MXArray, dequantize
 from mxjax.recipes import BACKENDS
+from mxjax.routes import xla_fp8
 
 __all__ = [
     "AUTO_CHOICES",
@@ -100,7 +100,7 @@ AUTO_CHOICES: tuple[AutoChoice, ...] = (
     AutoChoice(
         platform="tpu", backend="xla",
         evidence=("TPU: the kernel backends are GPU (Triton) kernels; the emulation's TPU "
-                  "form has its own Pallas TPU quantize kernels (mxjax/accelerator_tpu.py).")),
+                  "form has its own Pallas TPU quantize kernels (mxjax/routes/in_place_tpu.py).")),
     AutoChoice(
         platform="cpu", backend="xla",
         evidence="CPU: the Pallas interpreter runs orders of magnitude slower than XLA:CPU."),
@@ -281,7 +281,7 @@ def mx_dot(lhs_q: MXArray, rhs_q: MXArray, *, backend: str = "xla", interpret: b
     if backend == "xla":
         return mx_dot_reference(lhs_q, rhs_q)
     if backend == "xla_fp8":
-        return accelerator_mx_fp8.mx_dot_fp8(lhs_q, rhs_q)
+        return xla_fp8.mx_dot_fp8(lhs_q, rhs_q)
     if backend == "xla_fp4":
         raise ValueError("mx_dot: backend 'xla_fp4' quantizes canonical operands itself; it "
                          "runs as a GEMM recipe's backend (mxjax.dot_general), not on "

@@ -3,7 +3,7 @@
 `fp8_operand` runs `fused_quantize` (rotation, amax, scale, rounding and packing in one
 read; ``value_dtype=float32``: the GEMMs' f32 canonical values) and decodes its codes and
 scale bytes into ``q * 2^(s - t)`` in the carrier: the same values, shift and window flag
-as `mxjax.accelerator_mx_fp8`'s XLA form (tested bit for bit). Not the route's default:
+as `mxjax.routes.xla_fp8`'s XLA form (tested bit for bit). Not the route's default:
 on an H200 (jax 0.11.2, Pallas' Triton backend) the kernel ran at 75 GB/s (row-wise) and
 22 GB/s (column-wise) of bf16 input against 224 GB/s for XLA's two passes
 (bench/gpu_probe_xla_fp8.py, docs/PERFORMANCE.md).
@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from mxjax import _bits
-from mxjax import accelerator_mx_fp8 as M
 from mxjax.kernels.pallas_quantize import QuantSpec, fused_quantize
+from mxjax.routes import xla_fp8 as M
 
 __all__ = ["fp8_operand"]
 

@@ -1,4 +1,4 @@
-"""MXFP4 on Blackwell's block-scaled FP4 MMA through XLA's NVFP4 dot (mxjax/accelerator_fp4.py).
+"""MXFP4 on Blackwell's block-scaled FP4 MMA through XLA's NVFP4 dot (mxjax/routes/xla_fp4.py).
 
 Deviceless compiles (bench/aot.py). What XLA does with ``jax.nn.scaled_matmul`` on
 ``float4_e2m1fn`` operands (contraction last on both):
@@ -93,13 +93,13 @@ def _fp4_dot_gemms(target: str, b: int, m: int, n: int, k: int):
     import jax
     import jax.numpy as jnp
 
-    from mxjax import accelerator_fp4
     from mxjax.recipes import GemmRecipe
+    from mxjax.routes import xla_fp4
 
     recipe = GemmRecipe(lhs="mxfp4", rhs="mxfp4")
     S = jax.ShapeDtypeStruct
     text = aot.compile_for(
-        lambda a, w: accelerator_fp4.fp4_block_scaled_dot(a, w, recipe, None, None),
+        lambda a, w: xla_fp4.fp4_block_scaled_dot(a, w, recipe, None, None),
         (S((b, m, k), jnp.bfloat16), S((b, n, k), jnp.bfloat16)), require(target)).as_text()
     module = hk.parse_module(text)
     conds = [i for c in module.computations.values() for i in c if i.opcode == "conditional"]

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import mxjax
-from mxjax import accelerator, accelerator_tpu
 from mxjax.interceptor import dot_general, observe
+from mxjax.routes import in_place, in_place_tpu
 
 DN = (((1,), (0,)), ((), ()))
 
@@ -57,20 +57,20 @@ def test_tpu_kernel_rounds_f32_operands_to_bf16_itself(recipe_kw, h, np_rng):
     cast = [_bf16_by_ml_dtypes(x) for x in xs]
 
     def values(x, batch, contract, form, operand_dtype=None):
-        view = accelerator.contraction_view(x, batch, contract)
+        view = in_place.contraction_view(x, batch, contract)
         k = view.x.shape[view.axis]
         kw = {"k_out": k if h is None else -(-k // h) * h, "hadamard_size": h, "signs": None,
               "key": None}
         if form == "tpu":
-            return accelerator.mx_operand_values_tpu(view, op, interpret=True,
+            return in_place.mx_operand_values_tpu(view, op, interpret=True,
                                                      operand_dtype=operand_dtype, **kw)
-        return accelerator.mx_operand_values(view, op, **kw)
+        return in_place.mx_operand_values(view, op, **kw)
 
     def run(xs, cast):
         return [(values(x, b, c, "tpu", jnp.bfloat16), values(xc, b, c, "gpu"))
                 for x, xc, (_, b, c) in zip(xs, cast, TPU_LAYOUTS)]
 
-    with accelerator_tpu.record_kernels() as specs:
+    with in_place_tpu.record_kernels() as specs:
         results = jax.jit(run)(xs, cast)
     # every operand went through the kernel, reading f32 and rounding it there
     assert [(s.dtype, s.bf16_cast) for s in specs] == [("float32", True)] * len(TPU_LAYOUTS)
@@ -85,13 +85,13 @@ def test_tpu_kernel_cast_falls_back_when_the_operand_does_not_tile(np_rng):
 
     def both(x, xc):
         kw = {"k_out": 96, "hadamard_size": 16, "signs": None, "key": None}
-        got = accelerator.mx_operand_values_tpu(accelerator.contraction_view(x, (), (1,)), op,
+        got = in_place.mx_operand_values_tpu(in_place.contraction_view(x, (), (1,)), op,
                                                 interpret=True, operand_dtype=jnp.bfloat16,
                                                 **kw)
-        return got, accelerator.mx_operand_values(accelerator.contraction_view(xc, (), (1,)),
+        return got, in_place.mx_operand_values(in_place.contraction_view(xc, (), (1,)),
                                                   op, **kw)
 
-    with accelerator_tpu.record_kernels() as specs:
+    with in_place_tpu.record_kernels() as specs:
         got, want = jax.jit(both)(x, _bf16_by_ml_dtypes(x))
     assert specs == []
     chex.assert_trees_all_equal(got, want)
@@ -100,7 +100,7 @@ def test_tpu_kernel_cast_falls_back_when_the_operand_does_not_tile(np_rng):
 def test_tpu_kernel_rejects_a_bf16_cast_of_a_non_f32_operand():
     op = mxjax.OperandRecipe(fmt=mxjax.MXFP4)
     with pytest.raises(ValueError, match="bf16_cast: needs a float32 x3"):
-        accelerator_tpu.mx_values_tpu(jnp.zeros((1, 128, 128), jnp.bfloat16), op,
+        in_place_tpu.mx_values_tpu(jnp.zeros((1, 128, 128), jnp.bfloat16), op,
                                       hadamard_size=16, signs=None, u=None, bf16_cast=True)
 
 
@@ -122,16 +122,16 @@ def test_tpu_form_gemm_with_operand_dtypes_equals_the_cast_gemm(name, np_rng):
             signs = None if recipe.hadamard is None else mxjax.gemm.rotation_signs(
                 recipe.hadamard, k_had)
             args = (dims, recipe, k_lhs, k_rhs, signs)
-            out.append((accelerator.mx_gemm(a, b, *args, form="tpu", interpret=True,
+            out.append((in_place.mx_gemm(a, b, *args, form="tpu", interpret=True,
                                             operand_dtypes=(jnp.bfloat16, jnp.bfloat16)),
-                        accelerator.mx_gemm(ab, bb, *args, form="tpu", interpret=True),
-                        accelerator.mx_gemm(a, b, *args, form="gpu",
+                        in_place.mx_gemm(ab, bb, *args, form="tpu", interpret=True),
+                        in_place.mx_gemm(a, b, *args, form="gpu",
                                             operand_dtypes=(jnp.bfloat16, jnp.bfloat16))))
         return out
 
     # eagerly: XLA:CPU cannot run the jitted TPU form's bf16 GEMM (DotThunk: BF16 x BF16
     # = F32 is unimplemented for the layout it picks there)
-    with accelerator_tpu.record_kernels() as specs:
+    with in_place_tpu.record_kernels() as specs:
         results = run(a, b, ab, bb)
     assert any(s.bf16_cast for s in specs) and all(s.dtype == "float32" for s in specs
                                                    if s.bf16_cast)

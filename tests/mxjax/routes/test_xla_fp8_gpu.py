@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 
 import mxjax
-from mxjax import accelerator, policies
-from mxjax import accelerator_mx_fp8 as M
+from mxjax import policies
 from mxjax.kernels import QuantSpec, fused_quantize
 from mxjax.quantization import fake_quantize_with, quantize_with
-from tests.mxjax.test_fp8_gemm_gpu import U32, device_bound
+from mxjax.routes import in_place
+from mxjax.routes import xla_fp8 as M
+from tests.mxjax.routes.test_fp8_units_gpu import U32, device_bound
 
 pytestmark = [
     pytest.mark.gpu,
@@ -72,7 +73,7 @@ def test_past_the_window_the_route_is_the_emulation_on_the_gpu():
     b = jnp.asarray(rng.standard_normal((512, 128)), jnp.float32)
     dims = (((1,), (0,)), ((), ()))
     route = jax.jit(lambda a, b: M.mx_gemm_fp8(a, b, dims, RECIPE, None, None, SIGNS))(a, b)
-    emu = jax.jit(lambda a, b: accelerator.mx_gemm(a, b, dims, RECIPE, None, None, SIGNS))(a, b)
+    emu = jax.jit(lambda a, b: in_place.mx_gemm(a, b, dims, RECIPE, None, None, SIGNS))(a, b)
     # Two programs may get different GEMM algorithms: equal up to f32 summation order.
     aq, bq = _quantized(a), _quantized(b.T).T
     mag = np.abs(aq) @ np.abs(bq)

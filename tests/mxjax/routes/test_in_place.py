@@ -1,4 +1,4 @@
-"""The emulated GEMM's GPU/TPU form (mxjax.accelerator), run here on CPU.
+"""The emulated GEMM's GPU/TPU form (mxjax.routes.in_place), run here on CPU.
 
 * In-place MX operand values equal the numpy reference quantizer (tests/reference.py)
   applied to the rotated operand along its own contraction axis, and equal the CPU
@@ -27,9 +27,10 @@ import numpy as np
 import pytest
 
 import mxjax
-from mxjax import accelerator, accelerator_values, rotation
+from mxjax import rotation
 from mxjax.elements import round_to_value
 from mxjax.quantization import fake_quantize_parts_with
+from mxjax.routes import in_place, in_place_values
 from mxjax.scaling import SR_UNSCALE
 from tests import reference as ref
 
@@ -75,13 +76,13 @@ def _canonical_values(x, batch, contract, op, h, signs, key):
 
 
 def _in_place_values(x, batch, contract, op, h, signs, key, form="gpu"):
-    view = accelerator.contraction_view(x, batch, contract)
+    view = in_place.contraction_view(x, batch, contract)
     k = view.x.shape[view.axis]
     kw = {"k_out": k if h is None else -(-k // h) * h, "hadamard_size": h, "signs": signs,
           "key": key}
     if form == "tpu":
-        return accelerator.mx_operand_values_tpu(view, op, interpret=True, **kw), view
-    return accelerator.mx_operand_values(view, op, **kw), view
+        return in_place.mx_operand_values_tpu(view, op, interpret=True, **kw), view
+    return in_place.mx_operand_values(view, op, **kw), view
 
 
 def _to_canonical_layout(v, view, batch, contract, x_shape):
@@ -134,7 +135,7 @@ def test_in_place_values_equal_the_cpu_form_and_the_reference(case, np_rng):
     xs = [jnp.asarray(_adversarial(np_rng, shape, dtype)) for shape, _, _ in LAYOUTS]
     results = jax.jit(lambda xs: _all_layouts(xs, op, h, signs, key))(xs)
     for (shape, batch, contract), (got, want, x3) in zip(LAYOUTS, results):
-        view = accelerator.contraction_view(np.zeros(shape, np.float32), batch, contract)
+        view = in_place.contraction_view(np.zeros(shape, np.float32), batch, contract)
         assert got.dtype == jnp.bfloat16
         got_c = _to_canonical_layout(got, view, batch, contract, shape)
         np.testing.assert_array_equal(got_c, np.asarray(want), err_msg=f"{shape} {contract}")
@@ -204,7 +205,7 @@ def test_tpu_kernel_values_equal_the_gpu_form(case, np_rng):
     op = mxjax.OperandRecipe(fmt=mxjax.MXFP4, **kw)
     signs = None if seed is None else mxjax.fixed_signs(seed, h)
     key = jax.random.key(5) if op.needs_key else None
-    from mxjax import accelerator_tpu
+    from mxjax.routes import in_place_tpu
 
     xs = [jnp.asarray(_adversarial(np_rng, shape, ml_dtypes.bfloat16))
           for shape, _, _ in TPU_LAYOUTS]
@@ -214,7 +215,7 @@ def test_tpu_kernel_values_equal_the_gpu_form(case, np_rng):
                  _in_place_values(x, batch, contract, op, h, signs, key)[0])
                 for x, (_, batch, contract) in zip(xs, TPU_LAYOUTS)]
 
-    with accelerator_tpu.record_kernels() as specs:
+    with in_place_tpu.record_kernels() as specs:
         results = jax.jit(both)(xs)
     # every operand tiled into the kernel (none took the fallback), with this rotation
     assert len(specs) == len(TPU_LAYOUTS)
@@ -224,11 +225,11 @@ def test_tpu_kernel_values_equal_the_gpu_form(case, np_rng):
 
 
 def test_tpu_form_falls_back_when_the_operand_does_not_tile(np_rng):
-    from mxjax import accelerator_tpu
+    from mxjax.routes import in_place_tpu
 
     op = mxjax.OperandRecipe(fmt=mxjax.MXFP4, scale_rule="even")
     x = jnp.asarray(_adversarial(np_rng, (8, 96), ml_dtypes.bfloat16))
-    with accelerator_tpu.record_kernels() as specs:
+    with in_place_tpu.record_kernels() as specs:
         tpu, gpu = jax.jit(lambda v: (_in_place_values(v, (), (1,), op, 16, None, None, "tpu")[0],
                                       _in_place_values(v, (), (1,), op, 16, None, None)[0]))(x)
     assert specs == []
@@ -277,7 +278,7 @@ def test_round_nearest_even_equals_round_to_value(elem):
     near = np.concatenate([np.nextafter(grid.astype(np.float32), d) for d in (-np.inf, np.inf)])
     y = np.concatenate([coarse, grid.astype(np.float32), near, [0.0, 1e30]]).astype(np.float32)
     y = jnp.asarray(np.concatenate([y, -y]))
-    got = jax.jit(lambda v: accelerator_values.round_nearest_even(v, elem))(y)
+    got = jax.jit(lambda v: in_place_values.round_nearest_even(v, elem))(y)
     want = jax.jit(lambda v: round_to_value(v, elem, mxjax.Rounding.NEAREST_EVEN))(y)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint32),
                                   np.asarray(want).view(np.uint32))
@@ -301,7 +302,7 @@ def test_tiny_blocks_are_the_only_difference_under_flush_to_zero(np_rng):
 
 def test_contraction_view_transposes_only_out_of_order_axes():
     for shape, batch, contract in LAYOUTS:
-        jaxpr = jax.make_jaxpr(lambda v, b=batch, c=contract: accelerator.contraction_view(
+        jaxpr = jax.make_jaxpr(lambda v, b=batch, c=contract: in_place.contraction_view(
             v, b, c).x)(jnp.zeros(shape))
         names = {e.primitive.name for e in jaxpr.jaxpr.eqns}
         adjacent = contract == tuple(range(contract[0], contract[0] + len(contract)))
@@ -385,11 +386,11 @@ def test_nearest_even_values_equal_the_reference(fmt, prescale, np_rng):
         want = ref.fake_quantize(y, fmt, axis=-1, scale_rule=rule)
 
         def values(v, op=op):
-            amax = jnp.max(accelerator_values._bits.f32_bits(v) & 0x7FFFFFFF, axis=-1,
+            amax = jnp.max(in_place_values._bits.f32_bits(v) & 0x7FFFFFFF, axis=-1,
                            keepdims=True)
-            scaled = accelerator_values._bits.f32_bits(
-                accelerator_values._bits.bits_f32(amax) * jnp.float32(pre))
-            return accelerator_values.nearest_even_values(v, scaled, op, prescale=prescale)
+            scaled = in_place_values._bits.f32_bits(
+                in_place_values._bits.bits_f32(amax) * jnp.float32(pre))
+            return in_place_values.nearest_even_values(v, scaled, op, prescale=prescale)
 
         for fn in (values, jax.jit(values)):
             got = np.asarray(fn(jnp.asarray(x)))
@@ -397,14 +398,14 @@ def test_nearest_even_values_equal_the_reference(fmt, prescale, np_rng):
             finite = np.isfinite(want)
             np.testing.assert_array_equal(got[finite].view(np.uint32),
                                           want[finite].view(np.uint32))
-        amax = jnp.max(accelerator_values._bits.f32_bits(jnp.asarray(y)) & 0x7FFFFFFF,
+        amax = jnp.max(in_place_values._bits.f32_bits(jnp.asarray(y)) & 0x7FFFFFFF,
                        axis=-1, keepdims=True)
-        old = accelerator_values.values_from_amax(jnp.asarray(y), amax, op, None)
+        old = in_place_values.values_from_amax(jnp.asarray(y), amax, op, None)
         chex.assert_trees_all_equal(values(jnp.asarray(x)), old)
 
 
 def test_nearest_even_values_rejects_other_roundings():
     op = mxjax.OperandRecipe(fmt=mxjax.MXFP4, scale_rule="even", rounding="toward_zero")
     with pytest.raises(ValueError, match="nearest-even"):
-        accelerator_values.nearest_even_values(jnp.zeros((1, 32)), jnp.zeros((1, 1), jnp.uint32),
+        in_place_values.nearest_even_values(jnp.zeros((1, 32)), jnp.zeros((1, 1), jnp.uint32),
                                                op)

@@ -21,9 +21,10 @@ import numpy as np
 import pytest
 
 import mxjax
-from mxjax import OperandRecipe, accelerator_fp8, policies
+from mxjax import OperandRecipe, policies
 from mxjax.quantization import fake_quantize_with
-from tests.mxjax.test_fp8_gemm import FP8, _cases, _reference_f8
+from mxjax.routes import fp8_units
+from tests.mxjax.routes.test_fp8_units import FP8, _cases, _reference_f8
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,7 +45,7 @@ def device_bound(k: int) -> float:
 def test_f8_operands_on_the_gpu_are_the_reference_bits(name, case):
     fmt, _, _ = FP8[name]
     x = _cases(name)[case]
-    q, factors = jax.jit(accelerator_fp8.f8_operand, static_argnums=1)(
+    q, factors = jax.jit(fp8_units.f8_operand, static_argnums=1)(
         jnp.asarray(x), OperandRecipe(fmt=fmt), None)
     q_ref, t_ref = _reference_f8(x, name)
     np.testing.assert_array_equal(np.asarray(q).view(np.uint8), q_ref.view(np.uint8))

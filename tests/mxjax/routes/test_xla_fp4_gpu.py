@@ -1,4 +1,4 @@
-"""MXFP4 on NVFP4's block-scaled dot (mxjax/accelerator_fp4.py) on a CUDA GPU.
+"""MXFP4 on NVFP4's block-scaled dot (mxjax/routes/xla_fp4.py) on a CUDA GPU.
 
 What only a device can check: on Blackwell (B200) XLA runs the exact branch on cuDNN's
 block-scaled FP4 MMA (``__cudnn$blockScaledDot``), whose scales include E4M3's
@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 import mxjax
-from mxjax import accelerator_fp4
 from mxjax.quantization import quantize_with
-from tests.mxjax.test_accelerator_fp4 import MXFP4, RECIPE, _on_mma, full_window_operands
-from tests.mxjax.test_fp8_gemm_gpu import U32, device_bound
+from mxjax.routes import xla_fp4
+from tests.mxjax.routes.test_fp8_units_gpu import U32, device_bound
+from tests.mxjax.routes.test_xla_fp4 import MXFP4, RECIPE, _on_mma, full_window_operands
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,7 +39,7 @@ def test_fp4_block_scaled_dot_on_the_gpu_is_within_the_device_bound(k, case):
         b3 = jax.numpy.asarray(rng.standard_normal((1, 384, k))
                                * np.exp(rng.uniform(-3, 3, (1, 384, 1))), jax.numpy.float32)
     assert _on_mma(a3, b3)
-    fn = jax.jit(accelerator_fp4.fp4_block_scaled_dot, static_argnums=2)
+    fn = jax.jit(xla_fp4.fp4_block_scaled_dot, static_argnums=2)
     text = fn.lower(a3, b3, RECIPE, None, None).compile().as_text()
     kind = jax.devices()[0].device_kind
     on_cudnn = "__cudnn$blockScaledDot" in text

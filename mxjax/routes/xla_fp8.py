@@ -16,7 +16,7 @@ E5M2        ``s_max - 13`` (6 * 2^13 <= 57344) ``s >= s_max - 28``
 so the GEMM of the dequantized operands is ``dot(A8, B8) * 2^(t_a + t_b)``: one FP8
 GEMM whose products are exact, with the two tensor factors applied to its f32 result
 (XLA folds them into the GEMM as it does the ``fp8`` preset's scales). The operands
-are the emulation's in-place operands (`mxjax.accelerator.mx_operand_values`: each
+are the emulation's in-place operands (`mxjax.routes.in_place.mx_operand_values`: each
 operand quantized where it is, in two fusible passes, Hadamard included), cast to
 FP8 instead of bf16 in the second pass: half the bytes the GEMM reads, twice the
 matrix rate.
@@ -33,24 +33,22 @@ cuBLAS takes E4M3 x E4M3 and the mixed pairs, not E5M2 x E5M2, so the wide windo
 (E5M2) goes to the lhs (X in fprop, dY in dgrad and wgrad: `mxjax.policies`' operand
 order), the narrow one (E4M3) to the rhs (W, and X in wgrad).
 
-`mx_gemm_fp4` (the 'xla_fp4' backend) carries the same in-place operands in NVFP4 instead
-(E2M1 elements, E4M3 scales per 16: `mxjax.accelerator_fp4`'s exact re-encoding) for
-XLA's block-scaled dot, cuDNN's FP4 MMA on Blackwell.
+`mxjax.routes.xla_fp4` (the 'xla_fp4' backend) carries the same in-place operands in
+NVFP4 instead (E2M1 elements, E4M3 scales per 16) for XLA's block-scaled dot.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mxjax import _bits, accelerator
-from mxjax.accelerator_fp4 import E4M3_POW2_RANGE, e4m3_pow2_bits
+from mxjax import _bits
 from mxjax.formats import E2M1, E4M3, E5M2, ElementFormat
 from mxjax.quantization import dequantize
+from mxjax.routes import in_place
 from mxjax.scaling import SR_UNSCALE
 
 __all__ = [
@@ -60,9 +58,10 @@ __all__ = [
     "Carrier",
     "carrier_window",
     "encode_exact",
+    "in_place_views",
     "mx_dot_fp8",
-    "mx_gemm_fp4",
     "mx_gemm_fp8",
+    "scaled_result",
     "takes_fp8_route",
     "window_of_exponents",
 ]
@@ -91,13 +90,13 @@ class Carrier:
 CARRIERS = {"e4m3": Carrier(E4M3, jnp.float8_e4m3fn), "e5m2": Carrier(E5M2, jnp.float8_e5m2)}
 LHS_CARRIER = CARRIERS["e5m2"]
 RHS_CARRIER = CARRIERS["e4m3"]
-_MIN_EXP, _MAX_EXP = -126, 127  # _bits.pow2's range
+MIN_EXP, MAX_EXP = -126, 127  # _bits.pow2's range
 
 
 def takes_fp8_route(recipe) -> bool:
     """Whether the 'xla_fp8' route implements the recipe: MXFP4 (E2M1 elements, E8M0
     scales per 32) on both operands."""
-    return all(op.fmt.scale == "e8m0" and op.fmt.block_size == accelerator.MX_BLOCK
+    return all(op.fmt.scale == "e8m0" and op.fmt.block_size == in_place.MX_BLOCK
                and op.fmt.element == E2M1 and not op.fmt.is_per_tensor
                for op in (recipe.lhs, recipe.rhs))
 
@@ -123,7 +122,7 @@ def window_of_exponents(s: jax.Array, live: jax.Array, carrier: Carrier):
     big = jnp.iinfo(jnp.int32).max
     s_max = jnp.max(jnp.where(live, s, -big))
     s_min = jnp.min(jnp.where(live, s, big))
-    t = jnp.clip(s_max - carrier.top, -_MAX_EXP, -_MIN_EXP).astype(jnp.int32)
+    t = jnp.clip(s_max - carrier.top, -MAX_EXP, -MIN_EXP).astype(jnp.int32)
     # No live block: all values are zero or NaN, carried exactly whatever t.
     exact = (s_min - t >= carrier.lowest) | ~jnp.any(live)
     return t, exact
@@ -138,19 +137,20 @@ def encode_exact(v: jax.Array, t: jax.Array, carrier: Carrier) -> jax.Array:
     return (v * _bits.pow2(-t)).astype(carrier.dtype)
 
 
-def _in_place_views(a, b, dims, recipe, operand_dtypes, backend: str):
-    """(a, b cast, their contraction views, the Hadamard size or None) for an MXFP4 route."""
+def in_place_views(a, b, dims, recipe, operand_dtypes, backend: str):
+    """(a, b cast, their contraction views, the Hadamard size or None) for an MXFP4 route
+    ('xla_fp8', 'xla_fp4'); raises unless the recipe `takes_fp8_route`."""
     if not takes_fp8_route(recipe):
         raise ValueError(f"recipe: the {backend!r} backend takes MXFP4 x MXFP4, got "
                          f"{recipe.lhs.fmt.name} x {recipe.rhs.fmt.name}")
-    a, b = accelerator.cast_operands(a, b, operand_dtypes)
+    a, b = in_place.cast_operands(a, b, operand_dtypes)
     (ca, cb), (ba, bb) = dims
-    va, vb = accelerator.contraction_view(a, ba, ca), accelerator.contraction_view(b, bb, cb)
+    va, vb = in_place.contraction_view(a, ba, ca), in_place.contraction_view(b, bb, cb)
     h = None if recipe.hadamard is None else recipe.hadamard.block_size
     return a, b, va, vb, h
 
 
-def _scaled_result(out: jax.Array, shift: jax.Array, recipe, out_dtype) -> jax.Array:
+def scaled_result(out: jax.Array, shift: jax.Array, recipe, out_dtype) -> jax.Array:
     """A carriers' GEMM result times 2^shift and each operand's SR unscale, cast."""
     out = _apply_pow2(out, shift)
     for op in (recipe.lhs, recipe.rhs):
@@ -169,7 +169,7 @@ def mx_gemm_fp8(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
                 operand_dtypes=None, out_dtype=None) -> jax.Array:
     """``dot_general(a, b, dims)`` under an MXFP4 recipe on FP8 GEMMs: f32, lax's layout.
 
-    Same operands, keys and rotation as `mxjax.accelerator.mx_gemm` (form 'gpu'), whose
+    Same operands, keys and rotation as `mxjax.routes.in_place.mx_gemm` (form 'gpu'), whose
     result it returns when an operand's blocks span more than its carrier's window.
 
     Args:
@@ -185,7 +185,7 @@ def mx_gemm_fp8(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
       ``[batch..., lhs free..., rhs free...]`` (f32 or out_dtype), times each operand's
       SR unscale.
     """
-    a, b, va, vb, h = _in_place_views(a, b, dims, recipe, operand_dtypes, "xla_fp8")
+    a, b, va, vb, h = in_place_views(a, b, dims, recipe, operand_dtypes, "xla_fp8")
     k = va.x.shape[va.axis]
     kw = {"k_out": k if h is None else -(-k // h) * h, "hadamard_size": h, "signs": signs}
     ops = ((va, recipe.lhs, k_lhs, LHS_CARRIER), (vb, recipe.rhs, k_rhs, RHS_CARRIER))
@@ -195,7 +195,7 @@ def mx_gemm_fp8(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
             t, exact = carrier_window(amax_bits, op, carrier)
             return encode_exact(v, t, carrier), (t, exact)
 
-        encoded.append(accelerator.mx_operand_values(view, op, key=key, finish=finish, **kw))
+        encoded.append(in_place.mx_operand_values(view, op, key=key, finish=finish, **kw))
     (qa, (ta, exact_a)), (qb, (tb, exact_b)) = encoded
     contract = (((va.axis,), (vb.axis,)), (va.batch, vb.batch))
 
@@ -203,10 +203,10 @@ def mx_gemm_fp8(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
         del a, b
         out = lax.dot_general(qa, qb, contract, precision=lax.Precision.HIGHEST,
                               preferred_element_type=jnp.float32)
-        return _scaled_result(out, ta + tb, recipe, out_dtype)
+        return scaled_result(out, ta + tb, recipe, out_dtype)
 
     def emulated(a, b):
-        out = accelerator.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs, signs, form="gpu")
+        out = in_place.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs, signs, form="gpu")
         return out if out_dtype is None else out.astype(out_dtype)
 
     return lax.cond(exact_a & exact_b, fp8, emulated, a, b)
@@ -221,9 +221,9 @@ def mx_dot_fp8(lhs_q, rhs_q) -> jax.Array:
         nb = scale.shape[q.axis]
         v = dequantize(q, jnp.float32)
         blocks = _bits.f32_bits(jnp.where(jnp.isnan(v), 0.0, v)) & _bits.ABS_MASK
-        pad = nb * accelerator.MX_BLOCK - v.shape[q.axis]
+        pad = nb * in_place.MX_BLOCK - v.shape[q.axis]
         blocks = jnp.pad(blocks, [(0, pad if i == q.axis else 0) for i in range(v.ndim)])
-        shape = blocks.shape[:q.axis] + (nb, accelerator.MX_BLOCK) + blocks.shape[q.axis + 1:]
+        shape = blocks.shape[:q.axis] + (nb, in_place.MX_BLOCK) + blocks.shape[q.axis + 1:]
         nonzero = jnp.max(blocks.reshape(shape), axis=q.axis + 1) != 0
         t, exact = window_of_exponents(scale - 127, nonzero & (scale != 255), carrier)
         return encode_exact(v, t, carrier), t, exact, v
@@ -244,82 +244,3 @@ def mx_dot_fp8(lhs_q, rhs_q) -> jax.Array:
                                preferred_element_type=jnp.float32)
 
     return lax.cond(exact_a & exact_b, fp8, reference, qa, qb, va, vb)
-
-
-def _fp4_finish(v, amax_bits, op):
-    """`mx_operand_values`' finish for the NVFP4 carrier: E2M1 elements (f4) and per-16 E4M3
-    scales ``2^(s - t)`` in the bit view, with (t, exact)."""
-    lo, hi = E4M3_POW2_RANGE
-    s, nonfinite = op.scheme.exponents(amax_bits, op.scale_rule, op.sr_prescale)
-    live = (amax_bits != 0) & ~nonfinite
-    big = jnp.iinfo(jnp.int32).max
-    s_max = jnp.max(jnp.where(live, s, -big))
-    t = jnp.where(jnp.any(live), s_max - hi, 0).astype(jnp.int32)
-    # Exact: every live block's 2^(s - t) an E4M3 power of two, its elements E2M1 values
-    # times a normal-range 2^s (no NaN block: those take the emulation).
-    ok = (s - t >= lo) & (s >= _MIN_EXP) & (s <= _MAX_EXP - 1)
-    exact = jnp.all(ok | ~live) & ~jnp.any(nonfinite)
-    q = v * _bits.pow2(jnp.clip(-s, _MIN_EXP, _MAX_EXP))
-    bits = e4m3_pow2_bits(jnp.clip(s - t, lo, hi)).astype(jnp.uint8)
-    return q.astype(jnp.float4_e2m1fn), (lax.bitcast_convert_type(bits, jnp.float8_e4m3fn),
-                                         t, exact)
-
-
-def _canonical(x, view, k_axis_len):
-    """x laid out like view.x (K at view.axis) -> [B, F, K'] (batch, free, contraction)."""
-    p = view.axis
-    free = [i for i in range(x.ndim) if i != p and i not in view.batch]
-    perm = tuple(view.batch) + tuple(free) + (p,)
-    b = math.prod(x.shape[i] for i in view.batch)
-    f = math.prod(x.shape[i] for i in free)
-    return jnp.transpose(x, perm).reshape(b, f, k_axis_len)
-
-
-def mx_gemm_fp4(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
-                operand_dtypes=None, out_dtype=None) -> jax.Array:
-    """``dot_general(a, b, dims)`` under an MXFP4 recipe on the NVFP4 block-scaled dot.
-
-    The operands are quantized in place by the emulation's GPU form (as `mx_gemm_fp8`'s),
-    written as E2M1 elements with per-16 E4M3 scales ``2^(s - t)`` (`mxjax.accelerator_fp4`'s
-    window: ``s >= s_max - 17``), laid out ``[B, F, K]`` and contracted by
-    ``jax.nn.scaled_matmul`` (cuDNN's FP4 MMA on Blackwell), times ``2^(t_a + t_b)``. An
-    operand with a block outside the window, a NaN block or a scale beyond 2^+-126 takes
-    the emulation's result (``lax.cond``).
-
-    Returns:
-      ``[B, Fa, Fb]`` (batch and free axes flattened), f32 or out_dtype.
-    """
-    a, b, va, vb, h = _in_place_views(a, b, dims, recipe, operand_dtypes, "xla_fp4")
-    k = va.x.shape[va.axis]
-    # The whole padded contraction (a multiple of 32): NVFP4 scales cover 16 elements.
-    n_bits = max(5, 0 if h is None else h.bit_length() - 1)
-    k_pad = -(-k // (1 << n_bits)) << n_bits
-    kw = {"k_out": k_pad, "hadamard_size": h, "signs": signs}
-    encoded = []
-    for view, op, key in ((va, recipe.lhs, k_lhs), (vb, recipe.rhs, k_rhs)):
-        q, (scales, t, exact) = accelerator.mx_operand_values(
-            view, op, key=key, finish=functools.partial(_fp4_finish, op=op), **kw)
-        # Scales: one per 32-block in the bit view, repeated for its two 16-halves.
-        scales = jnp.repeat(scales.reshape(_block_shape(view, k_pad)), 2, axis=view.axis)
-        encoded.append((_canonical(q, view, k_pad), _canonical(scales, view, k_pad // 16),
-                        t, exact))
-    (qa, sa, ta, exact_a), (qb, sb, tb, exact_b) = encoded
-
-    def fp4(a, b):
-        del a, b
-        out = jax.nn.scaled_matmul(qa, qb, sa, sb, preferred_element_type=jnp.float32)
-        return _scaled_result(out, ta + tb, recipe, out_dtype)
-
-    def emulated(a, b):
-        out = accelerator.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs, signs, form="gpu")
-        out = out.reshape(qa.shape[0], qa.shape[1], qb.shape[1])
-        return out if out_dtype is None else out.astype(out_dtype)
-
-    return lax.cond(exact_a & exact_b, fp4, emulated, a, b)
-
-
-def _block_shape(view, k_pad):
-    """view.x's shape with K replaced by its number of 32-blocks."""
-    shape = list(view.x.shape)
-    shape[view.axis] = k_pad // accelerator.MX_BLOCK
-    return tuple(shape)

@@ -1,4 +1,4 @@
-"""The 'xla_fp8' backend: MXFP4 values carried exactly in FP8 (mxjax.accelerator_mx_fp8).
+"""The 'xla_fp8' backend: MXFP4 values carried exactly in FP8 (mxjax.routes.xla_fp8).
 
 References are independent: ml_dtypes for what FP8 holds, tests/reference.py (numpy) for
 the MXFP4 values, float64 numpy for the GEMM.
@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 
 import mxjax
-from mxjax import accelerator, policies
-from mxjax import accelerator_mx_fp8 as M
+from mxjax import policies
 from mxjax.kernels import Chip, capabilities_for, mx_dot
+from mxjax.routes import in_place, xla_fp4
+from mxjax.routes import xla_fp8 as M
 from tests import reference as ref
 
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -135,11 +136,11 @@ def _route(a, b, dims, recipe, signs):
 
 
 def _emulation(a, b, dims, recipe, signs):
-    return accelerator.mx_gemm(a, b, dims, recipe, None, None, signs, form="gpu")
+    return in_place.mx_gemm(a, b, dims, recipe, None, None, signs, form="gpu")
 
 
 def _emulation_keyed(a, b, dims, recipe, signs, k1, k2):
-    return accelerator.mx_gemm(a, b, dims, recipe, k1, k2, signs, form="gpu")
+    return in_place.mx_gemm(a, b, dims, recipe, k1, k2, signs, form="gpu")
 
 
 @pytest.mark.parametrize("layout", sorted(DIMS))
@@ -184,8 +185,8 @@ def test_wide_span_takes_the_emulation_bit_for_bit():
     emu = jax.jit(_emulation, static_argnums=(2, 3))(a, b, dims, recipe, signs)
     chex.assert_trees_all_equal(out, emu)
     # ...and the flag is what sent it there.
-    view = accelerator.contraction_view(a, (), (1,))
-    _, (_, exact) = accelerator.mx_operand_values(
+    view = in_place.contraction_view(a, (), (1,))
+    _, (_, exact) = in_place.mx_operand_values(
         view, recipe.lhs, k_out=208, hadamard_size=16, signs=signs, key=None,
         finish=lambda v, ab: (v, M.carrier_window(ab, recipe.lhs, M.LHS_CARRIER)))
     assert not bool(exact)
@@ -211,7 +212,7 @@ def test_stochastic_rounding_recipe_uses_the_emulations_draws():
     recipe = _recipe("mxfp4_all_sr")
     k1, k2 = jax.random.split(jax.random.key(7))
     out = M.mx_gemm_fp8(a, b, dims, recipe, k1, k2, None)
-    emu = accelerator.mx_gemm(a, b, dims, recipe, k1, k2, None, form="gpu")
+    emu = in_place.mx_gemm(a, b, dims, recipe, k1, k2, None, form="gpu")
     chex.assert_trees_all_equal(out, emu)
 
 
@@ -301,8 +302,8 @@ def test_pallas_fp8_operand_is_the_xla_forms_bit_for_bit(preset, axis):
     key = jax.random.key(8) if op.needs_key else None
     q, (t, exact) = fp8_operand(x, axis, op, hadamard_size=16, signs=signs, key=key,
                                 carrier=M.LHS_CARRIER, interpret=True)
-    view = accelerator.contraction_view(x, (), (axis,))
-    want, (t2, exact2) = accelerator.mx_operand_values(
+    view = in_place.contraction_view(x, (), (axis,))
+    want, (t2, exact2) = in_place.mx_operand_values(
         view, op, k_out=96, hadamard_size=16, signs=signs, key=key,
         finish=lambda v, ab: (M.encode_exact(v, M.carrier_window(ab, op, M.LHS_CARRIER)[0],
                                              M.LHS_CARRIER),
@@ -336,16 +337,16 @@ def test_fp4_route_takes_the_block_scaled_dot_and_equals_the_emulation_on_cpu(la
     recipe = _recipe(preset, "xla_fp4")
     signs = mxjax.fixed_signs(0, 16) if recipe.hadamard else None
     k1, k2 = jax.random.split(jax.random.key(11)) if recipe.needs_key else (None, None)
-    out = jax.jit(lambda a, b: M.mx_gemm_fp4(a, b, dims, recipe, k1, k2, signs))(a, b)
+    out = jax.jit(lambda a, b: xla_fp4.mx_gemm_fp4(a, b, dims, recipe, k1, k2, signs))(a, b)
     emu = _emulation_keyed(a, b, dims, recipe, signs, k1, k2)
     # XLA:CPU expands scaled_matmul to exact f32 products summed in f32: the same sums.
     chex.assert_trees_all_equal(out, emu.reshape(out.shape))
     # ...through the block-scaled dot: its operands are exact for these tensors.
-    view = accelerator.contraction_view(a, dims[1][0], dims[0][0])
+    view = in_place.contraction_view(a, dims[1][0], dims[0][0])
     k = view.x.shape[view.axis]
-    _, (_, _, exact) = accelerator.mx_operand_values(
+    _, (_, _, exact) = in_place.mx_operand_values(
         view, recipe.lhs, k_out=-(-k // 32) * 32, hadamard_size=16 if signs is not None else None,
-        signs=signs, key=k1, finish=functools.partial(M._fp4_finish, op=recipe.lhs))
+        signs=signs, key=k1, finish=functools.partial(xla_fp4._fp4_finish, op=recipe.lhs))
     assert bool(exact)
 
 
@@ -357,6 +358,6 @@ def test_fp4_route_past_the_window_or_with_nan_takes_the_emulation():
     wide = a.at[0, :32].multiply(2.0**30)  # 30 binades: past NVFP4 scales' 18
     nan = a.at[3, 5].set(jnp.nan)
     for x in (wide, nan):
-        out = jax.jit(lambda a, b: M.mx_gemm_fp4(a, b, dims, recipe, None, None, signs))(x, b)
+        out = jax.jit(lambda a, b: xla_fp4.mx_gemm_fp4(a, b, dims, recipe, None, None, signs))(x, b)
         emu = _emulation(x, b, dims, recipe, signs)
         chex.assert_trees_all_equal(out, emu.reshape(out.shape))

@@ -48,6 +48,7 @@ Not wired into `mxjax.gemm`'s dispatch here.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +57,7 @@ from jax import lax
 from mxjax import _bits
 from mxjax.layout import canonical_dimension_numbers
 from mxjax.quantization import MXArray, dequantize, quantize_with
+from mxjax.routes import in_place, xla_fp8
 from mxjax.scaling import SR_UNSCALE
 
 __all__ = [
@@ -63,6 +65,8 @@ __all__ = [
     "e4m3_pow2_bits",
     "fp4_block_scaled_dot",
     "fp4_operand",
+    "in_place_operand",
+    "mx_gemm_fp4",
     "reencode",
     "takes_mxfp4",
 ]
@@ -220,3 +224,93 @@ def fp4_block_scaled_dot(a3: jax.Array, b3: jax.Array, recipe, k_lhs, k_rhs) -> 
                    lambda ops: _emulated(*ops[2]),
                    (ops_a[:3], ops_b[:3], (qa, qb)))
     return out.reshape(a3.shape[:-2] + (a3.shape[-2], b3.shape[-2]))
+
+
+# The 'xla_fp4' route: the emulation's in-place operands (mxjax.routes.in_place), written as
+# NVFP4 for the block-scaled dot.
+
+def _fp4_finish(v, amax_bits, op):
+    """`mx_operand_values`' finish for the NVFP4 carrier: E2M1 elements (f4) and per-16 E4M3
+    scales ``2^(s - t)`` in the bit view, with (t, exact)."""
+    lo, hi = E4M3_POW2_RANGE
+    s, nonfinite = op.scheme.exponents(amax_bits, op.scale_rule, op.sr_prescale)
+    live = (amax_bits != 0) & ~nonfinite
+    big = jnp.iinfo(jnp.int32).max
+    s_max = jnp.max(jnp.where(live, s, -big))
+    t = jnp.where(jnp.any(live), s_max - hi, 0).astype(jnp.int32)
+    # Exact: every live block's 2^(s - t) an E4M3 power of two, its elements E2M1 values
+    # times a normal-range 2^s (no NaN block: those take the emulation).
+    ok = (s - t >= lo) & (s >= xla_fp8.MIN_EXP) & (s <= xla_fp8.MAX_EXP - 1)
+    exact = jnp.all(ok | ~live) & ~jnp.any(nonfinite)
+    q = v * _bits.pow2(jnp.clip(-s, xla_fp8.MIN_EXP, xla_fp8.MAX_EXP))
+    bits = e4m3_pow2_bits(jnp.clip(s - t, lo, hi)).astype(jnp.uint8)
+    return q.astype(jnp.float4_e2m1fn), (lax.bitcast_convert_type(bits, jnp.float8_e4m3fn),
+                                         t, exact)
+
+
+def _canonical(x, view, k_axis_len):
+    """x laid out like view.x (K at view.axis) -> [B, F, K'] (batch, free, contraction)."""
+    p = view.axis
+    free = [i for i in range(x.ndim) if i != p and i not in view.batch]
+    perm = tuple(view.batch) + tuple(free) + (p,)
+    b = math.prod(x.shape[i] for i in view.batch)
+    f = math.prod(x.shape[i] for i in free)
+    return jnp.transpose(x, perm).reshape(b, f, k_axis_len)
+
+
+def mx_gemm_fp4(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
+                operand_dtypes=None, out_dtype=None) -> jax.Array:
+    """``dot_general(a, b, dims)`` under an MXFP4 recipe on the NVFP4 block-scaled dot.
+
+    The operands are quantized in place by the emulation's GPU form (as `mx_gemm_fp8`'s),
+    written as E2M1 elements with per-16 E4M3 scales ``2^(s - t)`` (`mxjax.routes.xla_fp4`'s
+    window: ``s >= s_max - 17``), laid out ``[B, F, K]`` and contracted by
+    ``jax.nn.scaled_matmul`` (cuDNN's FP4 MMA on Blackwell), times ``2^(t_a + t_b)``. An
+    operand with a block outside the window, a NaN block or a scale beyond 2^+-126 takes
+    the emulation's result (``lax.cond``).
+
+    Returns:
+      ``[B, Fa, Fb]`` (batch and free axes flattened), f32 or out_dtype.
+    """
+    a, b, va, vb, h = xla_fp8.in_place_views(a, b, dims, recipe, operand_dtypes, "xla_fp4")
+    k = va.x.shape[va.axis]
+    # The whole padded contraction (a multiple of 32): NVFP4 scales cover 16 elements.
+    n_bits = max(5, 0 if h is None else h.bit_length() - 1)
+    k_pad = -(-k // (1 << n_bits)) << n_bits
+    kw = {"k_out": k_pad, "hadamard_size": h, "signs": signs}
+    (qa, sa, ta, exact_a), (qb, sb, tb, exact_b) = (
+        in_place_operand(view, op, key, **kw)
+        for view, op, key in ((va, recipe.lhs, k_lhs), (vb, recipe.rhs, k_rhs)))
+
+    def fp4(a, b):
+        del a, b
+        out = jax.nn.scaled_matmul(qa, qb, sa, sb, preferred_element_type=jnp.float32)
+        return xla_fp8.scaled_result(out, ta + tb, recipe, out_dtype)
+
+    def emulated(a, b):
+        out = in_place.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs, signs, form="gpu")
+        out = out.reshape(qa.shape[0], qa.shape[1], qb.shape[1])
+        return out if out_dtype is None else out.astype(out_dtype)
+
+    return lax.cond(exact_a & exact_b, fp4, emulated, a, b)
+
+
+def in_place_operand(view, op, key, *, k_out: int, hadamard_size: int | None, signs):
+    """One operand of `mx_gemm_fp4`: (E2M1 elements ``[B, F, k_out]``, E4M3 scales
+    ``[B, F, k_out // 16]``, its shift t, exact), quantized in place (`mx_operand_values`).
+
+    ``k_out`` is the contraction padded to a multiple of 32 and of the Hadamard size.
+    """
+    q, (scales, t, exact) = in_place.mx_operand_values(
+        view, op, key=key, finish=functools.partial(_fp4_finish, op=op), k_out=k_out,
+        hadamard_size=hadamard_size, signs=signs)
+    # Scales: one per 32-block in the bit view, repeated for its two 16-halves.
+    scales = jnp.repeat(scales.reshape(_block_shape(view, k_out)), 2, axis=view.axis)
+    return _canonical(q, view, k_out), _canonical(scales, view, k_out // 16), t, exact
+
+
+def _block_shape(view, k_pad):
+    """view.x's shape with K replaced by its number of 32-blocks."""
+    shape = list(view.x.shape)
+    shape[view.axis] = k_pad // in_place.MX_BLOCK
+    return tuple(shape)

@@ -1,4 +1,4 @@
-"""FP8 GEMMs on FP8 tensor cores (mxjax/accelerator_fp8.py), checked on this CPU machine.
+"""FP8 GEMMs on FP8 tensor cores (mxjax/routes/fp8_units.py), checked on this CPU machine.
 
 * The f8 operands the CUDA form hands to the GEMM are bit-identical to an independent
   numpy / ml_dtypes quantizer (per-tensor FP8: correctly rounded ``x / t`` in f64, then
@@ -23,10 +23,11 @@ import pytest
 
 import mxjax
 from bench import export_shape as es
-from mxjax import OperandRecipe, ScaleRule, _bits, accelerator_fp8, gemm, policies, scaling
+from mxjax import OperandRecipe, ScaleRule, _bits, gemm, policies, scaling
 from mxjax.dimensions import Dims
 from mxjax.quantization import fake_quantize_with
 from mxjax.recipes import GemmRecipe
+from mxjax.routes import fp8_units
 from tests import reference as ref
 
 U32 = 2.0 ** -24  # f32 unit roundoff
@@ -76,7 +77,7 @@ def _reference_f8(x: np.ndarray, name: str):
 def test_per_tensor_f8_operands_are_the_reference_bits(name, case):
     fmt, f8, _ = FP8[name]
     x = _cases(name)[case]
-    q, factors = jax.jit(accelerator_fp8.f8_operand, static_argnums=1)(
+    q, factors = jax.jit(fp8_units.f8_operand, static_argnums=1)(
         jnp.asarray(x), OperandRecipe(fmt=fmt), None)
     q_ref, t_ref = _reference_f8(x, name)
     assert q.dtype == f8
@@ -139,7 +140,7 @@ def test_mxfp8_operands_are_the_reference_codes_and_scale_bytes():
     x[0, 3, 5] = np.nan  # a NaN block: scale byte 0xFF
     x[1, 4, :] = 0.0  # all-zero blocks: scale byte 127
     op = OperandRecipe(fmt=mxjax.MXFP8_E4M3, scale_rule=ScaleRule.RCEIL)
-    elems, scales = jax.jit(accelerator_fp8.block_scaled_operand, static_argnums=1)(
+    elems, scales = jax.jit(fp8_units.block_scaled_operand, static_argnums=1)(
         jnp.asarray(x), op, None)
     r = ref.quantize(x, "mxfp8_e4m3", scale_rule="rceil")
     assert elems.dtype == jnp.float8_e4m3fn and scales.dtype == jnp.float8_e8m0fnu
@@ -239,10 +240,10 @@ def es_dot_program(name: str):
 
 def test_f8_operand_rejects_other_formats():
     with pytest.raises(ValueError, match="op: expected a per-tensor FP8"):
-        accelerator_fp8.f8_operand(jnp.ones((4, 4)), OperandRecipe(fmt=mxjax.MXFP4), None)
+        fp8_units.f8_operand(jnp.ones((4, 4)), OperandRecipe(fmt=mxjax.MXFP4), None)
     with pytest.raises(ValueError, match="recipe: expected MXFP8"):
         r = GemmRecipe(lhs=OperandRecipe(fmt=mxjax.FP8_E4M3), rhs=OperandRecipe(fmt=mxjax.FP8_E4M3))
-        accelerator_fp8.block_scaled_dot(jnp.ones((1, 4, 32)), jnp.ones((1, 4, 32)), r, None, None)
+        fp8_units.block_scaled_dot(jnp.ones((1, 4, 32)), jnp.ones((1, 4, 32)), r, None, None)
 
 
 @pytest.mark.parametrize("dims,a_shape,b_shape", [

@@ -23,7 +23,7 @@ program for XLA's GPU and TPU compilers:
   bf16 H16 operand to FP8, 2.57 GB moved before, 1.66 GB now, the rounding pass
   still split);
 * **cheap scaling**: the power-of-two scalings are f32 multiplies
-  (`mxjax.accelerator_values`, which says where the values agree); round-to-nearest-
+  (`mxjax.routes.in_place_values`, which says where the values agree); round-to-nearest-
   even rounds in place (`nearest_even_values`, the TPU kernel's form, the Hadamard's
   1/sqrt(h) in its one multiply).
 
@@ -44,11 +44,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mxjax import _bits, accelerator_tpu
-from mxjax.accelerator_values import nearest_even_values, values_from_amax
+from mxjax import _bits
 from mxjax.dimensions import free_axes
 from mxjax.formats import Rounding
 from mxjax.rotation import bit_view, butterfly_stage, hadamard_bit_view
+from mxjax.routes import in_place_tpu
+from mxjax.routes.in_place_values import nearest_even_values, values_from_amax
 from mxjax.scaling import SR_UNSCALE
 
 __all__ = [
@@ -160,7 +161,7 @@ def mx_operand_values(view: ContractionView, op, *, k_out: int, hadamard_size: i
         most operand shapes, deviceless H200 compiles).
       finish: None, or ``finish(v, amax_bits) -> (w, extra)``: maps the f32 values
         (the bit view's shape) to what the GEMM reads instead of their bf16 cast
-        (`mxjax.accelerator_mx_fp8`: an exact FP8 encoding), given every block's amax
+        (`mxjax.routes.xla_fp8`: an exact FP8 encoding), given every block's amax
         bits; ``w`` is laid out and sliced as the values are.
     Returns:
       bf16, view.x's shape with k_out along view.axis: the values of
@@ -230,7 +231,7 @@ def mx_operand_values_tpu(view: ContractionView, op, *, k_out: int,
                           hadamard_size: int | None, signs: jax.Array | None,
                           key: jax.Array | None, interpret: bool = False,
                           operand_dtype=None) -> jax.Array:
-    """`mx_operand_values` by the TPU kernel (`mxjax.accelerator_tpu`), same values.
+    """`mx_operand_values` by the TPU kernel (`mxjax.routes.in_place_tpu`), same values.
 
     ``operand_dtype``: the values are those of ``view.x.astype(operand_dtype)``; an
     f32 operand cast to bf16 is rounded in the kernel (not materialized), other
@@ -248,7 +249,7 @@ def mx_operand_values_tpu(view: ContractionView, op, *, k_out: int,
     u = None
     if op.rounding is Rounding.STOCHASTIC:
         u = _uniforms_like(key, view, k_pad).reshape(a, k_pad, b)
-    v = accelerator_tpu.mx_values_tpu(x2.reshape(a, k_pad, b), op, hadamard_size=hadamard_size,
+    v = in_place_tpu.mx_values_tpu(x2.reshape(a, k_pad, b), op, hadamard_size=hadamard_size,
                                       signs=signs, u=u, interpret=interpret, bf16_cast=bf16_cast)
     if v is None:
         if bf16_cast:

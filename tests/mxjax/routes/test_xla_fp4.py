@@ -1,4 +1,4 @@
-"""MXFP4 on NVFP4's block-scaled dot (mxjax/accelerator_fp4.py), checked on this CPU machine.
+"""MXFP4 on NVFP4's block-scaled dot (mxjax/routes/xla_fp4.py), checked on this CPU machine.
 
 * The re-encoding is bit-exact: the f4 elements times the E4M3 scales times 2^s, decoded
   by ml_dtypes / numpy, are mxjax's dequantized MXFP4 values bit for bit, and the values
@@ -20,17 +20,18 @@ import numpy as np
 import pytest
 
 import mxjax
-from mxjax import OperandRecipe, accelerator_fp4, gemm
+from mxjax import OperandRecipe, gemm
 from mxjax.dimensions import Dims
 from mxjax.quantization import MXArray, quantize_with
 from mxjax.recipes import GemmRecipe
+from mxjax.routes import xla_fp4
 from tests import reference as ref
 
 U32 = 2.0 ** -24
 MXFP4 = OperandRecipe(fmt=mxjax.MXFP4)
 RECIPE = GemmRecipe(lhs=MXFP4, rhs=MXFP4)
-_operand = jax.jit(accelerator_fp4.fp4_operand, static_argnums=1)
-_reencode = jax.jit(accelerator_fp4.reencode)
+_operand = jax.jit(xla_fp4.fp4_operand, static_argnums=1)
+_reencode = jax.jit(xla_fp4.reencode)
 
 
 def _unpack(codes: np.ndarray) -> np.ndarray:
@@ -186,23 +187,23 @@ def test_no_live_block_gives_shift_zero():
 
 def test_reencode_and_operand_reject_bad_arguments():
     with pytest.raises(TypeError, match="codes, scale_bytes: expected uint8"):
-        accelerator_fp4.reencode(jnp.zeros((2, 16), jnp.int32), jnp.zeros((2, 1), jnp.uint8))
+        xla_fp4.reencode(jnp.zeros((2, 16), jnp.int32), jnp.zeros((2, 1), jnp.uint8))
     with pytest.raises(ValueError, match="codes, scale_bytes: expected"):
-        accelerator_fp4.reencode(jnp.zeros((2, 16), jnp.uint8), jnp.zeros((2, 2), jnp.uint8))
+        xla_fp4.reencode(jnp.zeros((2, 16), jnp.uint8), jnp.zeros((2, 2), jnp.uint8))
     with pytest.raises(ValueError, match="op: expected an MXFP4"):
-        accelerator_fp4.fp4_operand(jnp.ones((4, 32)), OperandRecipe(fmt=mxjax.NVFP4), None)
+        xla_fp4.fp4_operand(jnp.ones((4, 32)), OperandRecipe(fmt=mxjax.NVFP4), None)
     with pytest.raises(ValueError, match="x3: expected"):
-        accelerator_fp4.fp4_operand(jnp.ones((32,)), MXFP4, None)
+        xla_fp4.fp4_operand(jnp.ones((32,)), MXFP4, None)
     with pytest.raises(ValueError, match="recipe: expected MXFP4"):
-        accelerator_fp4.fp4_block_scaled_dot(jnp.ones((4, 32)), jnp.ones((4, 32)),
+        xla_fp4.fp4_block_scaled_dot(jnp.ones((4, 32)), jnp.ones((4, 32)),
                                              GemmRecipe(lhs="mxfp8_e4m3", rhs="mxfp4"), None, None)
     with pytest.raises(ValueError, match="a3, b3: expected"):
-        accelerator_fp4.fp4_block_scaled_dot(jnp.ones((4, 32)), jnp.ones((4, 64)), RECIPE,
+        xla_fp4.fp4_block_scaled_dot(jnp.ones((4, 32)), jnp.ones((4, 64)), RECIPE,
                                              None, None)
 
 
 # --------------------------------------------------------------------------- the GEMM
-_dot = jax.jit(accelerator_fp4.fp4_block_scaled_dot, static_argnums=2)
+_dot = jax.jit(xla_fp4.fp4_block_scaled_dot, static_argnums=2)
 _DIMS = Dims(((3,), (3,)), ((0, 1), (0, 1)))  # [2, 3, F, K] x [2, 3, F', K]
 
 
@@ -285,8 +286,8 @@ def test_stochastic_rounding_with_the_prescale_applies_the_unscale_once_per_oper
 
 def _on_mma(a3, b3) -> bool:
     qa, qb = quantize_with(a3, MXFP4), quantize_with(b3, MXFP4)
-    exact = [accelerator_fp4.fp4_operand(x, MXFP4, None)[3] for x in (a3, b3)]
-    return bool(accelerator_fp4._on_mma(qa, qb, *exact))
+    exact = [xla_fp4.fp4_operand(x, MXFP4, None)[3] for x in (a3, b3)]
+    return bool(xla_fp4._on_mma(qa, qb, *exact))
 
 
 def test_the_mma_branch_needs_exact_operands_without_nan_blocks():
