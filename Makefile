@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: test test-slow test-triton test-accelerators bench train ladder lint clean-venv
+.PHONY: test test-slow test-triton test-accelerators test-gpu-extra bench train ladder lint clean-venv
 
 # Python >= 3.12: python3.12 on PATH, else pyenv's 3.12, else a clear error.
 $(PY):
@@ -68,6 +68,24 @@ $(AOT_STAMP): pyproject.toml | $(PY)
 test-accelerators: $(AOT_STAMP)
 	$(AOT_PY) -m pytest -n 2 -q -m accelerators tests/accelerators $(PYTEST_ARGS)
 
+# The 'gpu' extra (jax-triton, pinned with jax 0.11.x) compiled deviceless: the 'triton'
+# backend's kernels in a train step for a B200 (tests/accelerators/test_gpu_extra.py). Own
+# venv (the extra pins another jax), with XLA's CUDA plugin at the jax version it resolved.
+GPU_EXTRA_VENV := .venv-gpu-extra
+GPU_EXTRA_PY := $(GPU_EXTRA_VENV)/bin/python
+GPU_EXTRA_STAMP := $(GPU_EXTRA_VENV)/.installed-stamp
+$(GPU_EXTRA_STAMP): pyproject.toml | $(PY)
+	test -x $(GPU_EXTRA_PY) || $(PY) -m venv $(GPU_EXTRA_VENV)
+	$(GPU_EXTRA_PY) -m pip install -q --upgrade pip
+	$(GPU_EXTRA_PY) -m pip install -q -e '.[gpu,train,dev]'
+	v=$$($(GPU_EXTRA_PY) -c 'import importlib.metadata as m; print(m.version("jax"))') && \
+	  $(GPU_EXTRA_PY) -m pip install -q "jax-cuda12-plugin==$$v" "jax-cuda12-pjrt==$$v"
+	touch $(GPU_EXTRA_STAMP)
+
+test-gpu-extra: $(GPU_EXTRA_STAMP)
+	$(GPU_EXTRA_PY) -m pytest -q -p no:xdist -m gpu_extra tests/accelerators/test_gpu_extra.py \
+	  $(PYTEST_ARGS)
+
 bench: $(STAMP)
 	@for b in bench/quantize.py bench/dot_general.py bench/model.py bench/train_step.py; do \
 	  if [ -f $$b ]; then echo "== $$b"; $(PY) $$b || exit 1; fi; done
@@ -89,4 +107,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 
 clean-venv:
-	rm -rf $(VENV) $(AOT_VENV)
+	rm -rf $(VENV) $(AOT_VENV) $(GPU_EXTRA_VENV)

@@ -122,6 +122,7 @@ def _program(path: str, size: int, target: str):
                                  out_type=jax.ShapeDtypeStruct(plan.out_shape, jnp.float32),
                                  grid=plan.grid, num_warps=8, num_stages=3,
                                  compute_capability=_COMPUTE_CAPABILITY[target],
+                                 backend_options={"ptx_version": triton_gemm.PTX_VERSION},
                                  **plan.constants)
             return out[:m, :n]
 

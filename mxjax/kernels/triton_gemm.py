@@ -22,7 +22,31 @@ import jax.numpy as jnp
 
 from mxjax.kernels import _common as C
 
-__all__ = ["LaunchPlan", "available", "launch_plan", "mxfp4_matmul_triton", "unavailable_reason"]
+__all__ = ["PTX_VERSION", "LaunchPlan", "available", "jax_triton_mismatch", "launch_plan",
+           "mxfp4_matmul_triton", "unavailable_reason"]
+
+# The PTX ISA version the kernel is written in (Triton's `ptx_version` option, NVIDIA only).
+# Triton 3.9 otherwise takes its bundled ptxas's (CUDA 13.4: PTX 9.4), which the ptxas
+# XLA compiles the kernel with rejects when it is older (CUDA 12.9: 8.8, CUDA 13.0: 9.0).
+# 8.8 is the oldest that has tcgen05's block-scaled MMA with 32-element scale blocks
+# (`.block32`; 8.7 fails in ptxas), and every ptxas since CUDA 12.9 takes it.
+PTX_VERSION = 88
+# jax-triton releases whose DCE rule takes jax < 0.12's signature (used_outputs, eqn);
+# jax 0.12 calls it with (used_outputs, live_inputs, eqn): tracing a train step fails
+# with "takes 2 positional arguments but 3 were given". 'mxjax[gpu]' pins a working pair.
+_JAX_TRITON_BEFORE_JAX_0_12 = ("0.3.0", "0.3.1", "0.4.0", "0.4.1")
+
+
+def jax_triton_mismatch(jax_version: str, jax_triton_version: str) -> str | None:
+    """None if jax-triton `jax_triton_version` lowers with jax `jax_version`, else why not."""
+    def release(v):
+        return tuple(int(p) for p in v.split(".")[:2])
+
+    if release(jax_version) >= (0, 12) and jax_triton_version in _JAX_TRITON_BEFORE_JAX_0_12:
+        return (f"jax-triton {jax_triton_version} does not lower with jax {jax_version} (its "
+                "DCE rule predates jax 0.12's signature); pip install 'mxjax[gpu]' installs "
+                "a pair that does (jax 0.11, jax-triton 0.4.1)")
+    return None
 
 
 def unavailable_reason(platform: str | None = None) -> str | None:
@@ -44,10 +68,10 @@ def unavailable_reason(platform: str | None = None) -> str | None:
     if not hasattr(tl, "dot_scaled"):
         return "this triton has no tl.dot_scaled (needs triton >= 3.2)"
     try:
-        import jax_triton  # noqa: F401
+        import jax_triton
     except (ImportError, RuntimeError, OSError, ValueError) as e:  # pragma: no cover - GPU image
         return f"jax_triton does not import: {e}"
-    return None
+    return jax_triton_mismatch(jax.__version__, getattr(jax_triton, "__version__", ""))
 
 
 def available() -> bool:
@@ -140,6 +164,7 @@ def mxfp4_matmul_triton(
         grid=plan.grid,
         num_warps=num_warps,
         num_stages=num_stages,
+        backend_options={"ptx_version": PTX_VERSION},  # ignored by Triton's AMD backend
         **plan.constants,
     )
     return out[:m, :n]

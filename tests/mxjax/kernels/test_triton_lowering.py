@@ -80,3 +80,21 @@ def test_dot_scaled_kernel_compiles_to_ptx(cc, marker):
     out = triton.compile(src, target=GPUTarget("cuda", cc, 32),
                          options={"num_warps": 8, "num_stages": 3})
     assert marker in out.asm["ptx"]
+
+
+@pytest.mark.parametrize("jax_version,jax_triton_version,lowers", [
+    ("0.11.2", "0.4.1", True),   # the pair 'mxjax[gpu]' pins (make test-gpu-extra)
+    ("0.12.0.1", "0.4.1", False),
+    ("0.12.0", "0.3.1", False),
+    ("0.13.0", "0.4.1", False),
+    ("0.12.0.1", "0.5.0", True),  # a later release is not refused by this list
+])
+def test_jax_triton_mismatch_names_the_pairs_that_do_not_lower(jax_version,
+                                                               jax_triton_version, lowers):
+    from mxjax.kernels.triton_gemm import jax_triton_mismatch
+
+    why = jax_triton_mismatch(jax_version, jax_triton_version)
+    if lowers:
+        assert why is None
+    else:
+        assert jax_triton_version in why and jax_version in why and "mxjax[gpu]" in why
