@@ -303,7 +303,7 @@ def in_place_operand(view, op, key, *, k_out: int, hadamard_size: int | None, si
     """
     q, (scales, t, exact) = in_place.mx_operand_values(
         view, op, key=key, finish=functools.partial(_fp4_finish, op=op), k_out=k_out,
-        hadamard_size=hadamard_size, signs=signs)
+        hadamard_size=hadamard_size, signs=signs, split_halves=False)
     # Scales: one per 32-block in the bit view, repeated for its two 16-halves.
     scales = jnp.repeat(scales.reshape(_block_shape(view, k_out)), 2, axis=view.axis)
     return _canonical(q, view, k_out), _canonical(scales, view, k_out // 16), t, exact
