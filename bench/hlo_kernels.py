@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import math
 import re
+import zlib
 
 __all__ = ["Instruction", "Kernel", "gemm_operand_types", "kernels", "parse_module",
            "shape_bytes", "shape_elements"]
@@ -287,6 +288,54 @@ def _fmha_flops(inst: Instruction, shapes: dict[str, str]) -> int:
     return int(gemms * 2 * b * h * sq * sk * q[-1] * causal)
 
 
+TRITON_CALL_TARGETS = ("triton_kernel_call", "triton_kernel_call_ffi")  # jax-triton's
+_OPAQUE_RE = re.compile(r'backend_config=\{opaque = "((?:[^"\\]|\\.)*)"')
+# PTX of a Triton GEMM -> the rate class of its matrix instructions (the first match).
+_PTX_CLASSES = ((rb"kind::mxf4", "fp4"), (rb"kind::f8f6f4", "fp8"), (rb"wgmma[^;]*\.e[45]m", "fp8"))
+
+
+def _hlo_string_bytes(escaped: str) -> bytes:
+    """The bytes of an HLO text string literal (C escapes and \\XX hex escapes)."""
+    out, i = bytearray(), 0
+    simple = {"n": b"\n", "t": b"\t", '"': b'"', "\\": b"\\", "'": b"'"}
+    while i < len(escaped):
+        if escaped[i] == "\\":
+            if re.fullmatch(r"[0-9A-Fa-f]{2}", escaped[i + 1:i + 3]):
+                out.append(int(escaped[i + 1:i + 3], 16))
+                i += 3
+                continue
+            out += simple.get(escaped[i + 1], escaped[i + 1].encode())
+            i += 2
+            continue
+        out += escaped[i].encode()
+        i += 1
+    return bytes(out)
+
+
+def triton_call_ptx(inst: Instruction) -> bytes:
+    """The PTX of a jax-triton kernel call (its backend config: a zlib-compressed proto
+    holding the kernel's PTX text)."""
+    m = _OPAQUE_RE.search(inst.attributes)
+    if inst.custom_call_target not in TRITON_CALL_TARGETS or not m:
+        raise ValueError(f"{inst.name}: not a jax-triton kernel call with its kernel")
+    return zlib.decompress(_hlo_string_bytes(m.group(1)))
+
+
+def _triton_gemm(inst: Instruction, shapes: dict[str, str]) -> tuple[tuple[str, int], ...]:
+    """(rate class, flops) of the 'triton' backend's MXFP4 GEMM (jax-triton): f32[M, N] from
+    u8[M, K/2] codes; its class from the PTX's matrix instructions (bf16 when none is an
+    FP4/FP8 MMA: Hopper's dot_scaled upcasts to bf16 wgmma)."""
+    m, n = _dims(inst.shape)[-2:]
+    codes = [_dims(shapes.get(o, "")) for o in inst.operands
+             if _element_type(shapes.get(o, "")) == "u8"]
+    k = next((2 * d[1] for d in codes if len(d) == 2 and d[0] == m), None)
+    if k is None:
+        return ()
+    ptx = triton_call_ptx(inst)
+    cls = next((c for pattern, c in _PTX_CLASSES if re.search(pattern, ptx)), "bf16")
+    return ((cls, 2 * m * n * k),)
+
+
 def _custom_gemm(inst: Instruction, shapes: dict[str, str]) -> tuple[tuple[str, int], ...]:
     """(rate class, flops) of a GEMM custom call (cuBLAS, cuDNN) or a Pallas GEMM kernel."""
     target = inst.custom_call_target
@@ -297,6 +346,8 @@ def _custom_gemm(inst: Instruction, shapes: dict[str, str]) -> tuple[tuple[str, 
         return ((_class(inst, shapes), 2 * math.prod(_dims(inst.shape)) * lhs[-1]),)
     if target.startswith(_GEMM_TARGETS):
         return ((_class(inst, shapes), _dot_flops(inst, shapes)),)
+    if target in TRITON_CALL_TARGETS:
+        return _triton_gemm(inst, shapes)
     name = _OP_NAME_RE.search(inst.attributes)
     parts = name.group(1).split("/") if name else []
     kernel = next((p for p in reversed(parts) if p in PALLAS_GEMMS), None)
@@ -374,6 +425,12 @@ def _scheduled(module):
                 yield inst, shapes
 
     return walk(module.entry, 0)
+
+
+def scheduled_instructions(text: str) -> list[Instruction]:
+    """The instructions an optimized HLO module runs, in schedule order (called
+    computations and conditional branches included)."""
+    return [inst for inst, _ in _scheduled(parse_module(text))]
 
 
 def kernels(text: str) -> list[Kernel]:
