@@ -79,20 +79,20 @@ AUTO_CHOICES: tuple[AutoChoice, ...] = (
         evidence=(
             "Blackwell (B200), Llama 3.1-8B decoder layer at seq 8192, fwd+bwd, under "
             "mxfp4_all_h16 (bench/accelerator_cost.py rates roofline, deviceless, "
-            "2026-12-04; never run on a B200): 'xla_fp8' 7.70 ms (1.19x bf16), the "
-            "emulation 9.50 ms (1.47x), 'xla_fp4' 9.53 ms (1.47x: cuDNN's FP4 MMA in all 21 "
-            "GEMMs, but the NVFP4 operands' transposes into [B, F, K] and the f32 results "
-            "written out of cuDNN cost what the FP4 MMA saves). The 'triton' "
-            "backend has no estimate (jax-triton 0.4.1 fails under jax 0.12).")),
+            "2026-12-04; never run on a B200): 'xla_fp8' 6.86 ms (1.03x bf16), the "
+            "emulation 8.35 ms (1.26x), 'xla_fp4' 9.53 ms (1.43x: cuDNN's FP4 MMA in all 21 "
+            "GEMMs, but XLA materializes the NVFP4 operands' f32 butterflies and transposes), "
+            "'triton' 8.21 ms (1.23x, jax 0.11.2 with the 'gpu' extra: FP4 MMA in all 21 "
+            "GEMMs, operands quantized canonically).")),
     AutoChoice(
         platform="gpu", min_compute_capability=(9, 0), backend="xla_fp8",
         evidence=(
-            "Hopper (H200), the same layer: measured on an H200 (jax 0.11.2, "
-            "bench/gpu_probe_xla_fp8.py, interleaved medians, 2026-12-04) 'xla_fp8' "
-            "27.41 ms against the emulation's 27.62 ms (bf16 20.26 ms; before the cheaper "
-            "quantize passes 31.11 against 31.80 ms): faster, by little; deviceless rates "
-            "roofline 14.32 against 19.10 ms. 'pallas_fp8' estimated 1.80-2.08x bf16 on "
-            "the 1B layer, 'pallas' slower still.")),
+            "Hopper (H200), the same layer: deviceless rates roofline 13.28 ms (0.92x bf16) "
+            "against the emulation's 17.14 ms (1.19x) (2026-12-04, both quantize passes "
+            "fused whole); measured on an H200 before that (jax 0.11.2, "
+            "bench/gpu_probe_xla_fp8.py, interleaved medians) 'xla_fp8' 27.41 ms against "
+            "the emulation's 27.62 ms (bf16 20.26 ms): faster, by little. 'pallas_fp8' "
+            "estimated 1.80-2.08x bf16 on the 1B layer, 'pallas' slower still.")),
     AutoChoice(
         platform="gpu", backend="xla",
         evidence=("older or unknown GPUs: no kernel estimate; the kernels' bf16 dots are the "
