@@ -37,10 +37,13 @@ def fingerprint(plan: Plan) -> dict[str, Any]:
 
 
 def _comparable(key: str, value: Any) -> Any:
-    """A fingerprint entry as compared: a policy without its name (a policy is its recipes;
-    a renamed preset, e.g. mxfp4_wgrad_h16 -> mxfp4_all_h16_wgrad, resumes its runs)."""
+    """A fingerprint entry as compared: a policy without its name and its GEMMs' backends (a
+    policy is its recipes: a renamed preset, e.g. mxfp4_wgrad_h16 -> mxfp4_all_h16_wgrad,
+    resumes its runs, and so does a run moved to another backend, which computes the same
+    GEMMs: docs/NUMERICS.md)."""
     if key == "policy" and isinstance(value, Mapping):
-        return {k: v for k, v in value.items() if k != "name"}
+        return {k: ({f: x for f, x in v.items() if f != "backend"} if isinstance(v, Mapping)
+                    else v) for k, v in value.items() if k != "name"}
     return value
 
 

@@ -9,6 +9,7 @@ name the offending key)::
     out_dir: null              # default runs/<name>
     jax_cache_dir: null        # persistent compilation cache
     policy: mxfp4_all_h16      # a preset name, a full policy dict, or null (no policy)
+    backend: null              # every quantized GEMM's backend (auto: the chip's route)
     model:   {preset, overrides, compute_dtype, init_from}
     data:    {sources, val_sources, format, text_key, split, holdout_every,
               holdout_block, max_docs, tokenizer, vocab_size, eos_token,
@@ -219,6 +220,11 @@ class Config:
         "mxjax.policies.names()), none or null for no policy, a policy dict "
         "(mxjax.policies.to_dict format; from Python also a PrecisionPolicy, stored as its "
         "dict)"})
+    backend: str | None = _field(
+        None, "the backend every quantized GEMM of every policy this run compiles runs on "
+        "(mxjax.recipes.BACKENDS; auto: the fastest route of the chip compiled for, "
+        "mxjax.kernels.AUTO_CHOICES: FP8 units on Hopper and Blackwell); null: each "
+        "policy's own (the presets': xla, the emulation)")
     jax_cache_dir: str | None = _field(
         None, "persistent JAX compilation cache directory (re-runs, resumes and study runs "
         "skip recompiling; null: off)")
@@ -537,6 +543,11 @@ def check(cfg: Config) -> None:
              f"mesh.process_id must be in [0, mesh.num_processes), got {m.process_id}")
     if isinstance(cfg.policy, str):
         need(bool(cfg.policy), "policy: empty name (use null for no policy)")
+    if cfg.backend is not None:
+        from mxjax.recipes import BACKENDS  # a constant; the config module stays light
+
+        need(cfg.backend in BACKENDS,
+             f"backend: expected one of {', '.join(BACKENDS)} or null, got {cfg.backend!r}")
     if cfg.model.init_from is not None:
         need(bool(cfg.model.init_from), "model.init_from: empty path (use null to start from "
              "random weights)")

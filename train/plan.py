@@ -45,10 +45,12 @@ class Plan:
 
 
 def resolve_policy(
-        spec: str | Mapping[str, Any] | None,
+        spec: str | Mapping[str, Any] | None, backend: str | None = None,
 ) -> tuple[PrecisionPolicy | None, str, dict[str, Any] | None]:
     """(policy or None, display name, JSON record) for a config's ``policy`` entry
-    (looked up by `mxjax.policies.resolve`; its errors become ConfigErrors)."""
+    (looked up by `mxjax.policies.resolve`; its errors become ConfigErrors), its
+    quantized GEMMs on `backend` when one is given (`with_backend`; the config's
+    ``backend``)."""
     try:
         pol = policies.resolve(spec)
     except (ValueError, TypeError, KeyError) as e:
@@ -58,8 +60,22 @@ def resolve_policy(
     if pol is None:
         return None, "none", None
     name = spec if isinstance(spec, str) else (pol.name or str(spec.get("name") or "custom"))
+    if backend is not None:
+        pol = with_backend(pol, backend)
+        name = f"{name.split('@', 1)[0]}@{backend}"
     check_backends(pol)
     return pol, name, jsonable(policies.to_dict(pol))
+
+
+def with_backend(policy: PrecisionPolicy | None, backend: str | None) -> PrecisionPolicy | None:
+    """`policy` with its quantized GEMMs on `backend` (None: unchanged; a ConfigError
+    names a bad one): the config's ``backend``, applied to every policy a run compiles."""
+    if policy is None or backend is None:
+        return policy
+    try:
+        return policy.with_backend(backend)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_backends(policy: PrecisionPolicy) -> None:
@@ -178,7 +194,7 @@ def validate(config: Config, *, verbose: bool = True) -> Plan:
     """
     check_out_dir(config)
     datamod.check_files(config.data)
-    policy, name, record = resolve_policy(config.policy)
+    policy, name, record = resolve_policy(config.policy, config.backend)
     try:
         build_model_config(config, _nominal_vocab(config))
     except TokenizerError as e:

@@ -24,7 +24,7 @@ from train.config import ConfigError
 from train.data import stream as stream_data
 from train.hooks import Hooks
 from train.optimizer import make_optimizer
-from train.plan import Plan
+from train.plan import Plan, with_backend
 from train.process import fetch
 from train.state import StateLayout, make_state_layout, put_batch
 from train.step import make_eval_step, make_train_step
@@ -88,13 +88,20 @@ class CompiledRun:
     def tokens_per_step(self) -> int:
         return self.config.train.global_batch * self.config.data.seq_len
 
+    def policy_for(self, policy: PrecisionPolicy | None) -> PrecisionPolicy | None:
+        """The policy this run compiles for `policy`: its quantized GEMMs on the config's
+        ``backend`` when one is set (the ladder study's rungs and baseline too), else itself."""
+        return with_backend(policy, self.config.backend)
+
     def has_train_step(self, policy: PrecisionPolicy | None) -> bool:
         """Whether `train_step` has built `policy`'s step already (its first call compiles)."""
-        return policy in self._train
+        return self.policy_for(policy) in self._train
 
     def train_step(self, policy: PrecisionPolicy | None) -> Callable[..., Any]:
-        """``step(state, batch, policy_base) -> (state, metrics)`` under `policy`, jitted with
-        the state's shardings (state donated); one compilation per policy."""
+        """``step(state, batch, policy_base) -> (state, metrics)`` under `policy` (on the
+        config's ``backend``: `policy_for`), jitted with the state's shardings (state
+        donated); one compilation per policy."""
+        policy = self.policy_for(policy)
         if policy not in self._train:
             lay = self.layout
             fn = make_train_step(graphdef=lay.graphdef, policy=policy, tx=self.tx,
@@ -107,7 +114,8 @@ class CompiledRun:
 
     def eval_step(self, policy: PrecisionPolicy | None) -> Callable[..., Any]:
         """``eval_step(params, batch, policy_base) -> f32`` summed token cross-entropy under
-        `policy`, jitted; one compilation per policy."""
+        `policy` (`policy_for`), jitted; one compilation per policy."""
+        policy = self.policy_for(policy)
         if policy not in self._eval:
             lay = self.layout
             fn = make_eval_step(graphdef=lay.graphdef, policy=policy, hooks=self.hooks)

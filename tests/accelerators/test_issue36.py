@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 
 import pytest
 
@@ -67,3 +68,74 @@ def test_mxfp4_routes_on_the_8b_layer_against_the_issue_targets(target, routes):
     if target == "h200":  # 'auto''s route there; B200's targets are not met (printed above)
         t = cost(target, "layer_8b", "mxfp4_all_h16@xla_fp8", attention=FUSED).rates_s
         assert t <= 0.95 * bf16, (t, bf16)
+
+
+def test_a_mosaic_gpu_kernel_lowers_for_b200_without_a_device():
+    """docs/PERFORMANCE.md: the maintained Pallas GPU backend lowers here (the kernels are
+    not ported: nothing here checks Mosaic GPU's layouts, TMA or MMA)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from bench import aot
+
+    def double(x):
+        @plgpu.kernel(out_type=jax.ShapeDtypeStruct(x.shape, x.dtype))
+        def body(x_ref, o_ref):
+            o_ref[...] = x_ref[...] * 2.0
+
+        return body(x)
+
+    text = aot.compile_for(double, (jax.ShapeDtypeStruct((128, 128), jnp.float32),),
+                           require("b200")).as_text()
+    assert 'custom_call_target="mosaic_gpu_v2"' in text
+
+
+@functools.cache
+def _train_step_gemms(target: str, policy: str):
+    """GEMM operand types of the tiny Llama's train step (`train.step`, as `CompiledRun`
+    builds it) compiled for `target` under a train config with ``backend: auto``."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench import aot
+    from bench import hlo_kernels as hk
+    from train import config as cfgmod
+    from train.optimizer import make_optimizer
+    from train.plan import build_model_config, resolve_policy
+    from train.state import make_state_layout
+    from train.step import make_train_step
+
+    cfg = cfgmod.load(None, [f"policy={policy}", "backend=auto"])
+    pol, name, _ = resolve_policy(cfg.policy, cfg.backend)
+    assert name == f"{policy}@auto"
+    mesh = aot._mesh(require(target).name)
+    dev_mesh = jax.sharding.Mesh(mesh.devices.reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+    tx, schedule = make_optimizer(cfg)
+    lay = make_state_layout(build_model_config(cfg, 512), dev_mesh, tx, 0)
+    fn = make_train_step(graphdef=lay.graphdef, policy=pol, tx=tx, schedule=schedule,
+                         accum_steps=1)
+    batch = jax.ShapeDtypeStruct((2, cfg.data.seq_len + 1), jnp.int32, sharding=lay.batch)
+    key = jax.random.key(0)
+    key_s = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=lay.replicated)
+    jitted = jax.jit(fn, in_shardings=(lay.shardings, lay.batch, lay.replicated),
+                     out_shardings=(lay.shardings, lay.replicated))
+    with jax.set_mesh(dev_mesh):
+        text = jitted.trace(lay.abstract, batch, key_s).lower().compile().as_text()
+    return collections.Counter(types for _, _, types, _ in hk.gemm_operand_types(text))
+
+
+@pytest.mark.parametrize("target", ["h200", "b200"])
+def test_train_config_backend_auto_runs_fp8_and_mxfp4_rungs_on_fp8_units(target):
+    """Issue 36, point 5: ``backend: auto`` and no other change puts the study's fp8
+    baseline (per-tensor FP8 GEMMs) and its MXFP4 rungs (the 'xla_fp8' route) on the chip's
+    FP8 units; the unquantized GEMMs (attention, the head) stay bf16/f32."""
+    f8 = {"f8e4m3fn", "f8e5m2"}
+    for policy, want in (("fp8", None), ("mxfp4_all_h16", ("f8e5m2", "f8e4m3fn"))):
+        gemms = _train_step_gemms(target, policy)
+        quantized = {t: n for t, n in gemms.items() if set(t) & f8}
+        # 2 layers x 7 projections x 3 GEMMs (q|k|v and gate|up may be merged in fprop)
+        assert sum(quantized.values()) >= 2 * 17, (policy, gemms)
+        assert all(set(t) <= f8 for t in quantized), (policy, gemms)
+        if want is not None:
+            assert set(quantized) == {want}, (policy, gemms)

@@ -62,6 +62,7 @@ def test_shipped_study_configs_load():
     ({"scale": {"widths": [32]}}, "scale.widths"),
     ({"run": {"policy": "fp8"}}, "run.policy"),
     ({"workers": 0}, "workers"),
+    ({"run": {"backend": "fp4"}}, "run: backend: expected one of"),
 ])
 def test_bad_study_configs_name_the_key(tmp_path, change, match):
     raw = _raw(tmp_path, tmp_path)
@@ -69,6 +70,16 @@ def test_bad_study_configs_name_the_key(tmp_path, change, match):
         raw[k] = {**raw[k], **v} if isinstance(v, dict) and k in raw else v
     with pytest.raises(ConfigError, match=match):
         SC.from_dict(raw)
+
+
+def test_run_backend_reaches_every_run_of_the_study(tmp_path):
+    """``run: {backend: auto}``: the shared train config carries it, and `CompiledRun` compiles
+    the baseline and every rung on it (tests/train/test_config_policy_spec.py)."""
+    raw = _raw(tmp_path, tmp_path)
+    raw["run"] = {**raw["run"], "backend": "auto"}
+    cfg = SC.from_dict(raw)
+    assert SC.run_config(cfg, cfg.width).backend == "auto"
+    assert SC.run_config(SC.from_dict(_raw(tmp_path, tmp_path)), 32).backend is None
 
 
 def test_units_cover_every_run_and_branch_and_group_by_policy(tmp_path):
