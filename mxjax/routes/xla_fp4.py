@@ -62,6 +62,7 @@ from mxjax.scaling import SR_UNSCALE
 
 __all__ = [
     "E4M3_POW2_RANGE",
+    "NVFP4_PRODUCT_EXPONENTS",
     "e4m3_pow2_bits",
     "fp4_block_scaled_dot",
     "fp4_operand",
@@ -282,17 +283,28 @@ def mx_gemm_fp4(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
         in_place_operand(view, op, key, **kw)
         for view, op, key in ((va, recipe.lhs, k_lhs), (vb, recipe.rhs, k_rhs)))
 
+    narrow = xla_fp8.narrow_result(recipe, out_dtype)
+    exact = exact_a & exact_b
+    if narrow:  # cuDNN writes bf16 itself: 2 bytes per result, not 4 and a pass
+        exact = exact & xla_fp8.narrow_result_exact(ta + tb, k_pad, NVFP4_PRODUCT_EXPONENTS)
+
     def fp4(a, b):
         del a, b
-        out = jax.nn.scaled_matmul(qa, qb, sa, sb, preferred_element_type=jnp.float32)
-        return xla_fp8.scaled_result(out, ta + tb, recipe, out_dtype)
+        out = jax.nn.scaled_matmul(qa, qb, sa, sb, preferred_element_type=(
+            jnp.bfloat16 if narrow else jnp.float32))
+        return xla_fp8.scaled_result(out.astype(jnp.float32), ta + tb, recipe, out_dtype)
 
     def emulated(a, b):
         out = in_place.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs, signs, form="gpu")
         out = out.reshape(qa.shape[0], qa.shape[1], qb.shape[1])
         return out if out_dtype is None else out.astype(out_dtype)
 
-    return lax.cond(exact_a & exact_b, fp4, emulated, a, b)
+    return lax.cond(exact, fp4, emulated, a, b)
+
+
+# The NVFP4 operands' products: nonzero magnitudes in [2^lo, 2^hi) (E2M1's 0.5 times E4M3's
+# 2^-9 on each side; 6 * 2^8 < 2^11).
+NVFP4_PRODUCT_EXPONENTS = (-20, 22)
 
 
 def in_place_operand(view, op, key, *, k_out: int, hadamard_size: int | None, signs):

@@ -53,6 +53,7 @@ from mxjax.scaling import SR_UNSCALE
 
 __all__ = [
     "CARRIERS",
+    "CARRIER_PRODUCT_EXPONENTS",
     "LHS_CARRIER",
     "RHS_CARRIER",
     "Carrier",
@@ -61,6 +62,8 @@ __all__ = [
     "in_place_views",
     "mx_dot_fp8",
     "mx_gemm_fp8",
+    "narrow_result",
+    "narrow_result_exact",
     "scaled_result",
     "takes_fp8_route",
     "window_of_exponents",
@@ -199,8 +202,17 @@ def mx_gemm_fp8(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
     (qa, (ta, exact_a)), (qb, (tb, exact_b)) = encoded
     contract = (((va.axis,), (vb.axis,)), (va.batch, vb.batch))
 
+    narrow = narrow_result(recipe, out_dtype)
+    exact = exact_a & exact_b
+    if narrow:
+        exact = exact & narrow_result_exact(ta + tb, kw["k_out"], CARRIER_PRODUCT_EXPONENTS)
+
     def fp8(a, b):
         del a, b
+        if narrow:  # the GEMM writes bf16 itself: 2 bytes per result, not 4 + a pass
+            out = lax.dot_general(qa, qb, contract, precision=lax.Precision.HIGHEST,
+                                  preferred_element_type=jnp.bfloat16)
+            return scaled_result(out.astype(jnp.float32), ta + tb, recipe, out_dtype)
         out = lax.dot_general(qa, qb, contract, precision=lax.Precision.HIGHEST,
                               preferred_element_type=jnp.float32)
         return scaled_result(out, ta + tb, recipe, out_dtype)
@@ -209,7 +221,32 @@ def mx_gemm_fp8(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
         out = in_place.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs, signs, form="gpu")
         return out if out_dtype is None else out.astype(out_dtype)
 
-    return lax.cond(exact_a & exact_b, fp8, emulated, a, b)
+    return lax.cond(exact, fp8, emulated, a, b)
+
+
+# The carriers' products: nonzero magnitudes in [2^lo, 2^hi) (E5M2's smallest subnormal
+# 2^-16 times E4M3's 2^-9; 57344 * 448 < 2^25).
+CARRIER_PRODUCT_EXPONENTS = (-25, 25)
+
+
+def narrow_result(recipe, out_dtype) -> bool:
+    """Whether a carriers' GEMM may round its f32 sums to bf16 itself: the result is bf16
+    and no SR unscale (a multiply by 3/4) follows."""
+    return (out_dtype is not None and jnp.dtype(out_dtype) == jnp.bfloat16
+            and not any(op.sr_prescale for op in (recipe.lhs, recipe.rhs)))
+
+
+def narrow_result_exact(e: jax.Array, k: int, products: tuple[int, int]) -> jax.Array:
+    """bool scalar: ``bf16(acc) * 2^e == bf16(acc * 2^e)`` for every f32 sum ``acc`` of `k`
+    products whose nonzero magnitudes lie in ``[2^lo, 2^hi)`` (``products``).
+
+    A nonzero sum of such products is a multiple of 2^lo, so at least 2^lo, and below
+    ``k * 2^hi``; scaling by 2^e commutes with rounding to bf16 while both ``acc`` and
+    ``acc * 2^e`` are normal bf16 magnitudes (bf16 has f32's exponent range) and the
+    rounded result does not overflow (one binade of margin).
+    """
+    lo, hi = products
+    return (e + lo >= -126) & (e + hi + max(k - 1, 1).bit_length() + 1 <= 127)
 
 
 def mx_dot_fp8(lhs_q, rhs_q) -> jax.Array:

@@ -216,6 +216,43 @@ def test_stochastic_rounding_recipe_uses_the_emulations_draws():
     chex.assert_trees_all_equal(out, emu)
 
 
+def test_narrow_result_exact_bounds():
+    # fp8 carriers: nonzero products in [2^-25, 2^25); K = 4096 adds 12 bits and a binade
+    # of margin: 2^(e - 25) >= 2^-126 and e + 25 + 12 + 1 <= 127.
+    ok = [bool(M.narrow_result_exact(jnp.int32(e), 4096, M.CARRIER_PRODUCT_EXPONENTS))
+          for e in (-102, -101, 0, 89, 90)]
+    assert ok == [False, True, True, True, False]
+    assert bool(M.narrow_result_exact(jnp.int32(89), 4097, M.CARRIER_PRODUCT_EXPONENTS)) is False
+    assert M.narrow_result(_recipe("mxfp4_all_h16"), jnp.bfloat16)
+    assert not M.narrow_result(_recipe("mxfp4_all_h16"), jnp.float32)
+    assert not M.narrow_result(_recipe("mxfp4_all_h16"), None)
+    sr = policies.get("tseng").dgrad  # SR with the 3/4 pre-scale: its unscale follows
+    assert any(op.sr_prescale for op in (sr.lhs, sr.rhs))
+    assert not M.narrow_result(sr, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("backend", ["xla_fp8", "xla_fp4"])
+@pytest.mark.parametrize("scale", [0, -55, 60])
+def test_bf16_results_are_the_emulations_rounded_once(backend, scale):
+    """out_dtype bf16: the carriers' GEMM rounds its f32 sums to bf16 itself (the route's
+    bytes), the emulation rounds the f32 result; the same bits. Where 2^(t_a + t_b) could
+    take a result out of bf16's normal range (scale -55: t_a + t_b = -129 for xla_fp8;
+    scale 60: +101) the route hands the GEMM to the emulation."""
+    from mxjax.routes import xla_fp4
+
+    shape_a, shape_b, dims = DIMS["xw"]
+    a, b = _operands(shape_a, shape_b, seed=21)
+    a, b = a * jnp.float32(2.0**scale), b * jnp.float32(2.0**scale)
+    recipe = _recipe("mxfp4_all_h16", backend)
+    signs = mxjax.fixed_signs(0, 16)
+    route = M.mx_gemm_fp8 if backend == "xla_fp8" else xla_fp4.mx_gemm_fp4
+    out = jax.jit(lambda a, b: route(a, b, dims, recipe, None, None, signs,
+                                     out_dtype=jnp.bfloat16))(a, b)
+    emu = jax.jit(_emulation, static_argnums=(2, 3))(a, b, dims, recipe, signs)
+    assert out.dtype == jnp.bfloat16
+    chex.assert_trees_all_equal(out, emu.astype(jnp.bfloat16).reshape(out.shape))
+
+
 @pytest.mark.parametrize("backend", ["xla_fp8", "xla_fp4"])
 def test_backend_through_the_policy_fwd_and_bwd_equals_the_emulation_on_cpu(backend):
     # XLA:CPU contracts the carriers (and expands xla_fp4's block-scaled dot) into exact
