@@ -79,18 +79,19 @@ AUTO_CHOICES: tuple[AutoChoice, ...] = (
         evidence=(
             "Blackwell (B200), Llama 3.1-8B decoder layer at seq 8192, fwd+bwd, under "
             "mxfp4_all_h16 (bench/accelerator_cost.py rates roofline, deviceless, "
-            "2026-12-04; never run on a B200): 'xla_fp8' 6.86 ms (1.03x bf16), the "
-            "emulation 8.35 ms (1.26x), 'xla_fp4' 9.53 ms (1.43x: cuDNN's FP4 MMA in all 21 "
+            "2026-12-04; never run on a B200): 'xla_fp8' 6.64 ms (1.00x bf16), the "
+            "emulation 8.35 ms (1.26x), 'xla_fp4' 9.29 ms (1.40x: cuDNN's FP4 MMA in all 21 "
             "GEMMs, but XLA materializes the NVFP4 operands' f32 butterflies and transposes), "
             "'triton' 8.21 ms (1.23x, jax 0.11.2 with the 'gpu' extra: FP4 MMA in all 21 "
             "GEMMs, operands quantized canonically).")),
     AutoChoice(
         platform="gpu", min_compute_capability=(9, 0), backend="xla_fp8",
         evidence=(
-            "Hopper (H200), the same layer: deviceless rates roofline 13.28 ms (0.92x bf16) "
+            "Hopper (H200), the same layer: deviceless rates roofline 12.91 ms (0.90x bf16) "
             "against the emulation's 17.14 ms (1.19x) (2026-12-04, both quantize passes "
-            "fused whole); measured on an H200 before that (jax 0.11.2, "
-            "bench/gpu_probe_xla_fp8.py, interleaved medians) 'xla_fp8' 27.41 ms against "
+            "fused whole, bf16 results from the GEMM); measured on an H200 before that "
+            "(jax 0.11.2, bench/gpu_probe_xla_fp8.py, interleaved medians) 'xla_fp8' 27.41 ms "
+            "against "
             "the emulation's 27.62 ms (bf16 20.26 ms): faster, by little. 'pallas_fp8' "
             "estimated 1.80-2.08x bf16 on the 1B layer, 'pallas' slower still.")),
     AutoChoice(
