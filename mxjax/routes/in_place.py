@@ -280,8 +280,9 @@ def mx_operand_values_tpu(view: ContractionView, op, *, k_out: int,
     if v is None:
         if bf16_cast:
             view = view._replace(x=view.x.astype(jnp.bfloat16))
+        # XLA:TPU's fusions, as measured before the GPU form split the halves (no barriers).
         return mx_operand_values(view, op, k_out=k_out, hadamard_size=hadamard_size,
-                                 signs=signs, key=key, recompute=False)
+                                 signs=signs, key=key, recompute=False, split_halves=False)
     return lax.slice_in_dim(v.reshape(x2.shape), 0, k_out, axis=p)
 
 

@@ -50,6 +50,9 @@ def test_shipped_study_configs_load():
     assert len(tiny.seeds) >= 4 and tiny.eval_sequences * 128 >= 65536
     assert set(SP.RUNGS) <= set(tiny.rungs) and set(SP.RUNGS) <= set(gpu.rungs)
     assert tiny.scale.widths and gpu.workers == 1
+    # the GPU study: fp8 baseline and MXFP4 rungs on the chip's units (issue 36)
+    assert SC.run_config(gpu, gpu.width).backend == "auto"
+    assert SC.run_config(tiny, tiny.width).backend is None
 
 
 @pytest.mark.parametrize("change, match", [

@@ -178,6 +178,7 @@ def test_mlperf_config_is_the_real_setting():
 
     cfg = C.load(ROOT / "configs" / "llama3_8b_mlperf.yaml")
     assert cfg.data.seq_len == 8192
+    assert cfg.backend == "auto"  # the chip's FP8/FP4 units (issue 36)
     assert cfg.data.tokenizer.endswith("tokenizer.json")
     assert any("c4-train." in s and "-of-01024.json.gz" in s for s in cfg.data.sources)
     assert cfg.data.val_sources
