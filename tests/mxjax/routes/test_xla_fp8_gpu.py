@@ -6,6 +6,8 @@
 * The GEMM on the FP8 tensor cores (E5M2 x E4M3, the operands' exact carriers) is within
   docs/NUMERICS.md's device bound of the exact product of the quantized operands, like
   the ``fp8`` preset's; an operand past its carrier's window takes the emulation's result.
+* A bf16 result is rounded once by the GEMM (cuBLAS writes bf16, then the exact
+  2^(t_a + t_b)): within the device bound plus half a bf16 ulp of the exact product.
 """
 
 from __future__ import annotations
@@ -65,6 +67,24 @@ def test_fp8_route_is_within_the_device_bound(k):
     print(f"xla_fp8 K={k}: max |C - A_q B_q| / (|A_q| |B_q|) = {ratio:.3g} "
           f"(bound {device_bound(k):.3g}; f32 accumulation alone: {(k + 4) * U32:.3g})")
     assert np.all(err <= device_bound(k) * mag), ratio
+
+
+@pytest.mark.parametrize("k", [256, 4096])
+def test_bf16_result_is_rounded_once_on_the_gpu(k):
+    rng = np.random.default_rng(k + 1)
+    a = rng.standard_normal((512, k)).astype(np.float32)
+    b = (rng.standard_normal((k, 384)) * np.exp(rng.uniform(-3, 3, (1, 384)))).astype(np.float32)
+    dims = (((1,), (0,)), ((), ()))
+    c = jax.jit(lambda a, b: M.mx_gemm_fp8(a, b, dims, RECIPE, None, None, SIGNS,
+                                           out_dtype=jnp.bfloat16))(jnp.asarray(a), jnp.asarray(b))
+    assert c.dtype == jnp.bfloat16
+    aq, bq = _quantized(a), _quantized(b.T).T
+    exact, mag = aq @ bq, np.abs(aq) @ np.abs(bq)
+    err = np.abs(np.asarray(c, np.float64) - exact)
+    # the f32 sum's device bound, then one rounding to bf16 (8 significant bits)
+    bound = device_bound(k) * mag * (1 + 2.0**-8) + np.abs(exact) * 2.0**-8
+    print(f"xla_fp8 bf16 result K={k}: max err / bound = {float(np.max(err / bound)):.3g}")
+    assert np.all(err <= bound)
 
 
 def test_past_the_window_the_route_is_the_emulation_on_the_gpu():
