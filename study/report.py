@@ -234,7 +234,10 @@ def render(rep: Mapping[str, Any], cfg: StudyConfig) -> str:
         f"{cfg.run.get('train', {}).get('global_batch', '?')} x "
         f"{cfg.run.get('data', {}).get('seq_len', '?')} tokens; held-out set "
         f"{cfg.eval_sequences} sequences, evaluated with the exact forward. "
-        f"Reference `{cfg.reference}`, baseline `{cfg.baseline}`."), "",
+        f"Reference `{cfg.reference}`, baseline `{cfg.baseline}`; quantized GEMMs on "
+        f"backend `{cfg.run.get('backend') or 'xla'}`"
+        f"{' (each chip its fastest route)' if cfg.run.get('backend') == 'auto' else ''}."),
+        "",
         "## Branch-and-compare (primary measure)", "",
         (f"From the reference runs' states at steps {list(b.points)} (seeds "
         f"{list(cfg.branch_seeds)}, {b.batch_sets} batch set(s)), every policy trains K = "

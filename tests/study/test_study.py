@@ -311,6 +311,7 @@ def test_report_end_to_end_on_a_tiny_study(tmp_path, data_cache, capsys):
         assert (tmp_path / name).stat().st_size > 0
     text = (tmp_path / "ladder.md").read_text()
     assert "Branch-and-compare" in text and "`fp8`" in text
+    assert "quantized GEMMs on backend `xla`." in text  # the run's backend, here the default
     # Resuming finds every unit done and trains nothing.
     before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*.json") if "w32" in str(p)}
     runner.run_study(cfg, verbose=False)
