@@ -72,9 +72,12 @@ def _reference_f8(x: np.ndarray, name: str):
     return np.clip(y, -max_normal, max_normal).astype(f8), np.float32(t)
 
 
-@pytest.mark.parametrize("name", sorted(FP8))
-@pytest.mark.parametrize("case", ["ties", "general", "tiny", "mixed"])
-def test_per_tensor_f8_operands_are_the_reference_bits(name, case):
+OPERAND_CASES = ("ties", "general", "tiny", "mixed")
+
+
+def check_f8_operand_bits(name: str, case: str):
+    """`fp8_units.f8_operand` of an adversarial case (on the default device) against the
+    numpy reference: the f8 bits, their dtype and the one factor. Returns (x, q, q_ref)."""
     fmt, f8, _ = FP8[name]
     x = _cases(name)[case]
     q, factors = jax.jit(fp8_units.f8_operand, static_argnums=1)(
@@ -83,6 +86,14 @@ def test_per_tensor_f8_operands_are_the_reference_bits(name, case):
     assert q.dtype == f8
     np.testing.assert_array_equal(np.asarray(q).view(np.uint8), q_ref.view(np.uint8))
     assert len(factors) == 1 and np.float32(factors[0]) == t_ref
+    return x, q, q_ref
+
+
+@pytest.mark.parametrize("name", sorted(FP8))
+@pytest.mark.parametrize("case", OPERAND_CASES)
+def test_per_tensor_f8_operands_are_the_reference_bits(name, case):
+    fmt = FP8[name][0]
+    x, q, q_ref = check_f8_operand_bits(name, case)
     # mxjax's element codes are the OCP f8 bits (tests/reference.py's encoder agrees).
     codes = ref.quantize(x, fmt.name).codes
     np.testing.assert_array_equal(np.asarray(q).view(np.uint8), codes)

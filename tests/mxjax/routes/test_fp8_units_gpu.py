@@ -21,10 +21,9 @@ import numpy as np
 import pytest
 
 import mxjax
-from mxjax import OperandRecipe, policies
+from mxjax import policies
 from mxjax.quantization import fake_quantize_with
-from mxjax.routes import fp8_units
-from tests.mxjax.routes.test_fp8_units import FP8, _cases, _reference_f8
+from tests.mxjax.routes.test_fp8_units import FP8, OPERAND_CASES, check_f8_operand_bits
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,15 +40,9 @@ def device_bound(k: int) -> float:
 
 
 @pytest.mark.parametrize("name", sorted(FP8))
-@pytest.mark.parametrize("case", ["ties", "general", "tiny", "mixed"])
+@pytest.mark.parametrize("case", OPERAND_CASES)
 def test_f8_operands_on_the_gpu_are_the_reference_bits(name, case):
-    fmt, _, _ = FP8[name]
-    x = _cases(name)[case]
-    q, factors = jax.jit(fp8_units.f8_operand, static_argnums=1)(
-        jnp.asarray(x), OperandRecipe(fmt=fmt), None)
-    q_ref, t_ref = _reference_f8(x, name)
-    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), q_ref.view(np.uint8))
-    assert np.float32(factors[0]) == t_ref
+    check_f8_operand_bits(name, case)  # the same checks, here on the GPU
 
 
 @pytest.mark.parametrize("name", ["fp8", "mxfp8"])
