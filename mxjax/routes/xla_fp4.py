@@ -42,7 +42,10 @@ Deviceless compiles (``tests/accelerators/test_deviceless_fp4_mma.py``): on B200
 fast branch is ``__cudnn$blockScaledDot`` on f4e2m1fn operands; on H200 (no
 block-scaled MMA) XLA expands it into a dequantize and an f32 dot.
 
-Not wired into `mxjax.gemm`'s dispatch here.
+**The route** ('xla_fp4', :func:`mx_gemm_fp4`, which `mxjax.gemm` dispatches to): the same
+re-encoding applied to the emulation's in-place operands (`mxjax.routes.in_place`), laid
+out ``[B, F, K]`` for the block-scaled dot, with `mxjax.routes.xla_fp8`'s cond and result
+scaling.
 """
 
 from __future__ import annotations
