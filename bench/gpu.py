@@ -587,6 +587,43 @@ def quantize_section(table: Table, copy_bw: float | None, sz: Sizes, deadline: f
         except Exception as e:  # noqa: BLE001 - a kernel that cannot lower is a row, not a crash
             rows.append((name, f"{r}x{c}", short_error(e), ""))
         pace.took(time.perf_counter() - t0)
+    from mxjax import policies
+    from mxjax.routes import in_place, xla_fp4
+
+    op = policies.get("mxfp4_all_h16").fprop.lhs
+    nv_copy = r * c // 2 + r * c // 16  # E2M1 codes + per-16 scale bytes
+
+    def fp4_kernel(v, axis, pair):
+        return xla_fp4.kernel_operand(v, axis, op, hadamard_size=16, signs=None,
+                                      k_out=v.shape[axis], pair=pair)
+
+    def fp4_xla(v, axis):
+        view = in_place.contraction_view(v, (), (axis,))
+        return xla_fp4.in_place_operand(view, op, None, k_out=v.shape[axis],
+                                        hadamard_size=16, signs=None)
+
+    # The 'xla_fp4' route's operands (H16, NVFP4 re-encoding included): its one-pass
+    # kernel (mxjax.kernels.fp4_operand) against the XLA form it replaces on GPUs.
+    fp4_cases = [
+        ("fp4_operand row H16", functools.partial(fp4_kernel, axis=1, pair=False), 1),
+        ("fp4_operand col H16", functools.partial(fp4_kernel, axis=0, pair=False), 1),
+        ("fp4_operand pair H16", lambda v: fp4_kernel(v, 1, True)[:2] + fp4_kernel(
+            v, 0, True)[:2], 2),
+        ("XLA xla_fp4 operand row H16", functools.partial(fp4_xla, axis=1), 1),
+        ("XLA xla_fp4 operand col H16", functools.partial(fp4_xla, axis=0), 1),
+    ]
+    for name, fn, copies in fp4_cases:
+        if not pace.ok():
+            rows.append((name, f"{r}x{c}", SKIPPED, ""))
+            continue
+        t0 = time.perf_counter()
+        try:
+            t = timeit(jax.jit(fn), x)
+            gbs = (2 * r * c + copies * nv_copy) / t / 1e9
+            rows.append((name, f"{r}x{c}", f"{gbs:7.0f}", frac(gbs)))
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            rows.append((name, f"{r}x{c}", short_error(e), ""))
+        pace.took(time.perf_counter() - t0)
     xla_cases = [
         ("XLA mxjax.quantize row",
          lambda v: mxjax.quantize(v, mxjax.MXFP4, axis=1, scale_rule="even")),

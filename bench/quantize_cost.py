@@ -11,7 +11,7 @@ instructions / 33e12 per s) (the H200's measured copy rate and one instruction p
 f32 lane per clock).
 
     .venv-aot/bin/python bench/quantize_cost.py [--shape 8192,14336] [--axis 1]
-        [--out f8|bf16] [--no-barrier]
+        [--out f8|f4|bf16] [--kernel [--pair]] [--no-barrier] [--target h200|b200]
 """
 
 from __future__ import annotations
@@ -67,6 +67,10 @@ def main(argv=None) -> int:
                          "(E2M1 + E4M3 scales, [F, K]); bf16: the emulation's values")
     ap.add_argument("--target", default="h200")
     ap.add_argument("--no-barrier", action="store_true", help="recompute=False")
+    ap.add_argument("--kernel", action="store_true",
+                    help="--out f4 by the one-pass kernel (mxjax.kernels.fp4_operand)")
+    ap.add_argument("--pair", action="store_true",
+                    help="with --kernel: both directions in one kernel (the route's pairs)")
     args = ap.parse_args(argv)
     dump = Path(tempfile.mkdtemp(prefix="quantize_cost_"))
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -93,6 +97,12 @@ def main(argv=None) -> int:
 
     def fn(v):
         view = in_place.contraction_view(v, (), (args.axis,))
+        if args.out == "f4" and args.kernel:
+            kw = {"hadamard_size": 16, "signs": signs, "pair": args.pair}
+            if args.pair:  # both copies (the route takes each from the merged call)
+                return tuple(xla_fp4.kernel_operand(v, axis, op, k_out=shape[axis], **kw)
+                             for axis in (1, 0))
+            return xla_fp4.kernel_operand(v, args.axis, op, k_out=shape[args.axis], **kw)
         if args.out == "f4":
             q, scales, _, exact = xla_fp4.in_place_operand(
                 view, op, None, k_out=shape[args.axis], hadamard_size=16, signs=signs)
@@ -110,7 +120,10 @@ def main(argv=None) -> int:
     tot_b = tot_alu = tot_ptx = est = 0.0
     for k in ks:
         b = k.bytes_read + k.bytes_written
-        thr, ins = ptx.get(k.name.replace(".", "_"), (0, 0))
+        name = k.name.replace(".", "_")
+        if k.category == "custom-call" and name not in ptx:
+            name = "mxfp4_operand"  # a Pallas kernel's PTX entry has the kernel's name
+        thr, ins = ptx.get(name, (0, 0))
         tot_b, tot_alu, tot_ptx = tot_b + b, tot_alu + k.alu_ops, tot_ptx + thr * ins
         est += max(b / HBM_BYTES_PER_S, thr * ins / INSTR_PER_S)
         print(f"  {k.name:48s} {b / 1e9:7.3f} GB  HLO alu/elem {k.alu_ops / n:6.2f}  "

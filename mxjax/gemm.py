@@ -431,9 +431,13 @@ def _kernel_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key
         if backend == "xla":
             return emulated
         if backend in _MX_ROUTES:
-            # XLA's two-pass quantizer on every platform: on an H200 the one-pass Pallas
-            # kernel (mxjax.kernels.fp8_operand) ran 3x (row) to 10x (column) slower.
-            return functools.partial(_mx_route_gemm, route=_MX_ROUTES[backend], dims=dims,
+            route = _MX_ROUTES[backend]
+            if backend == "xla_fp4" and platform == "gpu":
+                # The one-pass operand kernel (mxjax.kernels.fp4_operand). 'xla_fp8' keeps
+                # XLA's two passes: on an H200 its one-pass Pallas kernel
+                # (mxjax.kernels.fp8_operand) ran 3x (row) to 10x (column) slower.
+                route = functools.partial(route, kernel=True)
+            return functools.partial(_mx_route_gemm, route=route, dims=dims,
                                      recipe=recipe, key=key, operand_dtypes=operand_dtypes,
                                      out_dtype=out_dtype)
         return functools.partial(kernel, backend=backend, platform=platform)

@@ -70,6 +70,8 @@ __all__ = [
     "fp4_block_scaled_dot",
     "fp4_operand",
     "in_place_operand",
+    "kernel_operand",
+    "kernel_view",
     "mx_gemm_fp4",
     "reencode",
     "takes_mxfp4",
@@ -263,7 +265,8 @@ def _canonical(x, view, k_axis_len):
 
 
 def mx_gemm_fp4(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
-                operand_dtypes=None, out_dtype=None) -> jax.Array:
+                operand_dtypes=None, out_dtype=None, kernel: bool = False,
+                interpret: bool = False) -> jax.Array:
     """``dot_general(a, b, dims)`` under an MXFP4 recipe on the NVFP4 block-scaled dot.
 
     The operands are quantized in place by the emulation's GPU form (as `mx_gemm_fp8`'s),
@@ -272,6 +275,13 @@ def mx_gemm_fp4(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
     ``jax.nn.scaled_matmul`` (cuDNN's FP4 MMA on Blackwell), times ``2^(t_a + t_b)``. An
     operand with a block outside the window, a NaN block or a scale beyond 2^+-126 takes
     the emulation's result (``lax.cond``).
+
+    ``kernel``: quantize each operand by the one-pass kernel (`kernel_operand`: one read,
+    E2M1 codes and scales written in the ``[B, F, K]`` layout) where it takes the
+    operand (`kernel_view`: no batch axes, the free axes on one side of the contraction;
+    `mxjax.kernels.fp4_operand.takes_kernel`), else by the XLA form; the same values
+    either way. `mxjax.gemm` sets it when lowering for a GPU. ``interpret`` runs the
+    kernel in the Pallas interpreter (CPU tests).
 
     Returns:
       ``[B, Fa, Fb]`` (batch and free axes flattened), f32 or out_dtype.
@@ -282,27 +292,50 @@ def mx_gemm_fp4(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
     n_bits = max(5, 0 if h is None else h.bit_length() - 1)
     k_pad = -(-k // (1 << n_bits)) << n_bits
     kw = {"k_out": k_pad, "hadamard_size": h, "signs": signs}
+
+    # Randomized signs differ per GEMM: no other GEMM makes the same pair call.
+    fixed_signs = recipe.hadamard is None or not recipe.hadamard.randomized
+
+    def operand(view, op, key):
+        x2 = kernel_view(view) if kernel else None
+        if x2 is not None and _takes_kernel(op, h, x2[0].dtype):
+            return kernel_operand(*x2, op, hadamard_size=h, signs=signs, k_out=k_pad,
+                                  pair=fixed_signs and _pairable(x2[0], h),
+                                  interpret=interpret)
+        return in_place_operand(view, op, key, **kw)
+
     (qa, sa, ta, exact_a), (qb, sb, tb, exact_b) = (
-        in_place_operand(view, op, key, **kw)
-        for view, op, key in ((va, recipe.lhs, k_lhs), (vb, recipe.rhs, k_rhs)))
+        operand(view, op, key) for view, op, key in ((va, recipe.lhs, k_lhs),
+                                                     (vb, recipe.rhs, k_rhs)))
 
     narrow = xla_fp8.narrow_result(recipe, out_dtype)
     exact = exact_a & exact_b
     if narrow:  # cuDNN writes bf16 itself: 2 bytes per result, not 4 and a pass
         exact = exact & xla_fp8.narrow_result_exact(ta + tb, k_pad, NVFP4_PRODUCT_EXPONENTS)
 
+    shift = ta + tb
+    sr = any(op.sr_prescale for op in (recipe.lhs, recipe.rhs))
+    result_dtype = jnp.bfloat16 if narrow else jnp.float32
+
     def fp4(a, b):
         del a, b
-        out = jax.nn.scaled_matmul(qa, qb, sa, sb, preferred_element_type=(
-            jnp.bfloat16 if narrow else jnp.float32))
-        return xla_fp8.scaled_result(out.astype(jnp.float32), ta + tb, recipe, out_dtype)
+        out = jax.nn.scaled_matmul(qa, qb, sa, sb, preferred_element_type=result_dtype)
+        if sr:
+            return xla_fp8.scaled_result(out.astype(jnp.float32), shift, recipe, out_dtype)
+        return out if out_dtype is None else out.astype(out_dtype)
 
     def emulated(a, b):
         out = in_place.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs, signs, form="gpu")
         out = out.reshape(qa.shape[0], qa.shape[1], qb.shape[1])
         return out if out_dtype is None else out.astype(out_dtype)
 
-    return lax.cond(exact, fp4, emulated, a, b)
+    out = lax.cond(exact, fp4, emulated, a, b)
+    if sr:
+        return out
+    # 2^(t_a + t_b) applied after the conditional (1 for the emulation's result), where XLA
+    # fuses it into the result's consumers; exact: a power of two on results that stay
+    # normal (narrow_result_exact's bound for bf16, the carriers' for f32).
+    return xla_fp8.scaled_result(out, jnp.where(exact, shift, 0), recipe, out_dtype)
 
 
 # The NVFP4 operands' products: nonzero magnitudes in [2^lo, 2^hi) (E2M1's 0.5 times E4M3's
@@ -322,6 +355,74 @@ def in_place_operand(view, op, key, *, k_out: int, hadamard_size: int | None, si
     # Scales: one per 32-block in the bit view, repeated for its two 16-halves.
     scales = jnp.repeat(scales.reshape(_block_shape(view, k_out)), 2, axis=view.axis)
     return _canonical(q, view, k_out), _canonical(scales, view, k_out // 16), t, exact
+
+
+def _takes_kernel(op, h, dtype) -> bool:
+    from mxjax.kernels import fp4_operand as kernel  # Pallas: loaded on first use
+
+    return kernel.takes_kernel(op, h, dtype)
+
+
+def kernel_view(view):
+    """``(x2, axis)``: the operand as the 2-D input of `kernel_operand`; None where the view
+    has batch axes or free axes on both sides of its contraction."""
+    if view.batch:
+        return None
+    shape, p = view.x.shape, view.axis
+    pre, post = math.prod(shape[:p]), math.prod(shape[p + 1:])
+    if post == 1:
+        return view.x.reshape(pre, shape[p]), 1
+    if pre == 1:
+        return view.x.reshape(shape[p], post), 0
+    return None
+
+
+def kernel_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, signs,
+                   k_out: int, pair: bool = False, interpret: bool = False):
+    """`in_place_operand`'s result for a 2-D operand by the one-pass kernel
+    (`mxjax.kernels.fp4_operand`): the same elements, scales, shift and exactness.
+
+    Args:
+      x2: bf16/f32 ``[F, K]`` (axis 1) or ``[K, F]`` (axis 0).
+      k_out: K padded to a multiple of 32 and of the Hadamard size (zeros).
+      pair: quantize x2 along both axes in one kernel (`mxfp4_operand_pair`) and take
+        this axis' copy: the GEMM that contracts x2 along the other axis with the same
+        operand recipe and signs makes the identical kernel call, which XLA merges (CSE).
+        Needs both sizes of x2 multiples of 32 and of the Hadamard size.
+    Returns:
+      ``(elements f4e2m1fn [1, F, k_out], scales f8e4m3fn [1, F, k_out // 16], t, exact)``.
+    """
+    from mxjax.kernels import fp4_operand as kernel  # Pallas: loaded on first use
+
+    if pair:
+        halves = kernel.mxfp4_operand_pair(x2, op, hadamard_size=hadamard_size, signs=signs,
+                                           interpret=interpret)
+        codes, scale_bytes, s_max, s_min = halves[0] if axis == 1 else halves[1]
+    else:
+        if k_out != x2.shape[axis]:
+            widths = [(0, 0), (0, 0)]
+            widths[axis] = (0, k_out - x2.shape[axis])
+            x2 = jnp.pad(x2, widths)
+        codes, scale_bytes, s_max, s_min = kernel.mxfp4_operand(
+            x2, axis, op, hadamard_size=hadamard_size, signs=signs, interpret=interpret)
+    lo, hi = E4M3_POW2_RANGE
+    nonfinite = s_max == kernel.NONFINITE_SENTINEL
+    any_live = s_min <= s_max
+    t = jnp.where(any_live & ~nonfinite, s_max - hi, 0).astype(jnp.int32)
+    exact = ~nonfinite & (~any_live | (
+        (s_min - t >= lo) & (s_min >= xla_fp8.MIN_EXP) & (s_max <= xla_fp8.MAX_EXP - 1)))
+    s = scale_bytes.astype(jnp.int32) - 127  # per 16 elements (each 32-block's twice)
+    bits = e4m3_pow2_bits(jnp.clip(s - t, lo, hi)).astype(jnp.uint8)
+    scales = lax.bitcast_convert_type(bits, jnp.float8_e4m3fn)
+    # XLA's sub-byte order: the first element in the low nibble, as the kernel packs.
+    elements = lax.bitcast_convert_type(codes, jnp.float4_e2m1fn)
+    f = codes.shape[0]
+    return elements.reshape(1, f, -1), scales.reshape(1, f, -1), t, exact
+
+
+def _pairable(x2, h) -> bool:
+    step = max(in_place.MX_BLOCK, h or 1)
+    return all(n % step == 0 for n in x2.shape)
 
 
 def _block_shape(view, k_pad):

@@ -96,3 +96,30 @@ def test_batched_pallas(np_rng):
     out = np.asarray(f(lq, rq))
     ref = np.asarray(mx_dot(lq, rq, backend="xla"))
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (4096, 4096)])
+def test_fp4_operand_pair_is_the_xla_forms_on_device(np_rng, shape):
+    """The 'xla_fp4' route's one-pass kernel, compiled: both directions' NVFP4 operands
+    (elements, E4M3 scales, shift, exactness) equal the XLA form's on the same GPU, and
+    the packed nibble order survives XLA's u8 -> f4e2m1fn bitcast there."""
+    from mxjax import policies
+    from mxjax.routes import in_place, xla_fp4
+
+    op = policies.get("mxfp4_all_h16").fprop.lhs
+    x = jnp.asarray(hard_matrix(np_rng, shape, spread=3.0, specials=False), jnp.bfloat16)
+    for axis in (1, 0):
+        def both(x, axis=axis):
+            got = xla_fp4.kernel_operand(x, axis, op, hadamard_size=16, signs=None,
+                                         k_out=x.shape[axis], pair=True)
+            view = in_place.contraction_view(x, (), (axis,))
+            want = xla_fp4.in_place_operand(view, op, None, k_out=x.shape[axis],
+                                            hadamard_size=16, signs=None)
+            return got, want
+
+        (q, sc, t, exact), (q2, sc2, t2, exact2) = jax.jit(both)(x)
+        assert bool(exact) and bool(exact2) and int(t) == int(t2)
+        np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(q, jnp.uint4)),
+                                      np.asarray(jax.lax.bitcast_convert_type(q2, jnp.uint4)))
+        np.testing.assert_array_equal(np.asarray(sc).view(np.uint8),
+                                      np.asarray(sc2).view(np.uint8))

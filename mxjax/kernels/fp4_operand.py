@@ -1,0 +1,355 @@
+"""One-pass MXFP4 operand kernel for the 'xla_fp4' route: E2M1 codes and scales in the MMA's layout.
+
+`mxfp4_operand` reads a 2-D operand once and writes what Blackwell's block-scaled MMA
+reads: packed E2M1 codes ``[F, K/2]`` (contraction last, whichever axis of the input
+it was) and one E8M0 byte per 32-block ``[F, K/32]``, plus each tile's largest and
+smallest live scale exponent (the 'xla_fp4' window's shift and exactness come from those,
+not from a second read). The values are `mxjax.routes.xla_fp4`'s in-place operand's,
+bit for bit (`tests/mxjax/kernels/test_fp4_operand.py`, Pallas interpreter).
+
+**Why elementwise across strided slices.** The kernel never reshapes, splits or
+transposes a register tile in order to reach a block's elements: Triton lowers those
+through shared-memory layout conversions (the previous one-pass kernel,
+`mxjax.kernels.fused_quantize`, ran 3-10x slower than XLA's passes on an H200). Instead it
+loads the tile as 32 strided slices, slice ``j`` holding element ``j`` of every 32-block
+of the tile (``x[:, j::32]`` for a row-wise operand, ``x[j::32, :]`` column-wise), so the
+Hadamard butterfly, the block amax, the scale and the rounding are elementwise
+operations between slices of one layout. Column-wise, the slices are rows of the tile:
+coalesced loads. Row-wise, a bf16 operand is read as uint32 pairs (16 slices, two
+elements each): 4-byte loads 64 bytes apart, every byte of the tile read once from
+memory and its cache lines shared by the 16 loads. The codes of elements ``2p`` and
+``2p + 1`` form byte ``p`` of the block, stored with stride 16 (transposed first,
+column-wise).
+
+**Arithmetic.** The same f32 operations as `mxjax.routes.in_place.mx_operand_values`
+with `mxjax.routes.xla_fp4`'s finish: the signs multiply, the butterfly's first log2(h) - 1
+stages (stage t pairs elements ``i`` and ``i + 2^t`` of an h-group: ``a + b``, ``a - b``),
+the block amax from ``|a| + |b|`` of the last stage's pairs (h <= 32), times 1/sqrt(h),
+the last stage, `nearest_even_values` (round to nearest even) or `values_from_amax`
+(other deterministic roundings), ``q = v * 2^-s`` and its E2M1 code.
+
+Scope: E8M0 MXFP4 operands, a Hadamard of 16 or 32 or none, deterministic rounding,
+bf16 or f32 input. Stochastic rounding and larger Hadamards take the route's XLA form
+(`takes_kernel`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from mxjax import _bits
+from mxjax.formats import Rounding
+from mxjax.kernels import _common as C
+from mxjax.elements import round_to_value
+from mxjax.routes.in_place_values import round_nearest_even
+
+__all__ = ["NONFINITE_SENTINEL", "TILE", "mxfp4_operand", "mxfp4_operand_pair", "quantize_slices",
+           "takes_kernel"]
+
+_MX = 32
+_NV = 16  # NVFP4's scale block: the MMA's scales are per 16 elements
+# Square tiles (both directions of a pair from one tile), 8 warps: at most 64 f32 values
+# of a slice set per thread (PTX: bench/quantize_cost.py --kernel --pair).
+TILE = 128
+_NUM_WARPS = 8
+# s_max of a tile holding a non-finite block: above every exactness bound.
+NONFINITE_SENTINEL = 1 << 20
+_NO_LIVE = 1 << 21
+_MIN_EXP, _MAX_EXP = -126, 127
+
+
+def takes_kernel(op, hadamard_size: int | None, dtype) -> bool:
+    """Whether `mxfp4_operand` computes this operand (MXFP4, h in {None, 16, 32},
+    deterministic rounding, bf16 or f32 input)."""
+    elem = op.fmt.element
+    return (elem is not None and elem.name == "e2m1" and op.fmt.scale == "e8m0"
+            and op.fmt.block_size == _MX and op.rounding is not Rounding.STOCHASTIC
+            and not op.sr_prescale
+            and hadamard_size in (None, 16, 32)
+            and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)))
+
+
+def _e2m1_code(q):
+    """The E2M1 code (int32, sign in bit 3) of f32 ``q``, an E2M1 value (±0, 0.5, ..., 6).
+
+    ``bits >> 22`` of a magnitude is ``(exponent << 1) | top mantissa bit``: 252 for 0.5,
+    254 for 1, ... 259 for 6, so the code is that minus 252 (0.5, E2M1's subnormal,
+    raised to 1) and 0 for zero.
+    """
+    bits = _bits.f32_bits(q)
+    top = ((bits >> 22) & 0x1FF).astype(jnp.int32)
+    mag = jnp.where(top == 0, 0, jnp.maximum(top - 252, 1))
+    return mag | ((bits >> 31).astype(jnp.int32) << 3)
+
+
+def quantize_slices(xs, op, hadamard_size, signs):
+    """The block quantizer on 32 slices: ``xs[j]`` holds element j of every block.
+
+    Args:
+      xs: 32 f32 arrays of one shape (a block per position).
+      op: the OperandRecipe (`takes_kernel`).
+      hadamard_size: 16, 32 or None.
+      signs: None or the rotation's signs, indexable by the position in an h-group
+        (f32 scalars).
+    Returns:
+      (16 int32 code bytes (elements 2p, 2p + 1), int32 scale exponents s, bool live,
+      bool nonfinite), each of the slices' shape.
+    """
+    h = hadamard_size
+    fast = op.rounding is Rounding.NEAREST_EVEN and not op.sr_prescale
+    z = list(xs)
+    if h is not None and signs is not None:
+        z = [v * signs[j % h] for j, v in enumerate(z)]
+    if h is None:
+        r = z
+        amax_bits = functools.reduce(jnp.maximum, [_bits.f32_bits(v) & _bits.ABS_MASK
+                                                   for v in z])
+        norm = 1.0
+    else:
+        k = h.bit_length() - 1
+        for t in range(k - 1):
+            step = 1 << t
+            for j in range(_MX):
+                if not j & step:
+                    a, b = z[j], z[j + step]
+                    z[j], z[j + step] = a + b, a - b
+        half = h // 2
+        lows = [j for j in range(_MX) if not j & half]
+        sums = [_bits.bits_f32(_bits.f32_bits(z[j]) & _bits.ABS_MASK)
+                + _bits.bits_f32(_bits.f32_bits(z[j + half]) & _bits.ABS_MASK) for j in lows]
+        norm = 1.0 / math.sqrt(h)
+        amax_bits = functools.reduce(jnp.maximum, [_bits.f32_bits(v) & _bits.ABS_MASK
+                                                   for v in sums])
+        amax_bits = _bits.f32_bits(_bits.bits_f32(amax_bits) * jnp.float32(norm))
+        r = list(z)
+        for j in lows:
+            a, b = z[j], z[j + half]
+            r[j], r[j + half] = a + b, a - b
+        if not fast:
+            r = [v * jnp.float32(norm) for v in r]
+    s, nonfinite = op.scheme.exponents(amax_bits, op.scale_rule, op.sr_prescale)
+    # y = r * norm * 2^-s on the element grid, rounded there: the in-place forms' ``q``
+    # (values_from_amax; nearest_even_values is the same values), without forming the
+    # values ``q * 2^s`` first. ``norm * 2^-s`` is exact (s in [-126, 125] for finite
+    # blocks), so one multiply rounds as ``(r * norm) * 2^-s`` does wherever y is normal;
+    # smaller y round to zero on the grid either way. Non-finite blocks' codes are never
+    # read (the route takes the emulation).
+    factor = _bits.pow2(jnp.clip(-s, _MIN_EXP, _MAX_EXP))
+    if fast and h is not None:
+        factor = factor * jnp.float32(norm)
+    codes = []
+    for v in r:
+        y = v * factor
+        if fast:
+            q = round_nearest_even(y, op.fmt.element)
+        else:
+            q = round_to_value(y, op.fmt.element, op.rounding, None)
+        codes.append(_e2m1_code(q))
+    packed = [codes[2 * p] | (codes[2 * p + 1] << 4) for p in range(_MX // 2)]
+    live = (amax_bits != 0) & ~nonfinite
+    return packed, s, live, nonfinite
+
+
+def _slices(x_ref, direction: int, pairs: bool):
+    """The tile's 32 slices for one direction: lists of f32 arrays, one list per set of
+    columns the loads produce (bf16 pairs read as uint32 give two sets column-wise: the
+    even and the odd columns).
+
+    direction 1 (blocks along the tile's columns): slice j = ``x[:, j::32]``, [T, T/32];
+    direction 0 (blocks along its rows): slice j = ``x[j::32, :]``, [T/32, T] (or [T/32,
+    T/2] per set of columns for pairs).
+    """
+    nb = TILE // _MX
+    if not pairs:
+        if direction == 1:
+            return [[x_ref[:, pl.ds(j, nb, stride=_MX)].astype(jnp.float32)
+                     for j in range(_MX)]]
+        return [[x_ref[pl.ds(j, nb, stride=_MX), :].astype(jnp.float32) for j in range(_MX)]]
+
+    def split(w):  # uint32 of a bf16 pair -> (element 2i, element 2i + 1) as f32
+        return _bits.bits_f32(w << 16), _bits.bits_f32((w >> 16) << 16)
+
+    if direction == 1:
+        xs = []
+        for i in range(_MX // 2):
+            xs += split(x_ref[:, pl.ds(i, nb, stride=_MX // 2)])
+        return [xs]
+    even, odd = zip(*(split(x_ref[pl.ds(j, nb, stride=_MX), :]) for j in range(_MX)))
+    return [list(even), list(odd)]
+
+
+def _stats(s, live, nonfinite):
+    """(s_max, -s_min) of one tile's live blocks; s_max is the sentinel for a non-finite
+    block (a max, not jnp.any: Pallas' Triton lowering has no reduce_or)."""
+    s_max = jnp.max(jnp.where(live, s, -_NO_LIVE))
+    s_max = jnp.maximum(s_max, jnp.max(jnp.where(nonfinite, NONFINITE_SENTINEL, -_NO_LIVE)))
+    return s_max, jnp.max(jnp.where(live, -s, -_NO_LIVE))
+
+
+def _kernel(*refs, directions, op, hadamard_size, pairs, has_signs):
+    x_ref, *rest = refs
+    signs_ref = rest.pop(0) if has_signs else None
+    *outs, stats_ref = rest
+    nb = TILE // _MX
+    signs = None
+    if has_signs:
+        signs = [signs_ref[i] for i in range(hadamard_size)]
+    stats = []
+    for direction, (codes_ref, scales_ref) in zip(directions, zip(outs[::2], outs[1::2])):
+        sets = _slices(x_ref, direction, pairs)
+        s_max = neg_s_min = None
+        for c, xs in enumerate(sets):
+            packed, s, live, nonfinite = quantize_slices(xs, op, hadamard_size, signs)
+            scale_bytes = jnp.where(nonfinite, 255, s + 127).astype(jnp.uint8)
+            # Free rows of the [F, K] output this set fills: all, or every other one.
+            rows = slice(None) if len(sets) == 1 else pl.ds(c, TILE // 2, stride=2)
+            if direction == 0:  # slices [nb, F] -> the [F, K] layout
+                packed = [p.T for p in packed]
+                scale_bytes = scale_bytes.T
+            for p, byte in enumerate(packed):
+                codes_ref[rows, pl.ds(p, nb, stride=_MX // 2)] = byte.astype(jnp.uint8)
+            # Each block's byte twice, once per 16-half: NVFP4's scale layout.
+            for half in range(2):
+                scales_ref[rows, pl.ds(half, nb, stride=2)] = scale_bytes
+            hi, neg_lo = _stats(s, live, nonfinite)
+            s_max = hi if s_max is None else jnp.maximum(s_max, hi)
+            neg_s_min = neg_lo if neg_s_min is None else jnp.maximum(neg_s_min, neg_lo)
+        stats += [s_max, neg_s_min]
+    # One stats row per tile, reduced by one max over all tiles.
+    column = lax.broadcasted_iota(jnp.int32, (1, len(stats)), 1)
+    row = jnp.full((1, len(stats)), stats[-1], jnp.int32)
+    for i, value in enumerate(stats[:-1]):
+        row = jnp.where(column == i, value, row)
+    stats_ref[...] = row
+
+
+def _check(x2, op, hadamard_size):
+    if x2.ndim != 2:
+        raise ValueError(f"x2: expected a 2-D array, got shape {x2.shape}")
+    if not takes_kernel(op, hadamard_size, x2.dtype):
+        raise ValueError(f"op, hadamard_size, x2: the kernel takes MXFP4 with h in "
+                         f"(None, 16, 32), deterministic rounding and a bf16 or f32 operand; "
+                         f"got {op!r}, h={hadamard_size}, {x2.dtype}")
+
+
+# Jitted (its trace cached per operand type and recipe): two GEMMs that quantize the same
+# operand the same way make the same call, whose kernel then lowers to the same Triton
+# module, locations included (they hold the traceback of the trace), so XLA merges the
+# two calls (CSE). Traced anew in each GEMM, the tracebacks would differ.
+@functools.partial(jax.jit, static_argnames=("directions", "op", "hadamard_size", "interpret"))
+def _quantize(x2, signs, *, directions, op, hadamard_size, interpret):
+    """The kernel over x2 padded with zeros to whole tiles: per direction (codes, scale
+    bytes, s_max, s_min), codes and scales laid out [F, K] (F, K the tile-padded sizes)."""
+    r, c = (C.round_up(n, TILE) for n in x2.shape)
+    x2 = C.pad2(x2, r, c)
+    grid = (r // TILE, c // TILE)
+    pairs = x2.dtype == jnp.bfloat16
+    if pairs:  # free in XLA: a bitcast of the row-major buffer
+        x2 = lax.bitcast_convert_type(x2.reshape(r, c // 2, 2), jnp.uint32)
+    inputs = [x2]
+    in_specs = [pl.BlockSpec((TILE, TILE // 2 if pairs else TILE), lambda i, j: (i, j))]
+    if signs is not None:
+        inputs.append(signs)
+        in_specs.append(pl.BlockSpec((hadamard_size,), lambda i, j: (0,)))
+    out_shape, out_specs = [], []
+    for direction in directions:
+        f, k = (r, c) if direction == 1 else (c, r)
+        out_shape += [jax.ShapeDtypeStruct((f, k // 2), jnp.uint8),
+                      jax.ShapeDtypeStruct((f, k // _NV), jnp.uint8)]
+        index = (lambda i, j: (i, j)) if direction == 1 else (lambda i, j: (j, i))
+        out_specs += [pl.BlockSpec((TILE, TILE // 2), index),
+                      pl.BlockSpec((TILE, TILE // _NV), index)]
+    n_stats = 2 * len(directions)
+    out_shape.append(jax.ShapeDtypeStruct((grid[0], grid[1] * n_stats), jnp.int32))
+    out_specs.append(pl.BlockSpec((1, n_stats), lambda i, j: (i, j)))
+    params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as plt
+
+        params = plt.CompilerParams(num_warps=_NUM_WARPS, num_stages=1)
+    *outs, stats = pl.pallas_call(
+        functools.partial(_kernel, directions=directions, op=op, hadamard_size=hadamard_size,
+                          pairs=pairs, has_signs=signs is not None),
+        out_shape=tuple(out_shape),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=tuple(out_specs),
+        interpret=interpret,
+        compiler_params=params,
+        name="mxfp4_operand",
+    )(*inputs)
+    totals = jnp.max(stats.reshape(-1, n_stats), axis=0)
+    return [(outs[2 * d], outs[2 * d + 1], totals[2 * d], -totals[2 * d + 1])
+            for d in range(len(directions))]
+
+
+def _signs_array(signs, hadamard_size):
+    if signs is None or hadamard_size is None:
+        return None
+    return jnp.asarray(signs, jnp.float32).reshape(hadamard_size)
+
+
+def _trimmed(result, f: int, k: int):
+    codes, scales, s_max, s_min = result
+    return codes[:f, :k // 2], scales[:f, :k // _NV], s_max, s_min
+
+
+def mxfp4_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, signs,
+                  interpret: bool = False):
+    """One MXFP4 operand in one read: codes and scales laid out ``[F, K]`` for the MMA.
+
+    Args:
+      x2: bf16 or f32 ``[F, K]`` (axis 1) or ``[K, F]`` (axis 0); K a multiple of 32
+        and of the Hadamard size (zero-padded by the caller).
+      axis: the contraction axis of x2 (0 or 1).
+      op: the OperandRecipe (`takes_kernel`).
+      hadamard_size: 16, 32 or None; signs: its ±1 vector (f32 [h]) or None.
+      interpret: run in the Pallas interpreter (CPU tests).
+    Returns:
+      ``(codes, scale_bytes, s_max, s_min)``: uint8 ``[F, K // 2]`` (element 2p in the
+      low nibble of byte p), uint8 ``[F, K // 16]`` (each 32-block's E8M0 byte,
+      2^(byte - 127) or 0xFF for a non-finite block, written for both of its 16-halves),
+      and int32 scalars: the largest and smallest scale exponent of a live block
+      (nonzero amax, finite), ``s_max`` = `NONFINITE_SENTINEL` when a block is
+      non-finite; with no live block ``s_max < s_min``.
+    """
+    if axis not in (0, 1):
+        raise ValueError(f"axis: expected 0 or 1, got {axis!r}")
+    _check(x2, op, hadamard_size)
+    _check_contraction(x2.shape[axis], hadamard_size)
+    (out,) = _quantize(x2, _signs_array(signs, hadamard_size), directions=(axis,), op=op,
+                       hadamard_size=hadamard_size, interpret=interpret)
+    return _trimmed(out, x2.shape[1 - axis], x2.shape[axis])
+
+
+def mxfp4_operand_pair(x2: jax.Array, op, *, hadamard_size: int | None, signs,
+                       interpret: bool = False):
+    """Both of x2's MXFP4 operands from one read: blocks along its rows and along its
+    columns (the backward's two copies of an operand).
+
+    Args:
+      x2: bf16 or f32 ``[R, C]``, R and C multiples of 32 and of the Hadamard size.
+      op, hadamard_size, signs, interpret: as for `mxfp4_operand` (both copies).
+    Returns:
+      ``(along_rows, along_columns)``: `mxfp4_operand`'s result for axis 1 (codes
+      ``[R, C // 2]``) and for axis 0 (codes ``[C, R // 2]``), bit for bit.
+    """
+    _check(x2, op, hadamard_size)
+    for k in x2.shape:
+        _check_contraction(k, hadamard_size)
+    row, col = _quantize(x2, _signs_array(signs, hadamard_size), directions=(1, 0), op=op,
+                         hadamard_size=hadamard_size, interpret=interpret)
+    r, c = x2.shape
+    return _trimmed(row, r, c), _trimmed(col, c, r)
+
+
+def _check_contraction(k: int, hadamard_size):
+    if k % _MX or (hadamard_size and k % hadamard_size):
+        raise ValueError(f"x2: contraction length {k} is not a multiple of 32 and of the "
+                         f"Hadamard size {hadamard_size} (pad first)")
