@@ -603,7 +603,7 @@ def quantize_section(table: Table, copy_bw: float | None, sz: Sizes, deadline: f
                                         hadamard_size=16, signs=None)
 
     # The 'xla_fp4' route's operands (H16, NVFP4 re-encoding included): its one-pass
-    # kernel (mxjax.kernels.fp4_operand) against the XLA form it replaces on GPUs.
+    # kernel (mxjax.routes.xla_fp4_kernel) against the XLA form it replaces on GPUs.
     fp4_cases = [
         ("fp4_operand row H16", functools.partial(fp4_kernel, axis=1, pair=False), 1),
         ("fp4_operand col H16", functools.partial(fp4_kernel, axis=0, pair=False), 1),

@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default="h200")
     ap.add_argument("--no-barrier", action="store_true", help="recompute=False")
     ap.add_argument("--kernel", action="store_true",
-                    help="--out f4 by the one-pass kernel (mxjax.kernels.fp4_operand)")
+                    help="--out f4 by the one-pass kernel (mxjax.routes.xla_fp4_kernel)")
     ap.add_argument("--pair", action="store_true",
                     help="with --kernel: both directions in one kernel (the route's pairs)")
     args = ap.parse_args(argv)

@@ -433,7 +433,7 @@ def _kernel_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key
         if backend in _MX_ROUTES:
             route = _MX_ROUTES[backend]
             if backend == "xla_fp4" and platform == "gpu":
-                # The one-pass operand kernel (mxjax.kernels.fp4_operand). 'xla_fp8' keeps
+                # The one-pass operand kernel (mxjax.routes.xla_fp4_kernel). 'xla_fp8' keeps
                 # XLA's two passes: on an H200 its one-pass Pallas kernel
                 # (mxjax.kernels.fp8_operand) ran 3x (row) to 10x (column) slower.
                 route = functools.partial(route, kernel=True)

@@ -75,7 +75,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     #    FP8), then 'xla_fp4' (NVFP4, sharing xla_fp8's window and result scaling).
     "mxjax.routes": (
         ("in_place_values",),
-        ("in_place_tpu",),
+        ("in_place_tpu", "xla_fp4_kernel"),  # the Pallas kernels
         ("in_place", "fp8_units"),
         ("xla_fp8",),
         ("xla_fp4",),

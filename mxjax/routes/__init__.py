@@ -15,6 +15,8 @@ module              route
 `xla_fp8`           backend 'xla_fp8': MXFP4 carried exactly in FP8 on XLA's FP8 GEMM
 `xla_fp4`           backend 'xla_fp4': MXFP4 re-encoded exactly as NVFP4 for XLA's
                     block-scaled dot (cuDNN's FP4 MMA on Blackwell)
+`xla_fp4_kernel`    its operands on GPUs: one Pallas kernel per operand, both directions
+                    from one read (loaded on first use)
 ==================  =====================================================================
 
 The kernel backends ('pallas', 'pallas_fp8', 'triton') are `mxjax.kernels`, loaded on

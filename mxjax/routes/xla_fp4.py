@@ -279,7 +279,7 @@ def mx_gemm_fp4(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
     ``kernel``: quantize each operand by the one-pass kernel (`kernel_operand`: one read,
     E2M1 codes and scales written in the ``[B, F, K]`` layout) where it takes the
     operand (`kernel_view`: no batch axes, the free axes on one side of the contraction;
-    `mxjax.kernels.fp4_operand.takes_kernel`), else by the XLA form; the same values
+    `mxjax.routes.xla_fp4_kernel.takes_kernel`), else by the XLA form; the same values
     either way. `mxjax.gemm` sets it when lowering for a GPU. ``interpret`` runs the
     kernel in the Pallas interpreter (CPU tests).
 
@@ -358,7 +358,7 @@ def in_place_operand(view, op, key, *, k_out: int, hadamard_size: int | None, si
 
 
 def _takes_kernel(op, h, dtype) -> bool:
-    from mxjax.kernels import fp4_operand as kernel  # Pallas: loaded on first use
+    from mxjax.routes import xla_fp4_kernel as kernel  # Pallas: loaded on first use
 
     return kernel.takes_kernel(op, h, dtype)
 
@@ -380,7 +380,7 @@ def kernel_view(view):
 def kernel_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, signs,
                    k_out: int, pair: bool = False, interpret: bool = False):
     """`in_place_operand`'s result for a 2-D operand by the one-pass kernel
-    (`mxjax.kernels.fp4_operand`): the same elements, scales, shift and exactness.
+    (`mxjax.routes.xla_fp4_kernel`): the same elements, scales, shift and exactness.
 
     Args:
       x2: bf16/f32 ``[F, K]`` (axis 1) or ``[K, F]`` (axis 0).
@@ -392,7 +392,7 @@ def kernel_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, s
     Returns:
       ``(elements f4e2m1fn [1, F, k_out], scales f8e4m3fn [1, F, k_out // 16], t, exact)``.
     """
-    from mxjax.kernels import fp4_operand as kernel  # Pallas: loaded on first use
+    from mxjax.routes import xla_fp4_kernel as kernel  # Pallas: loaded on first use
 
     if pair:
         halves = kernel.mxfp4_operand_pair(x2, op, hadamard_size=hadamard_size, signs=signs,

@@ -19,11 +19,10 @@ import numpy as np
 import pytest
 
 import mxjax
-from mxjax import OperandRecipe
+from mxjax import OperandRecipe, policies
 from mxjax import formats as F
-from mxjax import policies
-from mxjax.kernels import fp4_operand as K
 from mxjax.routes import in_place, xla_fp4
+from mxjax.routes import xla_fp4_kernel as K
 from tests.mxjax.kernels._kernel_testutil import hadamard, hard_matrix, quantize
 
 H16_OP = policies.get("mxfp4_all_h16").fprop.lhs  # MXFP4, EVEN, round to nearest even
@@ -42,13 +41,13 @@ def _signs(h, seed):
     return None if seed is None else mxjax.fixed_signs(seed, h)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pair_fn(op, h, seed):
     return jax.jit(functools.partial(K.mxfp4_operand_pair, op=op, hadamard_size=h,
                                      signs=_signs(h, seed), interpret=True))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _route_operand_fn(op, h, seed, axis, pair):
     def fn(x):
         got = xla_fp4.kernel_operand(x, axis, op, hadamard_size=h, signs=_signs(h, seed),

@@ -44,9 +44,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from mxjax import _bits
-from mxjax.formats import Rounding
-from mxjax.kernels import _common as C
 from mxjax.elements import round_to_value
+from mxjax.formats import Rounding
 from mxjax.routes.in_place_values import round_nearest_even
 
 __all__ = ["NONFINITE_SENTINEL", "TILE", "mxfp4_operand", "mxfp4_operand_pair", "quantize_slices",
@@ -246,8 +245,8 @@ def _check(x2, op, hadamard_size):
 def _quantize(x2, signs, *, directions, op, hadamard_size, interpret):
     """The kernel over x2 padded with zeros to whole tiles: per direction (codes, scale
     bytes, s_max, s_min), codes and scales laid out [F, K] (F, K the tile-padded sizes)."""
-    r, c = (C.round_up(n, TILE) for n in x2.shape)
-    x2 = C.pad2(x2, r, c)
+    r, c = (-(-n // TILE) * TILE for n in x2.shape)
+    x2 = jnp.pad(x2, ((0, r - x2.shape[0]), (0, c - x2.shape[1])))
     grid = (r // TILE, c // TILE)
     pairs = x2.dtype == jnp.bfloat16
     if pairs:  # free in XLA: a bitcast of the row-major buffer
