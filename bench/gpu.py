@@ -575,18 +575,21 @@ def quantize_section(table: Table, copy_bw: float | None, sz: Sizes, deadline: f
                                    "col": QuantSpec(recipe=even, hadamard=16),
                                    "row_signs": signs, "col_signs": signs}, 2),
     ]
-    for name, kw, copies in cases:
+    def timed(name, fn, moved):
+        """One row: fn jitted on x, `moved` bytes (read + written) per call."""
         if not pace.ok():
             rows.append((name, f"{r}x{c}", SKIPPED, ""))
-            continue
+            return
         t0 = time.perf_counter()
         try:
-            t = timeit(jax.jit(functools.partial(fused_quantize, **kw)), x)
-            gbs = (2 * r * c + copies * per_copy) / t / 1e9
+            gbs = moved / timeit(jax.jit(fn), x) / 1e9
             rows.append((name, f"{r}x{c}", f"{gbs:7.0f}", frac(gbs)))
         except Exception as e:  # noqa: BLE001 - a kernel that cannot lower is a row, not a crash
             rows.append((name, f"{r}x{c}", short_error(e), ""))
         pace.took(time.perf_counter() - t0)
+
+    for name, kw, copies in cases:
+        timed(name, functools.partial(fused_quantize, **kw), 2 * r * c + copies * per_copy)
     from mxjax import policies
     from mxjax.routes import in_place, xla_fp4
 
@@ -613,17 +616,7 @@ def quantize_section(table: Table, copy_bw: float | None, sz: Sizes, deadline: f
         ("XLA xla_fp4 operand col H16", functools.partial(fp4_xla, axis=0), 1),
     ]
     for name, fn, copies in fp4_cases:
-        if not pace.ok():
-            rows.append((name, f"{r}x{c}", SKIPPED, ""))
-            continue
-        t0 = time.perf_counter()
-        try:
-            t = timeit(jax.jit(fn), x)
-            gbs = (2 * r * c + copies * nv_copy) / t / 1e9
-            rows.append((name, f"{r}x{c}", f"{gbs:7.0f}", frac(gbs)))
-        except Exception as e:  # noqa: BLE001 - reported in the table
-            rows.append((name, f"{r}x{c}", short_error(e), ""))
-        pace.took(time.perf_counter() - t0)
+        timed(name, fn, 2 * r * c + copies * nv_copy)
     xla_cases = [
         ("XLA mxjax.quantize row",
          lambda v: mxjax.quantize(v, mxjax.MXFP4, axis=1, scale_rule="even")),
@@ -631,18 +624,7 @@ def quantize_section(table: Table, copy_bw: float | None, sz: Sizes, deadline: f
             mxjax.hadamard(v, 16, axis=1, signs=signs), mxjax.MXFP4, axis=1, scale_rule="even")),
     ]
     for name, fn in xla_cases:
-        if not pace.ok():
-            rows.append((name, f"{r}x{c}", SKIPPED, ""))
-            continue
-        t0 = time.perf_counter()
-        try:
-            t = timeit(jax.jit(fn), x)
-            gbs = (2 * r * c + per_copy) / t / 1e9
-            rows.append((name, f"{r}x{c}", f"{gbs:7.0f}", frac(gbs)))
-        except Exception as e:  # noqa: BLE001 - reported in the table
-            rows.append((name, f"{r}x{c}", short_error(e), ""))
-        pace.took(time.perf_counter() - t0)
-    del x
+        timed(name, fn, 2 * r * c + per_copy)
     log("quantize section done")
 
 
