@@ -74,10 +74,11 @@ def test_the_chip_compiled_for_is_the_targets(target, kind, cc):
     assert caps.fp8_tensor_cores == (target != "v5e")
 
 
-@pytest.mark.parametrize("target,route", [("h200", "xla_fp8"), ("b200", "xla_fp8"),
+@pytest.mark.parametrize("target,route", [("h200", "xla_fp8"), ("b200", "xla_fp4"),
                                           ("v5e", "xla")])
 def test_auto_compiles_to_the_route_of_each_chip(target, route):
-    """AUTO_CHOICES: 'xla_fp8' on H200 and B200 (FP8 GEMMs on the exact FP8 carriers), the
+    """AUTO_CHOICES: 'xla_fp8' on H200 (FP8 GEMMs on the exact FP8 carriers), 'xla_fp4' on
+    B200 (cuDNN's block-scaled FP4 MMA, operands by the route's Pallas kernel), the
     emulation on v5e; 'auto' compiles to exactly that backend's program."""
     from mxjax import kernels
 
@@ -91,9 +92,11 @@ def test_auto_compiles_to_the_route_of_each_chip(target, route):
 
     auto, explicit = _compiled_text(target, "auto"), _compiled_text(target, route)
     assert shape(auto) == shape(explicit)
-    assert "__gpu$xla.gpu.triton" not in auto
+    # Pallas kernels only where the route has one (xla_fp4's operand kernel)
+    assert ("__gpu$xla.gpu.triton" in auto) == (route == "xla_fp4")
     gemms = {types for _, _, types, _ in hk.gemm_operand_types(auto)}
-    assert gemms == ({("f8e5m2", "f8e4m3fn")} if route == "xla_fp8" else gemms)
+    want = {"xla_fp8": {("f8e5m2", "f8e4m3fn")}, "xla_fp4": {("f4e2m1fn", "f4e2m1fn")}}
+    assert gemms == want.get(route, gemms)
 
 
 @pytest.mark.parametrize("target", ["h200", "b200"])

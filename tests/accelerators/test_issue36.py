@@ -189,22 +189,24 @@ def _train_step_gemms(target: str, policy: str):
 
 
 @pytest.mark.parametrize("target", ["h200", "b200"])
-def test_train_config_backend_auto_runs_fp8_and_mxfp4_rungs_on_fp8_units(target):
+def test_train_config_backend_auto_runs_fp8_and_mxfp4_rungs_on_low_precision_units(target):
     """Issue 36, point 5: ``backend: auto`` and no other change puts the study's fp8
-    baseline (per-tensor FP8 GEMMs) and its MXFP4 rungs (the 'xla_fp8' route) on the chip's
-    FP8 units; the unquantized GEMMs (attention, the head) stay bf16/f32."""
-    f8 = {"f8e4m3fn", "f8e5m2"}
+    baseline (per-tensor FP8 GEMMs) on the chip's FP8 units and its MXFP4 rungs on the
+    H200's FP8 units (the 'xla_fp8' route) and the B200's FP4 MMA ('xla_fp4'); the
+    unquantized GEMMs (attention, the head) stay bf16/f32."""
+    narrow = {"f8e4m3fn", "f8e5m2", "f4e2m1fn"}
     unquantized = {}
-    for policy, want in (("fp8", None), ("mxfp4_all_h16", ("f8e5m2", "f8e4m3fn"))):
+    mxfp4 = ("f8e5m2", "f8e4m3fn") if target == "h200" else ("f4e2m1fn", "f4e2m1fn")
+    for policy, want in (("fp8", None), ("mxfp4_all_h16", mxfp4)):
         gemms = _train_step_gemms(target, policy)
-        quantized = {t: n for t, n in gemms.items() if set(t) & f8}
+        quantized = {t: n for t, n in gemms.items() if set(t) & narrow}
         # The layers are scanned: 7 projections x 3 GEMMs, less XLA's merges of q|k|v and
         # gate|up in the forward.
         assert sum(quantized.values()) >= 15, (policy, gemms)
-        assert all(set(t) <= f8 for t in quantized), (policy, gemms)
+        assert all(set(t) <= narrow for t in quantized), (policy, gemms)
         if want is not None:
             assert set(quantized) == {want}, (policy, gemms)
         # attention and the head: the same unquantized GEMMs under both policies
         unquantized[policy] = {t: n for t, n in gemms.items() if t not in quantized}
-        assert not any(set(t) & f8 for t in unquantized[policy])
+        assert not any(set(t) & narrow for t in unquantized[policy])
     assert unquantized["fp8"] == unquantized["mxfp4_all_h16"], unquantized

@@ -70,14 +70,15 @@ def test_unknown_backend_raises():
 
 
 def test_auto_choice_per_device():
-    """'auto' follows AUTO_CHOICES: 'xla_fp8' on Hopper and Blackwell (measured on an H200,
-    estimated for a B200), the emulation wherever no route is estimated faster."""
+    """'auto' follows AUTO_CHOICES: 'xla_fp8' on Hopper (measured on an H200), 'xla_fp4' on
+    Blackwell (estimated), the emulation wherever no route is estimated faster."""
     h200 = _caps()
     assert auto_backend(h200) == "xla_fp8"
     assert "27.41 ms" in auto_choice(h200).evidence
     blackwell = _caps(device_kind="NVIDIA B200", compute_capability=(10, 0), native_fp4=True)
     assert auto_choice(blackwell).min_compute_capability == (10, 0)
-    assert auto_backend(blackwell) == "xla_fp8"
+    assert auto_backend(blackwell) == "xla_fp4"
+    assert "3.81 ms" in auto_choice(blackwell).evidence
     ampere = _caps(device_kind="NVIDIA A100", compute_capability=(8, 0), fp8_tensor_cores=False,
                    backends=(("xla", ""), ("pallas", ""), ("pallas_fp8", "no fp8"), ("triton", "")))
     assert auto_backend(ampere) == "xla"
