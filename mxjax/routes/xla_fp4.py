@@ -44,8 +44,11 @@ block-scaled MMA) XLA expands it into a dequantize and an f32 dot.
 
 **The route** ('xla_fp4', :func:`mx_gemm_fp4`, which `mxjax.gemm` dispatches to): the same
 re-encoding applied to the emulation's in-place operands (`mxjax.routes.in_place`), laid
-out ``[B, F, K]`` for the block-scaled dot, with `mxjax.routes.xla_fp8`'s cond and result
-scaling.
+out ``[B, F, K]`` for the block-scaled dot, with `mxjax.routes.xla_fp8`'s cond; the
+result's factor ``2^(t_a + t_b)`` is applied after the cond, where XLA fuses it into the
+result's consumers. Lowered for a GPU, the operands come from one Pallas kernel each
+(`mxjax.routes.xla_fp4_kernel`: one read, both directions; :func:`kernel_operand`), the
+same bits as the XLA form's.
 """
 
 from __future__ import annotations

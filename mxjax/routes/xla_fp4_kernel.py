@@ -1,35 +1,39 @@
 """One-pass MXFP4 operand kernel for the 'xla_fp4' route: E2M1 codes and scales in the MMA's layout.
 
-`mxfp4_operand` reads a 2-D operand once and writes what Blackwell's block-scaled MMA
-reads: packed E2M1 codes ``[F, K/2]`` (contraction last, whichever axis of the input
-it was) and one E8M0 byte per 32-block ``[F, K/32]``, plus each tile's largest and
-smallest live scale exponent (the 'xla_fp4' window's shift and exactness come from those,
-not from a second read). The values are `mxjax.routes.xla_fp4`'s in-place operand's,
-bit for bit (`tests/mxjax/kernels/test_fp4_operand.py`, Pallas interpreter).
+`mxfp4_operand_pair` reads a 2-D operand once and writes, for both of its axes, what
+Blackwell's block-scaled MMA reads: packed E2M1 codes ``[F, K/2]`` (contraction last,
+whichever axis of the input it was) and each 32-block's E8M0 byte for both of its
+16-halves ``[F, K/16]`` (NVFP4's scale layout), plus each tile's largest and smallest live
+scale exponent (the 'xla_fp4' window's shift and exactness come from those, not from a
+second read). `mxfp4_operand` writes one axis. The codes are `mxjax.quantize`'s of the
+rotated f32 operand and the route's operands the XLA form's, bit for bit
+(`tests/mxjax/routes/test_xla_fp4_kernel.py`, Pallas interpreter).
 
 **Why elementwise across strided slices.** The kernel never reshapes, splits or
 transposes a register tile in order to reach a block's elements: Triton lowers those
 through shared-memory layout conversions (the previous one-pass kernel,
 `mxjax.kernels.fused_quantize`, ran 3-10x slower than XLA's passes on an H200). Instead it
-loads the tile as 32 strided slices, slice ``j`` holding element ``j`` of every 32-block
-of the tile (``x[:, j::32]`` for a row-wise operand, ``x[j::32, :]`` column-wise), so the
-Hadamard butterfly, the block amax, the scale and the rounding are elementwise
-operations between slices of one layout. Column-wise, the slices are rows of the tile:
-coalesced loads. Row-wise, a bf16 operand is read as uint32 pairs (16 slices, two
-elements each): 4-byte loads 64 bytes apart, every byte of the tile read once from
-memory and its cache lines shared by the 16 loads. The codes of elements ``2p`` and
-``2p + 1`` form byte ``p`` of the block, stored with stride 16 (transposed first,
-column-wise).
+loads a 128 x 128 tile as 32 strided slices, slice ``j`` holding element ``j`` of every
+32-block (``x[:, j::32]`` along rows, ``x[j::32, :]`` along columns), so the Hadamard
+butterfly, the block amax, the scale and the rounding are elementwise operations between
+slices of one layout. A bf16 operand is read as uint32 pairs: along rows, 16 slices of
+two elements each (4-byte loads 64 bytes apart, the cache lines shared by the 16 loads);
+along columns, rows of pairs (coalesced), whose even and odd columns are two slice sets.
+The codes of elements ``2p`` and ``2p + 1`` form byte ``p`` of a block, stored with
+stride 16 (transposed first along columns: the only layout conversions, PTX: 98
+shared-memory accesses per thread).
 
-**Arithmetic.** The same f32 operations as `mxjax.routes.in_place.mx_operand_values`
-with `mxjax.routes.xla_fp4`'s finish: the signs multiply, the butterfly's first log2(h) - 1
-stages (stage t pairs elements ``i`` and ``i + 2^t`` of an h-group: ``a + b``, ``a - b``),
-the block amax from ``|a| + |b|`` of the last stage's pairs (h <= 32), times 1/sqrt(h),
-the last stage, `nearest_even_values` (round to nearest even) or `values_from_amax`
-(other deterministic roundings), ``q = v * 2^-s`` and its E2M1 code.
+**Arithmetic.** The same f32 operations as `mxjax.routes.in_place.mx_operand_values`:
+the signs multiply, the butterfly's first log2(h) - 1 stages (stage t pairs elements ``i``
+and ``i + 2^t`` of an h-group: ``a + b``, ``a - b``), the block amax from ``|a| + |b|`` of
+the last stage's pairs (h <= 32) times 1/sqrt(h), the scale exponent s by the scheme, the
+last stage; then ``y = r * (1/sqrt(h) * 2^-s)`` rounded on the E2M1 grid
+(`round_nearest_even`, or `mxjax.elements.round_to_value` for the other deterministic
+roundings) and its code read from the rounded value's bits: the route's ``q`` without
+forming ``q * 2^s`` first.
 
-Scope: E8M0 MXFP4 operands, a Hadamard of 16 or 32 or none, deterministic rounding,
-bf16 or f32 input. Stochastic rounding and larger Hadamards take the route's XLA form
+Scope: E8M0 MXFP4 operands, a Hadamard of 16 or 32 or none, deterministic rounding
+without the SR pre-scale, bf16 or f32 input. Other operands take the route's XLA form
 (`takes_kernel`).
 """
 
