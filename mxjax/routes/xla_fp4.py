@@ -289,6 +289,7 @@ def mx_gemm_fp4(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
     Returns:
       ``[B, Fa, Fb]`` (batch and free axes flattened), f32 or out_dtype.
     """
+    a0, b0 = a, b  # before the operand casts: the kernel rounds an f32 operand to bf16 itself
     a, b, va, vb, h = xla_fp8.in_place_views(a, b, dims, recipe, operand_dtypes, "xla_fp4")
     k = va.x.shape[va.axis]
     # The whole padded contraction (a multiple of 32): NVFP4 scales cover 16 elements.
@@ -299,17 +300,24 @@ def mx_gemm_fp4(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
     # Randomized signs differ per GEMM: no other GEMM makes the same pair call.
     fixed_signs = recipe.hadamard is None or not recipe.hadamard.randomized
 
-    def operand(view, op, key):
+    (ca, cb), (ba, bb) = dims
+
+    def operand(cast_view, op, key, x, batch, contract, dtype):
+        bf16_values = (dtype is not None and jnp.dtype(dtype) == jnp.bfloat16
+                       and x.dtype == jnp.float32)
+        # The kernel reads an f32 operand cast to bf16 as it is and rounds it itself.
+        view = in_place.contraction_view(x, batch, contract) if bf16_values else cast_view
         x2 = kernel_view(view) if kernel else None
         if x2 is not None and _takes_kernel(op, h, x2[0].dtype):
             return kernel_operand(*x2, op, hadamard_size=h, signs=signs, k_out=k_pad,
                                   pair=fixed_signs and _pairable(x2[0], h),
-                                  interpret=interpret)
-        return in_place_operand(view, op, key, **kw)
+                                  bf16_values=bf16_values, interpret=interpret)
+        return in_place_operand(cast_view, op, key, **kw)
 
+    da, db = operand_dtypes or (None, None)
     (qa, sa, ta, exact_a), (qb, sb, tb, exact_b) = (
-        operand(view, op, key) for view, op, key in ((va, recipe.lhs, k_lhs),
-                                                     (vb, recipe.rhs, k_rhs)))
+        operand(va, recipe.lhs, k_lhs, a0, ba, ca, da),
+        operand(vb, recipe.rhs, k_rhs, b0, bb, cb, db))
 
     narrow = xla_fp8.narrow_result(recipe, out_dtype)
     exact = exact_a & exact_b
@@ -328,11 +336,13 @@ def mx_gemm_fp4(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
         return out if out_dtype is None else out.astype(out_dtype)
 
     def emulated(a, b):
-        out = in_place.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs, signs, form="gpu")
+        out = in_place.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs, signs, form="gpu",
+                               operand_dtypes=operand_dtypes)
         out = out.reshape(qa.shape[0], qa.shape[1], qb.shape[1])
         return out if out_dtype is None else out.astype(out_dtype)
 
-    out = lax.cond(exact, fp4, emulated, a, b)
+    # The operands as given (the emulation casts them): no cast pass outside its branch.
+    out = lax.cond(exact, fp4, emulated, a0, b0)
     if sr:
         return out
     # 2^(t_a + t_b) applied after the conditional (1 for the emulation's result), where XLA
@@ -381,7 +391,8 @@ def kernel_view(view):
 
 
 def kernel_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, signs,
-                   k_out: int, pair: bool = False, interpret: bool = False):
+                   k_out: int, pair: bool = False, bf16_values: bool = False,
+                   interpret: bool = False):
     """`in_place_operand`'s result for a 2-D operand by the one-pass kernel
     (`mxjax.routes.xla_fp4_kernel`): the same elements, scales, shift and exactness.
 
@@ -392,6 +403,7 @@ def kernel_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, s
         this axis' copy: the GEMM that contracts x2 along the other axis with the same
         operand recipe and signs makes the identical kernel call, which XLA merges (CSE).
         Needs both sizes of x2 multiples of 32 and of the Hadamard size.
+      bf16_values: the operand is ``x2.astype(bfloat16)``, rounded in the kernel.
     Returns:
       ``(elements f4e2m1fn [1, F, k_out], scales f8e4m3fn [1, F, k_out // 16], t, exact)``.
     """
@@ -399,7 +411,7 @@ def kernel_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, s
 
     if pair:
         halves = kernel.mxfp4_operand_pair(x2, op, hadamard_size=hadamard_size, signs=signs,
-                                           interpret=interpret)
+                                           bf16_values=bf16_values, interpret=interpret)
         codes, scale_bytes, s_max, s_min = halves[0] if axis == 1 else halves[1]
     else:
         if k_out != x2.shape[axis]:
@@ -407,7 +419,8 @@ def kernel_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, s
             widths[axis] = (0, k_out - x2.shape[axis])
             x2 = jnp.pad(x2, widths)
         codes, scale_bytes, s_max, s_min = kernel.mxfp4_operand(
-            x2, axis, op, hadamard_size=hadamard_size, signs=signs, interpret=interpret)
+            x2, axis, op, hadamard_size=hadamard_size, signs=signs, bf16_values=bf16_values,
+            interpret=interpret)
     lo, hi = E4M3_POW2_RANGE
     nonfinite = s_max == kernel.NONFINITE_SENTINEL
     any_live = s_min <= s_max

@@ -159,7 +159,7 @@ def quantize_slices(xs, op, hadamard_size, signs):
     return packed, s, live, nonfinite
 
 
-def _slices(x_ref, direction: int, pairs: bool):
+def _slices(x_ref, direction: int, pairs: bool, bf16_values: bool):
     """The tile's 32 slices for one direction: lists of f32 arrays, one list per set of
     columns the loads produce (bf16 pairs read as uint32 give two sets column-wise: the
     even and the odd columns).
@@ -170,10 +170,13 @@ def _slices(x_ref, direction: int, pairs: bool):
     """
     nb = TILE // _MX
     if not pairs:
+        def value(v):  # an f32 operand, rounded to bf16 first when the GEMM casts it
+            v = v.astype(jnp.bfloat16) if bf16_values else v
+            return v.astype(jnp.float32)
+
         if direction == 1:
-            return [[x_ref[:, pl.ds(j, nb, stride=_MX)].astype(jnp.float32)
-                     for j in range(_MX)]]
-        return [[x_ref[pl.ds(j, nb, stride=_MX), :].astype(jnp.float32) for j in range(_MX)]]
+            return [[value(x_ref[:, pl.ds(j, nb, stride=_MX)]) for j in range(_MX)]]
+        return [[value(x_ref[pl.ds(j, nb, stride=_MX), :]) for j in range(_MX)]]
 
     def split(w):  # uint32 of a bf16 pair -> (element 2i, element 2i + 1) as f32
         return _bits.bits_f32(w << 16), _bits.bits_f32((w >> 16) << 16)
@@ -195,7 +198,7 @@ def _stats(s, live, nonfinite):
     return s_max, jnp.max(jnp.where(live, -s, -_NO_LIVE))
 
 
-def _kernel(*refs, directions, op, hadamard_size, pairs, has_signs):
+def _kernel(*refs, directions, op, hadamard_size, pairs, has_signs, bf16_values):
     x_ref, *rest = refs
     signs_ref = rest.pop(0) if has_signs else None
     *outs, stats_ref = rest
@@ -205,7 +208,7 @@ def _kernel(*refs, directions, op, hadamard_size, pairs, has_signs):
         signs = [signs_ref[i] for i in range(hadamard_size)]
     stats = []
     for direction, (codes_ref, scales_ref) in zip(directions, zip(outs[::2], outs[1::2])):
-        sets = _slices(x_ref, direction, pairs)
+        sets = _slices(x_ref, direction, pairs, bf16_values)
         s_max = neg_s_min = None
         for c, xs in enumerate(sets):
             packed, s, live, nonfinite = quantize_slices(xs, op, hadamard_size, signs)
@@ -245,8 +248,9 @@ def _check(x2, op, hadamard_size):
 # operand the same way make the same call, whose kernel then lowers to the same Triton
 # module, locations included (they hold the traceback of the trace), so XLA merges the
 # two calls (CSE). Traced anew in each GEMM, the tracebacks would differ.
-@functools.partial(jax.jit, static_argnames=("directions", "op", "hadamard_size", "interpret"))
-def _quantize(x2, signs, *, directions, op, hadamard_size, interpret):
+@functools.partial(jax.jit, static_argnames=("directions", "op", "hadamard_size", "interpret",
+                                             "bf16_values"))
+def _quantize(x2, signs, *, directions, op, hadamard_size, interpret, bf16_values=False):
     """The kernel over x2 padded with zeros to whole tiles: per direction (codes, scale
     bytes, s_max, s_min), codes and scales laid out [F, K] (F, K the tile-padded sizes)."""
     r, c = (-(-n // TILE) * TILE for n in x2.shape)
@@ -278,7 +282,8 @@ def _quantize(x2, signs, *, directions, op, hadamard_size, interpret):
         params = plt.CompilerParams(num_warps=_NUM_WARPS, num_stages=1)
     *outs, stats = pl.pallas_call(
         functools.partial(_kernel, directions=directions, op=op, hadamard_size=hadamard_size,
-                          pairs=pairs, has_signs=signs is not None),
+                          pairs=pairs, has_signs=signs is not None,
+                          bf16_values=bf16_values and x2.dtype == jnp.float32),
         out_shape=tuple(out_shape),
         grid=grid,
         in_specs=in_specs,
@@ -304,7 +309,7 @@ def _trimmed(result, f: int, k: int):
 
 
 def mxfp4_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, signs,
-                  interpret: bool = False):
+                  bf16_values: bool = False, interpret: bool = False):
     """One MXFP4 operand in one read: codes and scales laid out ``[F, K]`` for the MMA.
 
     Args:
@@ -313,6 +318,8 @@ def mxfp4_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, si
       axis: the contraction axis of x2 (0 or 1).
       op: the OperandRecipe (`takes_kernel`).
       hadamard_size: 16, 32 or None; signs: its ±1 vector (f32 [h]) or None.
+      bf16_values: quantize ``x2.astype(bfloat16)`` (an f32 x2 rounded in the kernel,
+        not materialized: the GEMM's operand cast).
       interpret: run in the Pallas interpreter (CPU tests).
     Returns:
       ``(codes, scale_bytes, s_max, s_min)``: uint8 ``[F, K // 2]`` (element 2p in the
@@ -327,18 +334,19 @@ def mxfp4_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, si
     _check(x2, op, hadamard_size)
     _check_contraction(x2.shape[axis], hadamard_size)
     (out,) = _quantize(x2, _signs_array(signs, hadamard_size), directions=(axis,), op=op,
-                       hadamard_size=hadamard_size, interpret=interpret)
+                       hadamard_size=hadamard_size, interpret=interpret,
+                       bf16_values=bf16_values)
     return _trimmed(out, x2.shape[1 - axis], x2.shape[axis])
 
 
 def mxfp4_operand_pair(x2: jax.Array, op, *, hadamard_size: int | None, signs,
-                       interpret: bool = False):
+                       bf16_values: bool = False, interpret: bool = False):
     """Both of x2's MXFP4 operands from one read: blocks along its rows and along its
     columns (the backward's two copies of an operand).
 
     Args:
       x2: bf16 or f32 ``[R, C]``, R and C multiples of 32 and of the Hadamard size.
-      op, hadamard_size, signs, interpret: as for `mxfp4_operand` (both copies).
+      op, hadamard_size, signs, bf16_values, interpret: as for `mxfp4_operand`.
     Returns:
       ``(along_rows, along_columns)``: `mxfp4_operand`'s result for axis 1 (codes
       ``[R, C // 2]``) and for axis 0 (codes ``[C, R // 2]``), bit for bit.
@@ -347,7 +355,8 @@ def mxfp4_operand_pair(x2: jax.Array, op, *, hadamard_size: int | None, signs,
     for k in x2.shape:
         _check_contraction(k, hadamard_size)
     row, col = _quantize(x2, _signs_array(signs, hadamard_size), directions=(1, 0), op=op,
-                         hadamard_size=hadamard_size, interpret=interpret)
+                         hadamard_size=hadamard_size, interpret=interpret,
+                         bf16_values=bf16_values)
     r, c = x2.shape
     return _trimmed(row, r, c), _trimmed(col, c, r)
 

@@ -193,3 +193,25 @@ def test_takes_kernel_and_bad_arguments():
         K.mxfp4_operand(x[:, :48], 1, H16_OP, hadamard_size=16, signs=None)
     with pytest.raises(ValueError, match="contraction length 40"):
         K.mxfp4_operand_pair(x[:40], H16_OP, hadamard_size=16, signs=None)
+
+
+def test_an_f32_operand_cast_to_bf16_is_rounded_in_the_kernel():
+    """operand_dtypes=(bf16, bf16) on f32 operands: the kernel reads the f32 arrays and
+    rounds them itself (bf16_values), the same GEMM as on the cast operands."""
+    recipe = policies.get("mxfp4_all_h16").fprop
+    a = jnp.asarray(hard_matrix(np.random.default_rng(3), (96, 160), spread=3.0,
+                                specials=False))
+    b = jnp.asarray(hard_matrix(np.random.default_rng(4), (160, 128), spread=3.0,
+                                specials=False))
+    dims = (((1,), (0,)), ((), ()))
+    bf16 = (jnp.bfloat16, jnp.bfloat16)
+
+    def route(a, b, operand_dtypes, kernel):
+        return xla_fp4.mx_gemm_fp4(a, b, dims, recipe, None, None, None,
+                                   operand_dtypes=operand_dtypes, out_dtype=jnp.bfloat16,
+                                   kernel=kernel, interpret=True)
+
+    in_kernel = jax.jit(functools.partial(route, operand_dtypes=bf16, kernel=True))(a, b)
+    cast_first = jax.jit(functools.partial(route, operand_dtypes=None, kernel=False))(
+        a.astype(jnp.bfloat16), b.astype(jnp.bfloat16))
+    chex.assert_trees_all_equal(in_kernel, cast_first)
