@@ -36,6 +36,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if not os.environ.get("PYTHONPATH") and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # with PYTHONPATH set, that checkout's mxjax (a before table)
 
-from bench import aot
+from bench import aot, ptx_cost
 from bench import hlo_kernels as hk
 from bench import rates as R
 from bench.programs import EXTRA_PROGRAMS, LAYER_8B_SEQ, PROGRAMS, program
@@ -88,7 +89,10 @@ RATES_ASSUMPTIONS = (
     f"({', '.join(f'{k}: {v}' for k, v in hk.PALLAS_GEMMS.items())}). Every other kernel, "
     "Pallas quantize kernels included, is charged by its bytes (TPU Pallas kernels: at least "
     "libtpu's static cycles). A GEMM type without units on a chip runs at the next wider "
-    "type's rate (bench/rates.py).")
+    "type's rate (bench/rates.py). '+alu' (GPU) also bounds each kernel by its arithmetic at "
+    "one instruction per f32 lane per clock: fusions by their HLO elementwise ops, Triton "
+    "calls (Pallas kernels) by threads x the SASS instructions of their cubin (static "
+    "counts, bench/ptx_cost.py); '*': Triton calls whose SASS was not found, uncharged.")
 # Issue 35's targets on the rates roofline, vs plain bf16 on the same chip and program:
 # (target, program, policy) -> max ratio.
 TARGETS_35 = {
@@ -117,6 +121,8 @@ class Cost:
     roofline_alu_s: float
     gemm_flops: int
     rates_s: float = 0.0  # the rates roofline (RATES_ASSUMPTIONS)
+    rates_alu_s: float = 0.0  # the same, each kernel also bounded by its arithmetic (GPU)
+    alu_unmatched: int = 0  # Triton calls whose SASS was not found: no arithmetic charged
     flops_by_class: tuple[tuple[str, int], ...] = ()  # GEMM flops per rate class
     attention: str = ""  # the LlamaConfig attention_impl asked for ('' = its default)
     compile_s: float
@@ -157,8 +163,14 @@ def roofline(ks: list[hk.Kernel], target: aot.Target,
 
 
 def rates_roofline(ks: list[hk.Kernel], target: aot.Target,
-                   kernel_s: dict[str, float] | None = None) -> float:
-    """Seconds of a kernel list under RATES_ASSUMPTIONS (0 for the CPU)."""
+                   kernel_s: dict[str, float] | None = None,
+                   alu_s: dict[str, float] | None = None) -> float:
+    """Seconds of a kernel list under RATES_ASSUMPTIONS (0 for the CPU).
+
+    ``alu_s``: when given, each kernel is also bounded by its arithmetic: a fusion by
+    its HLO elementwise ops, a Triton call by ``alu_s[name]`` (its SASS,
+    `bench.ptx_cost.triton_call_seconds`), at one op per f32 lane per clock.
+    """
     if target.kind == "cpu":
         return 0.0
     chip = R.rates_for(target.name)
@@ -166,8 +178,10 @@ def rates_roofline(ks: list[hk.Kernel], target: aot.Target,
     total = 0.0
     for k in ks:
         gemm = sum(f / chip.rate(cls)[0] for cls, f in k.gemms)
-        total += max(gemm, k.bytes / chip.hbm_bytes_per_s, kernel_s.get(k.name, 0.0))
-        total += R.LAUNCH_S
+        t = max(gemm, k.bytes / chip.hbm_bytes_per_s, kernel_s.get(k.name, 0.0))
+        if alu_s is not None and target.alu_ops_per_s:
+            t = max(t, k.alu_ops / target.alu_ops_per_s, alu_s.get(k.name, 0.0))
+        total += t + R.LAUNCH_S
     return total
 
 
@@ -216,7 +230,9 @@ def _tpu_kernel_seconds(ks: list[hk.Kernel], specs, cycles_of, clock_hz) -> dict
 
 def measure(compiled, target: aot.Target, variant: str, program: str, policy: str,
             compile_s: float, dump: Path | None = None, kernel_specs=(),
-            kernel_cycles=None, attention: str = "") -> Cost:
+            kernel_cycles=None, attention: str = "", xla_dump: Path | None = None) -> Cost:
+    """One program's row. ``xla_dump``: XLA's dump of a GPU compile (PTX, cubins, thunks),
+    from which Triton calls are charged their arithmetic (`bench.ptx_cost`)."""
     text = compiled.as_text()
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
@@ -229,6 +245,9 @@ def measure(compiled, target: aot.Target, variant: str, program: str, policy: st
         cycles_of, clock = kernel_cycles(target, kernel_specs)
         kernel_s = _tpu_kernel_seconds(ks, kernel_specs, cycles_of, clock)
     plain, with_alu = roofline(ks, target, kernel_s)
+    alu_s, unmatched = {}, []
+    if target.kind == "gpu" and xla_dump is not None:
+        alu_s, unmatched = ptx_cost.triton_call_seconds(text, xla_dump, target.alu_ops_per_s)
     top = ()
     if target.kind != "cpu":  # the slowest kernels under the rates roofline
         timed = sorted(((k.name, k.category, rates_roofline([k], target, kernel_s) - R.LAUNCH_S,
@@ -254,7 +273,9 @@ def measure(compiled, target: aot.Target, variant: str, program: str, policy: st
                 temp=int(mem.temp_size_in_bytes), optimal_s=optimal, roofline_s=plain,
                 roofline_alu_s=with_alu, gemm_flops=sum(k.gemm_flops for k in ks),
                 compile_s=compile_s, top=top, rates_s=rates_roofline(ks, target, kernel_s),
-                flops_by_class=flops_by_class(ks), attention=attention)
+                rates_alu_s=rates_roofline(ks, target, kernel_s, alu_s),
+                alu_unmatched=len(unmatched), flops_by_class=flops_by_class(ks),
+                attention=attention)
 
 
 class KernelCycles:
@@ -301,13 +322,17 @@ def compile_one(target: aot.Target, variant: str, prog: str, policy: str, args,
     options = {"xla_gpu_enable_triton_gemm": False} if variant == "cublas" else {}
     if target.kind == "gpu" and args.autotune_results:
         options["xla_gpu_load_autotune_results_from"] = str(args.autotune_results)
-    t0 = time.perf_counter()
-    with record_kernels() as specs:
-        compiled = aot.compile_for(fn, fargs, target, options)
-    compile_s = time.perf_counter() - t0
-    return measure(compiled, target, variant, prog, policy, compile_s, args.dump,
-                   kernel_specs=specs, kernel_cycles=kernel_cycles or KernelCycles(),
-                   attention=attention)
+    with tempfile.TemporaryDirectory(prefix="accelerator_cost_") as xla_dump:
+        if target.kind == "gpu":  # PTX, cubins and launches: the Triton calls' SASS
+            options |= ptx_cost.dump_options(xla_dump)
+        t0 = time.perf_counter()
+        with record_kernels() as specs:
+            compiled = aot.compile_for(fn, fargs, target, options)
+        compile_s = time.perf_counter() - t0
+        return measure(compiled, target, variant, prog, policy, compile_s, args.dump,
+                       kernel_specs=specs, kernel_cycles=kernel_cycles or KernelCycles(),
+                       attention=attention,
+                       xla_dump=Path(xla_dump) if target.kind == "gpu" else None)
 
 
 # --------------------------------------------------------------------------- #
@@ -365,9 +390,11 @@ def _by_class(c: Cost) -> str:
 
 def rates_table(costs: list[Cost]) -> list[str]:
     """One block per (chip, program): the rates roofline per policy, its ratio to bf16 of
-    the same block, the GEMM flops by operand type, temp memory and kernel count."""
-    header = ("policy", "rates ms", "x bf16", "GEMM TFLOP", "GEMM flops by type", "temp GB",
-              "kernels", "GB moved")
+    the same block, the same with each kernel bounded by its arithmetic too ('+alu':
+    fusions by their HLO elementwise ops, Triton calls by their SASS; a '*' marks Triton
+    calls left uncharged), the GEMM flops by operand type, temp memory and kernel count."""
+    header = ("policy", "rates ms", "x bf16", "+alu ms", "x bf16", "GEMM TFLOP",
+              "GEMM flops by type", "temp GB", "kernels", "GB moved")
     lines: list[str] = []
     groups: dict[tuple[str, str], list[Cost]] = {}
     for c in costs:
@@ -377,7 +404,9 @@ def rates_table(costs: list[Cost]) -> list[str]:
         base = next((c for c in group if c.policy == "bf16"), None)
         rows = [header]
         for c in group:
+            alu = _ms(c.rates_alu_s or None) + ("*" if c.alu_unmatched else "")
             rows.append((c.policy, _ms(c.rates_s), _ratio(c.rates_s, base and base.rates_s),
+                         alu, _ratio(c.rates_alu_s or None, base and base.rates_alu_s or None),
                          f"{c.gemm_flops / 1e12:.2f}", _by_class(c), _gb(c.temp),
                          str(c.n_kernels), _gb(c.bytes)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]

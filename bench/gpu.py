@@ -591,14 +591,18 @@ def quantize_section(table: Table, copy_bw: float | None, sz: Sizes, deadline: f
     for name, kw, copies in cases:
         timed(name, functools.partial(fused_quantize, **kw), 2 * r * c + copies * per_copy)
     from mxjax import policies
+    from mxjax.kernels import target_chip
     from mxjax.routes import in_place, xla_fp4
+    from mxjax.routes.xla_fp4_kernel import has_e2m1_cvt
 
     op = policies.get("mxfp4_all_h16").fprop.lhs
     nv_copy = r * c // 2 + r * c // 16  # E2M1 codes + per-16 scale bytes
+    # The route's conversion on this chip: PTX's cvt on Blackwell, integer rounding before.
+    e2m1_cvt = has_e2m1_cvt(target_chip("gpu").compute_capability)
 
     def fp4_kernel(v, axis, pair):
         return xla_fp4.kernel_operand(v, axis, op, hadamard_size=16, signs=None,
-                                      k_out=v.shape[axis], pair=pair)
+                                      k_out=v.shape[axis], pair=pair, e2m1_cvt=e2m1_cvt)
 
     def fp4_xla(v, axis):
         view = in_place.contraction_view(v, (), (axis,))

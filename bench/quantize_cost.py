@@ -5,21 +5,22 @@ the 'xla_fp8' route, or bf16) for an H200 without one, with XLA's dumps on, and
 prints per kernel the bytes it moves, the elementwise ops in its HLO
 (`bench.hlo_kernels`) and the PTX instructions its threads execute (straight-line
 kernels: instructions in the entry times launched threads; reductions' loops and
-divergent branches are counted once, so read those as a floor), then the totals per
-input element and a roofline estimate: per kernel max(bytes / 3.2e12 B/s, PTX
-instructions / 33e12 per s) (the H200's measured copy rate and one instruction per
-f32 lane per clock).
+divergent branches are counted once, so read those as a floor) and the SASS
+instructions ptxas makes of that PTX (counted the same way; what the chip executes:
+ptxas folds logic, shifts and adds, and turns one PTX conversion into one or more),
+then the totals per input element and a roofline estimate: per kernel max(bytes /
+3.2e12 B/s, SASS instructions / 33e12 per s) (the H200's measured copy rate and one
+instruction per f32 lane per clock).
 
     .venv-aot/bin/python bench/quantize_cost.py [--shape 8192,14336] [--axis 1]
-        [--out f8|f4|bf16] [--kernel [--pair]] [--no-barrier] [--target h200|b200]
+        [--out f8|f4|bf16] [--kernel [--pair] [--no-e2m1-cvt]] [--no-barrier]
+        [--target h200|b200]
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import os
-import re
 import sys
 import tempfile
 from pathlib import Path
@@ -28,34 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 HBM_BYTES_PER_S = 3.2e12  # H200 copy, measured
 INSTR_PER_S = 33e12  # 132 SMs x 128 lanes x 1.98 GHz
-
-
-_LAUNCH_RE = re.compile(
-    r"\] (\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]")
-
-
-def ptx_kernels(dump: Path) -> dict[str, tuple[int, int]]:
-    """kernel name -> (threads launched, PTX instructions in its entry) from an XLA dump."""
-    threads = {}
-    for f in dump.glob("*thunk_sequence.txt"):
-        for line in f.read_text().splitlines():
-            m = _LAUNCH_RE.search(line)
-            if m:
-                g = [int(m[i]) for i in range(2, 8)]
-                threads[m[1]] = g[0] * g[1] * g[2] * g[3] * g[4] * g[5]
-    out = {}
-    for f in dump.glob("*.ptx"):
-        for m in re.finditer(r"\.entry (\w+)\((.*?)\n\}\n", f.read_text(), re.DOTALL):
-            count = collections.Counter()
-            for line in m[2].splitlines():
-                s = line.strip()
-                if not s or s.startswith((".", "//", "{", "}", ")")) or s.endswith(":"):
-                    continue
-                op = s.split()[1] if s.startswith("@") else s.split()[0]
-                if not op.startswith(("ld.param", "cvta", "griddepcontrol", "ret")):
-                    count[op] += 1
-            out[m[1]] = (threads.get(m[1], 0), sum(count.values()))
-    return out
 
 
 def main(argv=None) -> int:
@@ -71,10 +44,13 @@ def main(argv=None) -> int:
                     help="--out f4 by the one-pass kernel (mxjax.routes.xla_fp4_kernel)")
     ap.add_argument("--pair", action="store_true",
                     help="with --kernel: both directions in one kernel (the route's pairs)")
+    ap.add_argument("--no-e2m1-cvt", action="store_true",
+                    help="with --kernel: round by integer arithmetic even where the target "
+                         "has PTX's cvt to E2M1 (the route uses the cvt there)")
     args = ap.parse_args(argv)
     dump = Path(tempfile.mkdtemp(prefix="quantize_cost_"))
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_dump_to={dump} --xla_dump_emitter_re=.*")
+                               f" --xla_dump_to={dump} --xla_dump_emitter_re=ptx")
     from bench import aot
 
     aot.use_cpu_host()
@@ -83,6 +59,7 @@ def main(argv=None) -> int:
 
     import mxjax
     from bench import hlo_kernels as hk
+    from bench.ptx_cost import ptx_kernels, sass_kernels
     from mxjax import policies
     from mxjax.routes import in_place, xla_fp4, xla_fp8
 
@@ -90,6 +67,12 @@ def main(argv=None) -> int:
     op = policies.get("mxfp4_all_h16").fprop.lhs
     signs = mxjax.fixed_signs(0, 16)
     carrier = xla_fp8.LHS_CARRIER
+    e2m1_cvt = False
+    if args.kernel and not args.no_e2m1_cvt:
+        from mxjax.kernels import compute_capability_of
+        from mxjax.routes.xla_fp4_kernel import has_e2m1_cvt
+
+        e2m1_cvt = has_e2m1_cvt(compute_capability_of(aot.TARGETS[args.target].description))
 
     def finish(w, amax_bits):
         t = xla_fp8.carrier_window(amax_bits, op, carrier)[0]
@@ -98,7 +81,8 @@ def main(argv=None) -> int:
     def fn(v):
         view = in_place.contraction_view(v, (), (args.axis,))
         if args.out == "f4" and args.kernel:
-            kw = {"hadamard_size": 16, "signs": signs, "pair": args.pair}
+            kw = {"hadamard_size": 16, "signs": signs, "pair": args.pair,
+                  "e2m1_cvt": e2m1_cvt}
             if args.pair:  # both copies (the route takes each from the merged call)
                 return tuple(xla_fp4.kernel_operand(v, axis, op, k_out=shape[axis], **kw)
                              for axis in (1, 0))
@@ -116,21 +100,25 @@ def main(argv=None) -> int:
     compiled = aot.compile_for(fn, (jax.ShapeDtypeStruct(shape, jnp.bfloat16),), args.target)
     ks = hk.kernels(compiled.as_text())
     ptx = ptx_kernels(dump)
+    sass = sass_kernels(dump)
     n = shape[0] * shape[1]
-    tot_b = tot_alu = tot_ptx = est = 0.0
+    tot_b = tot_alu = tot_ptx = tot_sass = est = 0.0
     for k in ks:
         b = k.bytes_read + k.bytes_written
         name = k.name.replace(".", "_")
         if k.category == "custom-call" and name not in ptx:
             name = "mxfp4_operand"  # a Pallas kernel's PTX entry has the kernel's name
         thr, ins = ptx.get(name, (0, 0))
+        sass_ins = thr * sass.get(name, 0)
         tot_b, tot_alu, tot_ptx = tot_b + b, tot_alu + k.alu_ops, tot_ptx + thr * ins
-        est += max(b / HBM_BYTES_PER_S, thr * ins / INSTR_PER_S)
+        tot_sass += sass_ins
+        est += max(b / HBM_BYTES_PER_S, sass_ins / INSTR_PER_S)
         print(f"  {k.name:48s} {b / 1e9:7.3f} GB  HLO alu/elem {k.alu_ops / n:6.2f}  "
-              f"PTX/elem {thr * ins / n:7.2f}  {k.shape[:48]}")
+              f"PTX/elem {thr * ins / n:7.2f}  SASS/elem {sass_ins / n:7.2f}  {k.shape[:48]}")
     print(f"{shape} axis {args.axis} -> {args.out}{' (no barrier)' if args.no_barrier else ''}: "
           f"{len(ks)} kernels, {tot_b / 1e9:.3f} GB, HLO alu/elem {tot_alu / n:.1f}, "
-          f"PTX instr/elem {tot_ptx / n:.1f}, est {est * 1e6:.0f} us")
+          f"PTX instr/elem {tot_ptx / n:.1f}, SASS instr/elem {tot_sass / n:.1f}, "
+          f"est {est * 1e6:.0f} us")
     return 0
 
 

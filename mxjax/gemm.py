@@ -436,7 +436,10 @@ def _kernel_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key
                 # The one-pass operand kernel (mxjax.routes.xla_fp4_kernel). 'xla_fp8' keeps
                 # XLA's two passes: on an H200 its one-pass Pallas kernel
                 # (mxjax.kernels.fp8_operand) ran 3x (row) to 10x (column) slower.
-                route = functools.partial(route, kernel=True)
+                from mxjax.routes.xla_fp4_kernel import has_e2m1_cvt  # Pallas: on first use
+
+                cc = kernels.target_chip("gpu").compute_capability
+                route = functools.partial(route, kernel=True, e2m1_cvt=has_e2m1_cvt(cc))
             return functools.partial(_mx_route_gemm, route=route, dims=dims,
                                      recipe=recipe, key=key, operand_dtypes=operand_dtypes,
                                      out_dtype=out_dtype)

@@ -269,7 +269,7 @@ def _canonical(x, view, k_axis_len):
 
 def mx_gemm_fp4(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
                 operand_dtypes=None, out_dtype=None, kernel: bool = False,
-                interpret: bool = False) -> jax.Array:
+                e2m1_cvt: bool = False, interpret: bool = False) -> jax.Array:
     """``dot_general(a, b, dims)`` under an MXFP4 recipe on the NVFP4 block-scaled dot.
 
     The operands are quantized in place by the emulation's GPU form (as `mx_gemm_fp8`'s),
@@ -283,8 +283,9 @@ def mx_gemm_fp4(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
     E2M1 codes and scales written in the ``[B, F, K]`` layout) where it takes the
     operand (`kernel_view`: no batch axes, the free axes on one side of the contraction;
     `mxjax.routes.xla_fp4_kernel.takes_kernel`), else by the XLA form; the same values
-    either way. `mxjax.gemm` sets it when lowering for a GPU. ``interpret`` runs the
-    kernel in the Pallas interpreter (CPU tests).
+    either way. `mxjax.gemm` sets it when lowering for a GPU, and ``e2m1_cvt`` (the
+    kernel converts by PTX's ``cvt.rn.satfinite.e2m1x2.f32``) where the chip has that
+    instruction. ``interpret`` runs the kernel in the Pallas interpreter (CPU tests).
 
     Returns:
       ``[B, Fa, Fb]`` (batch and free axes flattened), f32 or out_dtype.
@@ -311,7 +312,8 @@ def mx_gemm_fp4(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
         if x2 is not None and _takes_kernel(op, h, x2[0].dtype):
             return kernel_operand(*x2, op, hadamard_size=h, signs=signs, k_out=k_pad,
                                   pair=fixed_signs and _pairable(x2[0], h),
-                                  bf16_values=bf16_values, interpret=interpret)
+                                  bf16_values=bf16_values, e2m1_cvt=e2m1_cvt,
+                                  interpret=interpret)
         return in_place_operand(cast_view, op, key, **kw)
 
     da, db = operand_dtypes or (None, None)
@@ -392,7 +394,7 @@ def kernel_view(view):
 
 def kernel_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, signs,
                    k_out: int, pair: bool = False, bf16_values: bool = False,
-                   interpret: bool = False):
+                   e2m1_cvt: bool = False, interpret: bool = False):
     """`in_place_operand`'s result for a 2-D operand by the one-pass kernel
     (`mxjax.routes.xla_fp4_kernel`): the same elements, scales, shift and exactness.
 
@@ -404,6 +406,7 @@ def kernel_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, s
         operand recipe and signs makes the identical kernel call, which XLA merges (CSE).
         Needs both sizes of x2 multiples of 32 and of the Hadamard size.
       bf16_values: the operand is ``x2.astype(bfloat16)``, rounded in the kernel.
+      e2m1_cvt: the kernel converts by PTX's cvt (`xla_fp4_kernel.has_e2m1_cvt`).
     Returns:
       ``(elements f4e2m1fn [1, F, k_out], scales f8e4m3fn [1, F, k_out // 16], t, exact)``.
     """
@@ -411,7 +414,8 @@ def kernel_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, s
 
     if pair:
         halves = kernel.mxfp4_operand_pair(x2, op, hadamard_size=hadamard_size, signs=signs,
-                                           bf16_values=bf16_values, interpret=interpret)
+                                           bf16_values=bf16_values, e2m1_cvt=e2m1_cvt,
+                                           interpret=interpret)
         codes, scale_bytes, s_max, s_min = halves[0] if axis == 1 else halves[1]
     else:
         if k_out != x2.shape[axis]:
@@ -420,7 +424,7 @@ def kernel_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, s
             x2 = jnp.pad(x2, widths)
         codes, scale_bytes, s_max, s_min = kernel.mxfp4_operand(
             x2, axis, op, hadamard_size=hadamard_size, signs=signs, bf16_values=bf16_values,
-            interpret=interpret)
+            e2m1_cvt=e2m1_cvt, interpret=interpret)
     lo, hi = E4M3_POW2_RANGE
     nonfinite = s_max == kernel.NONFINITE_SENTINEL
     any_live = s_min <= s_max

@@ -27,10 +27,12 @@ shared-memory accesses per thread).
 the signs multiply, the butterfly's first log2(h) - 1 stages (stage t pairs elements ``i``
 and ``i + 2^t`` of an h-group: ``a + b``, ``a - b``), the block amax from ``|a| + |b|`` of
 the last stage's pairs (h <= 32) times 1/sqrt(h), the scale exponent s by the scheme, the
-last stage; then ``y = r * (1/sqrt(h) * 2^-s)`` rounded on the E2M1 grid
-(`round_nearest_even`, or `mxjax.elements.round_to_value` for the other deterministic
-roundings) and its code read from the rounded value's bits: the route's ``q`` without
-forming ``q * 2^s`` first.
+last stage; then ``y = r * (1/sqrt(h) * 2^-s)`` rounded on the E2M1 grid and its code
+written: to nearest even by `nearest_even_code` (integer operations on one f32 sum), or
+where the chip has it by PTX's ``cvt.rn.satfinite.e2m1x2.f32``, one instruction per
+code byte (``e2m1_cvt``: SASS per element of a bf16 pair on B200, 54 -> 34); the other
+deterministic roundings by `mxjax.elements.round_to_value`. The codes are the route's
+``q`` without forming ``q * 2^s`` first.
 
 Scope: E8M0 MXFP4 operands, a Hadamard of 16 or 32 or none, deterministic rounding
 without the SR pre-scale, bf16 or f32 input. Other operands take the route's XLA form
@@ -50,10 +52,9 @@ from jax.experimental import pallas as pl
 from mxjax import _bits
 from mxjax.elements import round_to_value
 from mxjax.formats import Rounding
-from mxjax.routes.in_place_values import round_nearest_even
 
-__all__ = ["NONFINITE_SENTINEL", "TILE", "mxfp4_operand", "mxfp4_operand_pair", "quantize_slices",
-           "takes_kernel"]
+__all__ = ["NONFINITE_SENTINEL", "TILE", "has_e2m1_cvt", "mxfp4_operand", "mxfp4_operand_pair",
+           "nearest_even_code", "quantize_slices", "takes_kernel"]
 
 _MX = 32
 _NV = 16  # NVFP4's scale block: the MMA's scales are per 16 elements
@@ -65,6 +66,12 @@ _NUM_WARPS = 8
 NONFINITE_SENTINEL = 1 << 20
 _NO_LIVE = 1 << 21
 _MIN_EXP, _MAX_EXP = -126, 127
+
+
+def has_e2m1_cvt(compute_capability: tuple[int, int] | None) -> bool:
+    """Whether the GPU of this compute capability has PTX's ``cvt.rn.satfinite.e2m1x2.f32``
+    (sm_100a, sm_103a, sm_110a, sm_120a: Blackwell; ptxas 13.0 rejects it for sm_90a)."""
+    return compute_capability is not None and compute_capability[0] in (10, 11, 12)
 
 
 def takes_kernel(op, hadamard_size: int | None, dtype) -> bool:
@@ -91,7 +98,41 @@ def _e2m1_code(q):
     return mag | ((bits >> 31).astype(jnp.int32) << 3)
 
 
-def quantize_slices(xs, op, hadamard_size, signs):
+def nearest_even_code(y):
+    """The E2M1 code (int32, sign in bit 3) of f32 ``y`` rounded to nearest, ties to
+    even, on the E2M1 grid and saturated: ``_e2m1_code(round_nearest_even(y, E2M1))``
+    in fewer operations (any y but NaN, whose code is never read).
+
+    With E = clip(floor(log2|y|), 0, 2), the f32 sum ``|y| + 2^(E + 22)`` rounds |y| to
+    k steps of the grid's 2^(E - 1) (ties to even) and holds k in its significand: k is
+    the sum's bits less the addend's (the bits of non-negative floats are ordered as
+    their values). The code is ``2E + k`` (k in {0, ..., 4}; k = 2 is the binade's
+    start), capped at 7 (6.0). Past 2^24, Inf included, the sum's exponent grows, k is
+    larger still and the code 7 all the same.
+    """
+    bits = _bits.f32_bits(y)
+    mag = bits & _bits.ABS_MASK
+    biased = jnp.clip(mag >> 23, 127, 129)  # E + 127
+    addend = (biased + 22) << 23
+    k = _bits.f32_bits(_bits.bits_f32(mag) + _bits.bits_f32(addend)) - addend
+    code = jnp.minimum(k + 2 * biased - 254, 7).astype(jnp.int32)
+    return code | ((bits >> 28) & 8).astype(jnp.int32)
+
+
+def _cvt_e2m1x2(even, odd):
+    """Byte p of a block from its elements 2p (low nibble) and 2p + 1 (high), by PTX's
+    ``cvt.rn.satfinite.e2m1x2.f32`` (sm_100a): the source written first fills the high
+    nibble."""
+    from jax.experimental.pallas import triton as plt
+
+    (out,) = plt.elementwise_inline_asm(
+        "{ .reg .b8 byte; cvt.rn.satfinite.e2m1x2.f32 byte, $2, $1; cvt.u32.u8 $0, byte; }",
+        args=[even, odd], constraints="=r,r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(even.shape, jnp.int32)])
+    return out
+
+
+def quantize_slices(xs, op, hadamard_size, signs, e2m1_cvt=False):
     """The block quantizer on 32 slices: ``xs[j]`` holds element j of every block.
 
     Args:
@@ -100,6 +141,10 @@ def quantize_slices(xs, op, hadamard_size, signs):
       hadamard_size: 16, 32 or None.
       signs: None or the rotation's signs, indexable by the position in an h-group
         (f32 scalars).
+      e2m1_cvt: round to nearest even by PTX's ``cvt.rn.satfinite.e2m1x2.f32``
+        (`has_e2m1_cvt`; compiled kernels only) instead of `nearest_even_code`: the same
+        codes (IEEE round to nearest even, saturated at 6), one instruction per pair.
+        Other roundings ignore it.
     Returns:
       (16 int32 code bytes (elements 2p, 2p + 1), int32 scale exponents s, bool live,
       bool nonfinite), each of the slices' shape.
@@ -146,14 +191,17 @@ def quantize_slices(xs, op, hadamard_size, signs):
     factor = _bits.pow2(jnp.clip(-s, _MIN_EXP, _MAX_EXP))
     if fast and h is not None:
         factor = factor * jnp.float32(norm)
+    if fast and e2m1_cvt:
+        y = [v * factor for v in r]
+        packed = [_cvt_e2m1x2(y[2 * p], y[2 * p + 1]) for p in range(_MX // 2)]
+        return packed, s, (amax_bits != 0) & ~nonfinite, nonfinite
     codes = []
     for v in r:
         y = v * factor
         if fast:
-            q = round_nearest_even(y, op.fmt.element)
+            codes.append(nearest_even_code(y))
         else:
-            q = round_to_value(y, op.fmt.element, op.rounding, None)
-        codes.append(_e2m1_code(q))
+            codes.append(_e2m1_code(round_to_value(y, op.fmt.element, op.rounding, None)))
     packed = [codes[2 * p] | (codes[2 * p + 1] << 4) for p in range(_MX // 2)]
     live = (amax_bits != 0) & ~nonfinite
     return packed, s, live, nonfinite
@@ -198,7 +246,7 @@ def _stats(s, live, nonfinite):
     return s_max, jnp.max(jnp.where(live, -s, -_NO_LIVE))
 
 
-def _kernel(*refs, directions, op, hadamard_size, pairs, has_signs, bf16_values):
+def _kernel(*refs, directions, op, hadamard_size, pairs, has_signs, bf16_values, e2m1_cvt):
     x_ref, *rest = refs
     signs_ref = rest.pop(0) if has_signs else None
     *outs, stats_ref = rest
@@ -211,7 +259,7 @@ def _kernel(*refs, directions, op, hadamard_size, pairs, has_signs, bf16_values)
         sets = _slices(x_ref, direction, pairs, bf16_values)
         s_max = neg_s_min = None
         for c, xs in enumerate(sets):
-            packed, s, live, nonfinite = quantize_slices(xs, op, hadamard_size, signs)
+            packed, s, live, nonfinite = quantize_slices(xs, op, hadamard_size, signs, e2m1_cvt)
             scale_bytes = jnp.where(nonfinite, 255, s + 127).astype(jnp.uint8)
             # Free rows of the [F, K] output this set fills: all, or every other one.
             rows = slice(None) if len(sets) == 1 else pl.ds(c, TILE // 2, stride=2)
@@ -235,7 +283,10 @@ def _kernel(*refs, directions, op, hadamard_size, pairs, has_signs, bf16_values)
     stats_ref[...] = row
 
 
-def _check(x2, op, hadamard_size):
+def _check(x2, op, hadamard_size, e2m1_cvt, interpret):
+    if e2m1_cvt and interpret:
+        raise ValueError("e2m1_cvt: PTX's cvt has no interpreter form; pass e2m1_cvt=False "
+                         "with interpret=True")
     if x2.ndim != 2:
         raise ValueError(f"x2: expected a 2-D array, got shape {x2.shape}")
     if not takes_kernel(op, hadamard_size, x2.dtype):
@@ -249,8 +300,9 @@ def _check(x2, op, hadamard_size):
 # module, locations included (they hold the traceback of the trace), so XLA merges the
 # two calls (CSE). Traced anew in each GEMM, the tracebacks would differ.
 @functools.partial(jax.jit, static_argnames=("directions", "op", "hadamard_size", "interpret",
-                                             "bf16_values"))
-def _quantize(x2, signs, *, directions, op, hadamard_size, interpret, bf16_values=False):
+                                             "bf16_values", "e2m1_cvt"))
+def _quantize(x2, signs, *, directions, op, hadamard_size, interpret, bf16_values=False,
+              e2m1_cvt=False):
     """The kernel over x2 padded with zeros to whole tiles: per direction (codes, scale
     bytes, s_max, s_min), codes and scales laid out [F, K] (F, K the tile-padded sizes)."""
     r, c = (-(-n // TILE) * TILE for n in x2.shape)
@@ -283,7 +335,8 @@ def _quantize(x2, signs, *, directions, op, hadamard_size, interpret, bf16_value
     *outs, stats = pl.pallas_call(
         functools.partial(_kernel, directions=directions, op=op, hadamard_size=hadamard_size,
                           pairs=pairs, has_signs=signs is not None,
-                          bf16_values=bf16_values and x2.dtype == jnp.float32),
+                          bf16_values=bf16_values and x2.dtype == jnp.float32,
+                          e2m1_cvt=e2m1_cvt),
         out_shape=tuple(out_shape),
         grid=grid,
         in_specs=in_specs,
@@ -309,7 +362,7 @@ def _trimmed(result, f: int, k: int):
 
 
 def mxfp4_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, signs,
-                  bf16_values: bool = False, interpret: bool = False):
+                  bf16_values: bool = False, e2m1_cvt: bool = False, interpret: bool = False):
     """One MXFP4 operand in one read: codes and scales laid out ``[F, K]`` for the MMA.
 
     Args:
@@ -320,6 +373,8 @@ def mxfp4_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, si
       hadamard_size: 16, 32 or None; signs: its ±1 vector (f32 [h]) or None.
       bf16_values: quantize ``x2.astype(bfloat16)`` (an f32 x2 rounded in the kernel,
         not materialized: the GEMM's operand cast).
+      e2m1_cvt: convert to E2M1 by PTX's ``cvt.rn.satfinite.e2m1x2.f32`` (Blackwell:
+        `has_e2m1_cvt`), the same codes in fewer instructions; not with ``interpret``.
       interpret: run in the Pallas interpreter (CPU tests).
     Returns:
       ``(codes, scale_bytes, s_max, s_min)``: uint8 ``[F, K // 2]`` (element 2p in the
@@ -331,32 +386,33 @@ def mxfp4_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, si
     """
     if axis not in (0, 1):
         raise ValueError(f"axis: expected 0 or 1, got {axis!r}")
-    _check(x2, op, hadamard_size)
+    _check(x2, op, hadamard_size, e2m1_cvt, interpret)
     _check_contraction(x2.shape[axis], hadamard_size)
     (out,) = _quantize(x2, _signs_array(signs, hadamard_size), directions=(axis,), op=op,
                        hadamard_size=hadamard_size, interpret=interpret,
-                       bf16_values=bf16_values)
+                       bf16_values=bf16_values, e2m1_cvt=e2m1_cvt)
     return _trimmed(out, x2.shape[1 - axis], x2.shape[axis])
 
 
 def mxfp4_operand_pair(x2: jax.Array, op, *, hadamard_size: int | None, signs,
-                       bf16_values: bool = False, interpret: bool = False):
+                       bf16_values: bool = False, e2m1_cvt: bool = False,
+                       interpret: bool = False):
     """Both of x2's MXFP4 operands from one read: blocks along its rows and along its
     columns (the backward's two copies of an operand).
 
     Args:
       x2: bf16 or f32 ``[R, C]``, R and C multiples of 32 and of the Hadamard size.
-      op, hadamard_size, signs, bf16_values, interpret: as for `mxfp4_operand`.
+      op, hadamard_size, signs, bf16_values, e2m1_cvt, interpret: as for `mxfp4_operand`.
     Returns:
       ``(along_rows, along_columns)``: `mxfp4_operand`'s result for axis 1 (codes
       ``[R, C // 2]``) and for axis 0 (codes ``[C, R // 2]``), bit for bit.
     """
-    _check(x2, op, hadamard_size)
+    _check(x2, op, hadamard_size, e2m1_cvt, interpret)
     for k in x2.shape:
         _check_contraction(k, hadamard_size)
     row, col = _quantize(x2, _signs_array(signs, hadamard_size), directions=(1, 0), op=op,
                          hadamard_size=hadamard_size, interpret=interpret,
-                         bf16_values=bf16_values)
+                         bf16_values=bf16_values, e2m1_cvt=e2m1_cvt)
     r, c = x2.shape
     return _trimmed(row, r, c), _trimmed(col, c, r)
 

@@ -98,20 +98,26 @@ def test_batched_pallas(np_rng):
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("e2m1_cvt", [False, True])
 @pytest.mark.parametrize("shape", [(256, 384), (4096, 4096)])
-def test_fp4_operand_pair_is_the_xla_forms_on_device(np_rng, shape):
+def test_fp4_operand_pair_is_the_xla_forms_on_device(np_rng, shape, e2m1_cvt):
     """The 'xla_fp4' route's one-pass kernel, compiled: both directions' NVFP4 operands
     (elements, E4M3 scales, shift, exactness) equal the XLA form's on the same GPU, and
-    the packed nibble order survives XLA's u8 -> f4e2m1fn bitcast there."""
+    the packed nibble order survives XLA's u8 -> f4e2m1fn bitcast there; with PTX's cvt
+    to E2M1 (Blackwell only: the route's conversion there) as with the integer one."""
     from mxjax import policies
+    from mxjax.kernels import target_chip
     from mxjax.routes import in_place, xla_fp4
+    from mxjax.routes.xla_fp4_kernel import has_e2m1_cvt
 
+    if e2m1_cvt and not has_e2m1_cvt(target_chip("gpu").compute_capability):
+        pytest.skip("PTX's cvt.rn.satfinite.e2m1x2.f32 needs sm_100a or later")
     op = policies.get("mxfp4_all_h16").fprop.lhs
     x = jnp.asarray(hard_matrix(np_rng, shape, spread=3.0, specials=False), jnp.bfloat16)
     for axis in (1, 0):
         def both(x, axis=axis):
             got = xla_fp4.kernel_operand(x, axis, op, hadamard_size=16, signs=None,
-                                         k_out=x.shape[axis], pair=True)
+                                         k_out=x.shape[axis], pair=True, e2m1_cvt=e2m1_cvt)
             view = in_place.contraction_view(x, (), (axis,))
             want = xla_fp4.in_place_operand(view, op, None, k_out=x.shape[axis],
                                             hadamard_size=16, signs=None)

@@ -15,6 +15,7 @@ import functools
 import chex
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -193,6 +194,46 @@ def test_takes_kernel_and_bad_arguments():
         K.mxfp4_operand(x[:, :48], 1, H16_OP, hadamard_size=16, signs=None)
     with pytest.raises(ValueError, match="contraction length 40"):
         K.mxfp4_operand_pair(x[:40], H16_OP, hadamard_size=16, signs=None)
+    with pytest.raises(ValueError, match="e2m1_cvt: PTX's cvt has no interpreter form"):
+        K.mxfp4_operand_pair(x, H16_OP, hadamard_size=16, signs=None, e2m1_cvt=True,
+                             interpret=True)
+
+
+@pytest.mark.parametrize("cc,has", [((9, 0), False), ((8, 0), False), (None, False),
+                                    ((10, 0), True), ((10, 3), True), ((12, 0), True)])
+def test_has_e2m1_cvt_is_blackwell(cc, has):
+    assert K.has_e2m1_cvt(cc) is has
+
+
+def _f32_sweep():
+    """f32 bit patterns: every exponent from zero/subnormal up to 2^13, the top 10
+    significand bits exhaustively, and low bits on and around the E2M1 grid's ties (bit
+    21 is the half-step in [1, 2), bit 22 in [2, 4), ...); both signs; 2^24 and up,
+    f32's largest finite and Inf."""
+    exponents = np.arange(0, 141, dtype=np.uint32) << 23
+    tops = np.arange(1 << 10, dtype=np.uint32) << 13
+    lows = np.array([0, 1, 0xFFF, 0x1000, 0x1001, 0x1FFF], np.uint32)
+    bits = (exponents[:, None, None] | tops[None, :, None] | lows[None, None, :]).ravel()
+    bits = np.concatenate([bits, np.array([0x4B800000, 0x4C000000, 0x7F7FFFFF, 0x7F800000],
+                                          np.uint32)])
+    return np.concatenate([bits, bits | 0x80000000]).view(np.float32)
+
+
+def test_nearest_even_code_is_e2m1_round_to_nearest_even():
+    """`nearest_even_code` against ml_dtypes' float4_e2m1fn cast (round to nearest even)
+    for |y| <= 6, and against the in-place forms' rounding then `_e2m1_code` everywhere
+    (saturating at 6, -0 and negative values that round to zero keeping the sign)."""
+    y = _f32_sweep()
+    got = np.asarray(jax.jit(K.nearest_even_code)(jnp.asarray(y)))
+    in_range = np.abs(y) <= 6
+    want = y[in_range].astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
+    np.testing.assert_array_equal(got[in_range], want)
+    saturated = np.where(y[~in_range] < 0, 15, 7)
+    np.testing.assert_array_equal(got[~in_range], saturated)
+    from mxjax.routes.in_place_values import round_nearest_even
+
+    via_values = jax.jit(lambda v: K._e2m1_code(round_nearest_even(v, F.MXFP4.element)))
+    np.testing.assert_array_equal(got, np.asarray(via_values(jnp.asarray(y))))
 
 
 def test_an_f32_operand_cast_to_bf16_is_rounded_in_the_kernel():
