@@ -16,9 +16,10 @@ def test_default_layer_rows():
     assert [(r.policy, r.backend, r.attention) for r in rows] == [
         ("bf16", None, "fused"), ("bf16", None, "explicit"), ("fp8", None, "fused"),
         ("mxfp4_all_h16", None, "fused"), ("mxfp4_all_h16", "xla_fp8", "fused"),
-        ("nvfp4", None, "fused")]
-    assert [r.is_baseline for r in rows] == [True] + [False] * 5
-    assert [r.optional for r in rows] == [False] * 5 + [True]  # nvfp4: if time remains
+        ("mxfp4_all_h16", "xla_fp4", "fused"), ("nvfp4", None, "fused")]
+    assert [r.is_baseline for r in rows] == [True] + [False] * 6
+    # xla_fp4 (Blackwell only) and nvfp4: if time remains
+    assert [r.optional for r in rows] == [False] * 5 + [True, True]
     assert rows[0].preset == "passthrough"  # 'bf16' is the deprecated alias
 
 
