@@ -79,11 +79,11 @@ AUTO_CHOICES: tuple[AutoChoice, ...] = (
         evidence=(
             "Blackwell (B200), Llama 3.1-8B decoder layer at seq 8192, fwd+bwd, under "
             "mxfp4_all_h16 (bench/accelerator_cost.py rates roofline, deviceless, "
-            "2026-12-04; never run on a B200): 'xla_fp4' 3.68 ms (0.55x bf16, 0.74x fp8 with "
+            "2026-12-05; never run on a B200): 'xla_fp4' 3.68 ms (0.55x bf16, 0.74x fp8 with "
             "cuBLAS GEMMs; 0.57x, 0.82x fp8 with XLA's default GEMMs: cuDNN's FP4 MMA in all "
-            "21 GEMMs, each operand quantized once by the one-pass kernel; ~5.1 ms, 0.76x, "
-            "with the kernel charged by its PTX instructions at one per lane per clock "
-            "instead of its bytes), 'xla_fp8' 6.64 ms (1.00x), the "
+            "21 GEMMs, each operand quantized once by the one-pass kernel; 4.00 ms, 0.60x "
+            "and 0.62x bf16, 0.73x and 0.80x fp8, on the '+alu' roofline that also charges "
+            "each kernel its arithmetic, the kernel its SASS), 'xla_fp8' 6.64 ms (1.00x), the "
             "emulation 8.35 ms (1.26x), 'triton' 8.21 ms (1.23x, jax 0.11.2 with the 'gpu' "
             "extra: FP4 MMA in all 21 GEMMs, operands quantized canonically).")),
     AutoChoice(
