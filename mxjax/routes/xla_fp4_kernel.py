@@ -191,10 +191,11 @@ def quantize_slices(xs, op, hadamard_size, signs, e2m1_cvt=False):
     factor = _bits.pow2(jnp.clip(-s, _MIN_EXP, _MAX_EXP))
     if fast and h is not None:
         factor = factor * jnp.float32(norm)
+    live = (amax_bits != 0) & ~nonfinite
     if fast and e2m1_cvt:
         y = [v * factor for v in r]
-        packed = [_cvt_e2m1x2(y[2 * p], y[2 * p + 1]) for p in range(_MX // 2)]
-        return packed, s, (amax_bits != 0) & ~nonfinite, nonfinite
+        return ([_cvt_e2m1x2(y[2 * p], y[2 * p + 1]) for p in range(_MX // 2)], s, live,
+                nonfinite)
     codes = []
     for v in r:
         y = v * factor
@@ -203,7 +204,6 @@ def quantize_slices(xs, op, hadamard_size, signs, e2m1_cvt=False):
         else:
             codes.append(_e2m1_code(round_to_value(y, op.fmt.element, op.rounding, None)))
     packed = [codes[2 * p] | (codes[2 * p + 1] << 4) for p in range(_MX // 2)]
-    live = (amax_bits != 0) & ~nonfinite
     return packed, s, live, nonfinite
 
 
