@@ -91,8 +91,9 @@ RATES_ASSUMPTIONS = (
     "libtpu's static cycles). A GEMM type without units on a chip runs at the next wider "
     "type's rate (bench/rates.py). '+alu' (GPU) also bounds each kernel by its arithmetic at "
     "one instruction per f32 lane per clock: fusions by their HLO elementwise ops, Triton "
-    "calls (Pallas kernels) by threads x the SASS instructions of their cubin (static "
-    "counts, bench/ptx_cost.py); '*': Triton calls whose SASS was not found, uncharged.")
+    "calls (Pallas kernels) by threads x the SASS instructions ptxas makes of their "
+    "PTX (static counts, bench/ptx_cost.py); '*': Triton calls whose SASS was not found, "
+    "uncharged.")
 # Issue 35's targets on the rates roofline, vs plain bf16 on the same chip and program:
 # (target, program, policy) -> max ratio.
 TARGETS_35 = {
@@ -231,7 +232,7 @@ def _tpu_kernel_seconds(ks: list[hk.Kernel], specs, cycles_of, clock_hz) -> dict
 def measure(compiled, target: aot.Target, variant: str, program: str, policy: str,
             compile_s: float, dump: Path | None = None, kernel_specs=(),
             kernel_cycles=None, attention: str = "", xla_dump: Path | None = None) -> Cost:
-    """One program's row. ``xla_dump``: XLA's dump of a GPU compile (PTX, cubins, thunks),
+    """One program's row. ``xla_dump``: XLA's dump of a GPU compile (PTX, thunk sequence),
     from which Triton calls are charged their arithmetic (`bench.ptx_cost`)."""
     text = compiled.as_text()
     if dump is not None:
@@ -323,7 +324,7 @@ def compile_one(target: aot.Target, variant: str, prog: str, policy: str, args,
     if target.kind == "gpu" and args.autotune_results:
         options["xla_gpu_load_autotune_results_from"] = str(args.autotune_results)
     with tempfile.TemporaryDirectory(prefix="accelerator_cost_") as xla_dump:
-        if target.kind == "gpu":  # PTX, cubins and launches: the Triton calls' SASS
+        if target.kind == "gpu":  # PTX and launches: the Triton calls' SASS
             options |= ptx_cost.dump_options(xla_dump)
         t0 = time.perf_counter()
         with record_kernels() as specs:
