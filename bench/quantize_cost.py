@@ -8,9 +8,10 @@ kernels: instructions in the entry times launched threads; reductions' loops and
 divergent branches are counted once, so read those as a floor) and the SASS
 instructions ptxas makes of that PTX (counted the same way; what the chip executes:
 ptxas folds logic, shifts and adds, and turns one PTX conversion into one or more),
-then the totals per input element and a roofline estimate: per kernel max(bytes /
-3.2e12 B/s, SASS instructions / 33e12 per s) (the H200's measured copy rate and one
-instruction per f32 lane per clock).
+then the totals per input element and a roofline estimate: per kernel max(bytes / HBM
+rate, SASS instructions / ALU rate), the HBM rate the H200's measured copy (3.2e12 B/s)
+or another target's spec, the ALU rate one instruction per f32 lane per clock from the
+target's spec (H200: 132 SMs x 128 lanes x 1.98 GHz).
 
     .venv-aot/bin/python bench/quantize_cost.py [--shape 8192,14336] [--axis 1]
         [--out f8|f4|bf16] [--kernel [--pair] [--no-e2m1-cvt]] [--no-barrier]
@@ -27,8 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-HBM_BYTES_PER_S = 3.2e12  # H200 copy, measured
-INSTR_PER_S = 33e12  # 132 SMs x 128 lanes x 1.98 GHz
+H200_COPY_BYTES_PER_S = 3.2e12  # measured
 
 
 def main(argv=None) -> int:
@@ -101,6 +101,8 @@ def main(argv=None) -> int:
     ks = hk.kernels(compiled.as_text())
     ptx = ptx_kernels(dump)
     sass = sass_kernels(dump)
+    target = aot.TARGETS[args.target]
+    hbm_bytes_per_s = H200_COPY_BYTES_PER_S if args.target == "h200" else target.hbm_bytes_per_s
     n = shape[0] * shape[1]
     tot_b = tot_alu = tot_ptx = tot_sass = est = 0.0
     for k in ks:
@@ -112,7 +114,7 @@ def main(argv=None) -> int:
         sass_ins = thr * sass.get(name, 0)
         tot_b, tot_alu, tot_ptx = tot_b + b, tot_alu + k.alu_ops, tot_ptx + thr * ins
         tot_sass += sass_ins
-        est += max(b / HBM_BYTES_PER_S, sass_ins / INSTR_PER_S)
+        est += max(b / hbm_bytes_per_s, sass_ins / target.alu_ops_per_s)
         print(f"  {k.name:48s} {b / 1e9:7.3f} GB  HLO alu/elem {k.alu_ops / n:6.2f}  "
               f"PTX/elem {thr * ins / n:7.2f}  SASS/elem {sass_ins / n:7.2f}  {k.shape[:48]}")
     print(f"{shape} axis {args.axis} -> {args.out}{' (no barrier)' if args.no_barrier else ''}: "
