@@ -131,10 +131,11 @@ def test_nnx_model_keeps_its_names_and_gains_its_module_paths():
 def _dot_op_names(hlo: str) -> collections.Counter:
     names = re.findall(r'op_name="([^"]*/dot_general)"', hlo)
     # Below the module path, JAX's own scopes of the emulated GEMM: "jit(emulated_gemm)"
-    # (its cached trace) and "cond/branch_<k>_fun" (the branch `lax.platform_dependent`
-    # keeps: the per-platform GEMM form); not markers.
+    # (its cached trace) and the branch `lax.platform_dependent` keeps (the per-platform
+    # GEMM form): "cond/branch_<k>_fun" up to jax 0.12.0, "platform" from 0.12.1 on;
+    # not markers.
     names = [re.sub(r"/jit\(emulated_gemm\)(?=/)", "", n) for n in names]
-    names = [re.sub(r"/cond/branch_\d+_fun(?=/)", "", n) for n in names]
+    names = [re.sub(r"/(cond/branch_\d+_fun|platform)(?=/)", "", n) for n in names]
     return collections.Counter(n.split("/", 1)[1] for n in names)  # drop jit(<fn name>)
 
 
