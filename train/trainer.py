@@ -34,7 +34,7 @@ import yaml
 
 from models import sharding as shd
 from train import data as datamod
-from train import memory
+from train import execution, memory
 from train.checkpoint import Checkpointer, CheckpointWriteError
 from train.compat import check_compatible, fingerprint
 from train.config import ConfigError
@@ -136,7 +136,8 @@ class Trainer:
         return {"status": status, "samples": step * c.train.global_batch,
                 "tokens": step * self.tokens_per_step, "epoch": self.loader.epoch(step),
                 "skipped": skipped, "time_s": time_s, "policy_name": self.plan.policy_name,
-                "config": c.to_dict(), "compat": fingerprint(self.plan), "segments": segments,
+                "config": c.to_dict(), "compat": fingerprint(self.plan),
+                "execution": execution.record(self.plan, jax.device_count()), "segments": segments,
                 **self.compiled.loader_record(self.loader, step)}
 
     def run(self) -> RunSummary:
@@ -205,6 +206,13 @@ class Trainer:
             history = earlier_segments(meta, latest)
             skipped = int(meta.get("skipped", 0))
             self._log(f"resuming from checkpoint step {latest} in {ckpt.directory}")
+            changed = execution.changes(meta, execution.record(self.plan, jax.device_count()))
+            if changed:
+                self._log(f"notice: resuming with changed settings ({'; '.join(changed)}); they "
+                          "change no state, so the run goes on, but the continuation is not "
+                          "bit-identical to an uninterrupted run (sums are grouped "
+                          "differently: about 1e-6 relative). Keep the old values for a "
+                          "bit-identical continuation (docs/RELIABILITY.md)")
         done_status = meta.get("status") if meta else None
         already = resumed is not None and (
             resumed >= t.steps or (done_status == "target_reached"

@@ -33,3 +33,44 @@ def test_init_from_architecture_is_checked_under_grain(shards, data_cache, tmp_p
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("config error: model.init_from"), err
     assert "Traceback" not in err
+
+
+def test_every_out_of_memory_advice_resumes_the_run(data_cache, tmp_path):
+    """Item 10: each setting the out-of-memory message proposes (remat, a smaller micro-batch)
+    is accepted by the resume check of a checkpoint written without it."""
+    import dataclasses
+
+    from train import compat, memory
+
+    cfg = load(tmp_path / "a", data_cache)
+    plan = loop.validate(cfg, verbose=False)
+    meta = {"compat": compat.fingerprint(plan)}
+    remat = dataclasses.replace(plan.model_config, remat=True)
+    budget = memory.estimate(remat, seq_len=64, micro_batch=8, accum_steps=1,
+                             mesh=plan.mesh_axes).total
+    advice = memory.what_fits(plan.model_config, seq_len=64, global_batch=8, micro_batch=8,
+                              mesh=plan.mesh_axes, budget=budget)
+    assert "model.overrides.remat=true" in advice and any("micro_batch" in a for a in advice)
+    for a in advice:
+        new = loop.validate(load(tmp_path / "a", data_cache, *a.split()), verbose=False)
+        compat.check_compatible(meta, compat.fingerprint(new), tmp_path, "passthrough")
+
+
+@pytest.mark.long
+def test_resume_with_remat_and_another_micro_batch_says_so(data_cache, tmp_path, capsys):
+    """Item 10 and UNCLEAR (micro_batch/mesh/eval_batch on resume): remat switched on and a
+    smaller micro-batch resume the run; a notice names both and says the continuation is
+    not bit-identical. The same settings again resume without a notice."""
+    sets = ("train.eval_every=0", "train.eval_at_start=false", "optim.decay_steps=3")
+    assert loop.run(load(tmp_path / "r", data_cache, "train.steps=1", *sets),
+                    verbose=False).status == "completed"
+    capsys.readouterr()
+    more = ("model.overrides.remat=true", "train.micro_batch=4")
+    s = loop.run(load(tmp_path / "r", data_cache, "train.steps=2", *sets, *more))
+    err = capsys.readouterr().err
+    assert s.status == "completed" and s.resumed_from == 1 and s.steps == 2
+    assert "notice: resuming with changed settings (train.micro_batch: 8 -> 4; " \
+           "model.overrides.remat: False -> True)" in err, err
+    assert "not bit-identical" in err
+    s = loop.run(load(tmp_path / "r", data_cache, "train.steps=3", *sets, *more))
+    assert s.resumed_from == 2 and "notice:" not in capsys.readouterr().err
