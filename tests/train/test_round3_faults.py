@@ -74,3 +74,22 @@ def test_resume_with_remat_and_another_micro_batch_says_so(data_cache, tmp_path,
     assert "not bit-identical" in err
     s = loop.run(load(tmp_path / "r", data_cache, "train.steps=3", *sets, *more))
     assert s.resumed_from == 2 and "notice:" not in capsys.readouterr().err
+
+
+def test_out_onto_a_directory_of_the_users_files_is_refused(data_cache, tmp_path, capsys):
+    """Item 12: --out onto a directory holding a config.yaml and a metrics.jsonl that no run
+    wrote: exit 5 naming both, and neither file is touched."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "config.yaml").write_text("my: notes\n")
+    (out / "metrics.jsonl").write_text('{"mine": 1}\n')
+    (out / "notes.txt").write_text("kept")
+    rc = main([*[f"--set={s}" for s in fast_sets(out, data_cache, "train.steps=1")]])
+    err = capsys.readouterr().err
+    assert rc == 5, err
+    assert err.startswith(f"output directory error: output directory {out} holds config.yaml, "
+                          "metrics.jsonl, which no run wrote there"), err
+    assert "Choose another --out, or move those files away" in err
+    assert (out / "config.yaml").read_text() == "my: notes\n"
+    assert (out / "metrics.jsonl").read_text() == '{"mine": 1}\n'
+    assert not (out / ".run.lock").exists()
