@@ -106,6 +106,7 @@ class Trainer:
         self.eval_data = run.eval_batches
         self.tokens_per_step = run.tokens_per_step
         self.policy_base = policy_base_key(c.seed)
+        self._metrics: MetricsWriter | None = None  # the primary's, once training starts
 
     def init_state(self):
         return self.compiled.init_state(self.cfg.seed)
@@ -238,9 +239,9 @@ class Trainer:
                                  resumed, skipped, history, resumed)
         if self.primary:
             (self.out / "config.yaml").write_text(yaml.safe_dump(c.to_dict(), sort_keys=False))
-            writer = Tee(MetricsWriter(self.out / "metrics.jsonl", resume_step=resumed),
-                         *([TensorBoardWriter(self.out, resume_step=resumed)]
-                           if t.tensorboard else []))
+            self._metrics = MetricsWriter(self.out / "metrics.jsonl", resume_step=resumed)
+            writer = Tee(self._metrics, *([TensorBoardWriter(self.out, resume_step=resumed)]
+                                          if t.tensorboard else []))
             mll = mlperf.MLPerfLog(self.out / "mllog.txt", resume_step=resumed)
         else:  # other hosts of a multi-host run write nothing
             writer, mll = _Null(), _Null()
@@ -447,4 +448,5 @@ class Trainer:
         return summarize(self.cfg, policy_name=self.plan.policy_name, status=status,
                          message=message, step=step, tokens_per_step=self.tokens_per_step,
                          skipped=skipped, segments=segments, resumed=resumed,
-                         primary=self.primary and not self.read_only)
+                         primary=self.primary and not self.read_only,
+                         records=self._metrics.records if self._metrics is not None else None)

@@ -93,3 +93,96 @@ def test_out_onto_a_directory_of_the_users_files_is_refused(data_cache, tmp_path
     assert (out / "config.yaml").read_text() == "my: notes\n"
     assert (out / "metrics.jsonl").read_text() == '{"mine": 1}\n'
     assert not (out / ".run.lock").exists()
+
+
+def _writer(path, resume_step=None):
+    from train.output.metrics import MetricsWriter
+
+    warnings: list[str] = []
+    return MetricsWriter(path, resume_step=resume_step, warn=warnings.append), warnings
+
+
+def test_metrics_file_deleted_or_replaced_mid_run_is_recreated_whole(tmp_path):
+    """Item 11: a deleted (or replaced) metrics.jsonl is noticed at the next record and
+    recreated holding every record, with a warning naming it."""
+    from train.output.metrics import read_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    w, warnings = _writer(path)
+    w.write({"step": 1})
+    path.unlink()
+    w.write({"step": 2})
+    assert [r["step"] for r in read_jsonl(path)] == [1, 2]
+    assert len(warnings) == 1 and f"the metrics file {path} was deleted, replaced" in warnings[0]
+    path.write_text('{"step": 99}\n')  # overwritten in place
+    w.write({"step": 3})
+    w.close()
+    assert [r["step"] for r in read_jsonl(path)] == [1, 2, 3] and len(warnings) == 2
+    assert [r["step"] for r in w.records] == [1, 2, 3] and w.complete
+
+
+def test_metrics_write_failure_names_the_file_and_loses_no_record(tmp_path, monkeypatch):
+    """UNCLEAR (a full disk while writing metrics.jsonl): one warning naming the file and
+    what to do; the records are kept and the file rewritten whole once writes succeed."""
+    from train.output.metrics import read_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    w, warnings = _writer(path)
+    w.write({"step": 1})
+    w._f = open("/dev/full", "a")  # noqa: SIM115 (the next writes fail with ENOSPC)
+    monkeypatch.setattr(w, "_intact", lambda: True)
+
+    def full(*a):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(w, "_rewrite", full)  # the retries fail too while the disk is full
+    w.write({"step": 2})
+    w.write({"step": 3})
+    assert not w.complete and len(warnings) == 1, warnings
+    assert f"cannot write the metrics file {path} (No space left on device)" in warnings[0]
+    assert "free space" in warnings[0]
+    monkeypatch.undo()
+    w.write({"step": 4})  # the disk has room again
+    w.close()
+    assert [r["step"] for r in read_jsonl(path)] == [1, 2, 3, 4] and w.complete
+    assert "written again" in warnings[1]
+
+
+def test_metrics_file_missing_on_resume_is_a_warning(tmp_path):
+    """UNCLEAR (metrics.jsonl deleted between segments): the resume says its history before
+    the resume step is gone, naming the file; kept records survive an ordinary resume."""
+    from train.output.metrics import read_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    w, warnings = _writer(path, resume_step=5)
+    w.write({"step": 6})
+    w.close()
+    assert len(warnings) == 1 and f"the metrics file {path} is missing" in warnings[0]
+    assert "records up to step 5 are lost" in warnings[0]
+    path.write_text("".join(f'{{"step": {i}}}\n' for i in range(1, 9)))
+    w, warnings = _writer(path, resume_step=5)
+    w.write({"step": 6})
+    w.close()
+    assert [r["step"] for r in read_jsonl(path)] == [1, 2, 3, 4, 5, 6] and not warnings
+
+
+@pytest.mark.long
+def test_summary_counts_the_evaluations_after_metrics_jsonl_is_deleted(data_cache, tmp_path,
+                                                                        capsys):
+    """Item 11: metrics.jsonl deleted mid-run (here by an on_record hook at step 2): the file
+    comes back whole and summary.json holds every evaluation."""
+    from train.hooks import Hooks
+    from train.output.metrics import read_jsonl
+
+    out = tmp_path / "d"
+
+    def delete_at_2(rec):
+        if rec["step"] == 2 and (out / "metrics.jsonl").exists():
+            (out / "metrics.jsonl").unlink()
+
+    s = loop.run(load(out, data_cache, "train.steps=3", "train.eval_every=1",
+                      "checkpoint.enabled=false"), hooks=Hooks(on_record=delete_at_2))
+    assert s.status == "completed"
+    assert [e[0] for e in s.eval_history] == [0, 1, 2, 3]
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert "was deleted, replaced or changed while the run wrote it" in capsys.readouterr().err
