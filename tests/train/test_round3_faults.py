@@ -186,3 +186,32 @@ def test_summary_counts_the_evaluations_after_metrics_jsonl_is_deleted(data_cach
     assert [e[0] for e in s.eval_history] == [0, 1, 2, 3]
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [0, 1, 2, 3]
     assert "was deleted, replaced or changed while the run wrote it" in capsys.readouterr().err
+
+
+def test_init_from_symlink_loop_and_nan_weight_are_config_errors(tmp_path):
+    """UNCLEAR: model.init_from at a symlink loop says so (not "does not exist"), and a NaN
+    weight in the checkpoint is a config error naming the tensor (exit 2), where it made
+    every step of a run skipped."""
+    import json
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from models import hf as mhf
+    from train import hf as thf
+
+    mc = mhf.config_from_hf(str(FIXTURE))
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    with pytest.raises(ConfigError, match=r"^model.init_from: .*loop is a symlink loop"):
+        thf.check_init_from(str(tmp_path / "loop"), mc)
+    d = tmp_path / "hf"
+    shutil.copytree(FIXTURE, d)
+    name = "model.norm.weight"
+    fn = json.loads((d / mhf.INDEX_FILE).read_text())["weight_map"][name]
+    tensors = load_file(str(d / fn))
+    tensors[name] = np.full_like(tensors[name], np.nan)
+    save_file(tensors, str(d / fn), metadata={"format": "pt"})
+    thf.check_init_from(str(d), mc)  # the architecture is right
+    with pytest.raises(ConfigError, match=rf"^model.init_from: tensor '{name}' .* non-finite"):
+        thf.load_init_params(str(d), mc, None, None)
