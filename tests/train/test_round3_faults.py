@@ -215,3 +215,22 @@ def test_init_from_symlink_loop_and_nan_weight_are_config_errors(tmp_path):
     thf.check_init_from(str(d), mc)  # the architecture is right
     with pytest.raises(ConfigError, match=rf"^model.init_from: tensor '{name}' .* non-finite"):
         thf.load_init_params(str(d), mc, None, None)
+
+
+def test_execution_changes_name_mesh_devices_and_eval_batch():
+    """UNCLEAR (mesh, device count, eval_batch on resume): each change is named; a
+    checkpoint written before the record existed is compared on what its config holds."""
+    from train import execution
+
+    old = {"micro_batch": 8, "eval_batch": 8, "mesh": [2, 1, 1], "devices": 2, "remat": False,
+           "attention_impl": "explicit"}
+    now = dict(old, eval_batch=4, mesh=[1, 4, 1], devices=4)
+    assert execution.changes({"execution": old}, now) == [
+        "train.eval_batch: 8 -> 4", "mesh (data, fsdp, tensor): 2x1x1 -> 1x4x1",
+        "device count: 2 -> 4"]
+    assert execution.changes({"execution": old}, old) == []
+    before = {"config": {"train": {"global_batch": 8, "micro_batch": None,
+                                   "eval_sequences": 16, "eval_batch": None}},
+              "compat": {"model": {"remat": False, "attention_impl": "explicit"}}}
+    assert execution.changes(before, dict(old, micro_batch=4, eval_batch=4)) == [
+        "train.micro_batch: 8 -> 4", "train.eval_batch: 8 -> 4"]
