@@ -101,7 +101,8 @@ def check_owned(directory: str | Path) -> None:
             f"output directory {d} holds {', '.join(found[:6])}{', ...' if len(found) > 6 else ''}"
             ", which no run wrote there (a run's directory has a .run.lock, created before "
             "anything else); the run would overwrite them. Choose another --out, or move "
-            "those files away")
+            "those files away. (A run directory copied without its hidden files lacks it: "
+            f"copy {LOCK_NAME} too, or create it empty, to resume there)")
 
 
 def check_writable(directory: str | Path) -> None:
