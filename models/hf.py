@@ -140,6 +140,20 @@ def _check_float_tensor(name: str, dtype: Any, where: str) -> None:
                          f"one of {', '.join(_FLOAT_DTYPES)}")
 
 
+def _check_finite_tensor(name: str, a: np.ndarray, where: str) -> None:
+    """Weights must be finite: a NaN/Inf weight makes every step non-finite (each would be
+    skipped), so it is refused on load, naming the tensor. Checked in slices of 2^24
+    elements to bound the temporary memory."""
+    flat = a.reshape(-1)
+    step = 1 << 24
+    bad = sum(int(np.count_nonzero(~np.isfinite(flat[i:i + step].astype(np.float32))))
+              for i in range(0, flat.size, step))
+    if bad:
+        raise ValueError(f"tensor {name!r} in {where} holds {bad} non-finite value(s) (NaN or "
+                         f"Inf) of {flat.size}; the checkpoint is damaged or was saved after "
+                         "training diverged: use an earlier or repaired checkpoint")
+
+
 # --------------------------------------------------------------------------- mapping
 
 
@@ -247,6 +261,7 @@ class _Reader:
         except (SafetensorError, OSError) as e:
             raise ValueError(f"cannot read tensor {name!r} from {fp}: {e}") from None
         _check_float_tensor(name, a.dtype, fp)
+        _check_finite_tensor(name, a, fp)
         return a
 
 

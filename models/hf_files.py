@@ -11,6 +11,7 @@ is allowed; a link anywhere else is refused.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Callable
 from typing import Any
@@ -89,6 +90,16 @@ def resolve_checkpoint_dir(path: str) -> str:
     an error listing them.
     """
     path = os.path.expanduser(os.fspath(path))
+    try:
+        os.stat(path)
+    except OSError as e:  # a missing path is reported by the caller, with what it expected
+        if e.errno == errno.ELOOP:
+            raise ValueError(f"{path} is a symlink loop (following its symlinks never reaches "
+                             "a file or directory); point it, or the link on its path, at the "
+                             "checkpoint directory") from None
+        if os.path.islink(path):
+            raise FileNotFoundError(f"{path} is a symlink to {os.readlink(path)}, which does "
+                                    "not exist") from None
     snapshots = os.path.join(path, "snapshots")
     if os.path.exists(os.path.join(path, "config.json")) or not os.path.isdir(snapshots):
         return path

@@ -62,7 +62,8 @@ exit codes:
   2   configuration error (reported before anything compiles)
   3   stopped by the non-finite guard (train.max_nonfinite steps in a row)
   4   checkpoint unreadable, damaged or from another setup
-  5   output directory in use by another run, or not writable
+  5   output directory in use by another run, not writable, or holding files of a
+      run's names (config.yaml, metrics.jsonl, ...) that no run wrote
   6   a file could not be written or read (disk full, read-only or failing file
       system): a checkpoint, the data cache, the metrics
   7   damaged prepared data (a .bin of the wrong size, token ids outside the

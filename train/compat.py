@@ -8,6 +8,7 @@ from typing import Any
 
 from train.checkpoint import IncompatibleCheckpointError
 from train.data import stream as stream_data
+from train.execution import STATELESS_MODEL_FIELDS
 from train.jsonsafe import jsonable
 from train.plan import Plan
 
@@ -40,7 +41,11 @@ def _comparable(key: str, value: Any) -> Any:
     """A fingerprint entry as compared: a policy without its name and its GEMMs' backends (a
     policy is its recipes: a renamed preset, e.g. mxfp4_wgrad_h16 -> mxfp4_all_h16_wgrad,
     resumes its runs, and so does a run moved to another backend, which computes the same
-    GEMMs: docs/NUMERICS.md)."""
+    GEMMs: docs/NUMERICS.md); a model without the fields that hold no state
+    (`train.execution.STATELESS_MODEL_FIELDS`: remat, the attention form, the sequence bound),
+    so that the out-of-memory advice ``model.overrides.remat=true`` resumes a run."""
+    if key == "model" and isinstance(value, Mapping):
+        return {k: v for k, v in value.items() if k not in STATELESS_MODEL_FIELDS}
     if key == "policy" and isinstance(value, Mapping):
         return {k: ({f: x for f, x in v.items() if f != "backend"} if isinstance(v, Mapping)
                     else v) for k, v in value.items() if k != "name"}

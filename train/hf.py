@@ -257,8 +257,8 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
 
 
 def _hf_config(path: str) -> LlamaConfig:
-    d = resolve_checkpoint_dir(path)
     try:
+        d = resolve_checkpoint_dir(path)
         cfg = mhf.config_from_hf(d)
     except FileNotFoundError as e:
         raise ConfigError(f"model.init_from: {e} (expected a Hugging Face Llama checkpoint "

@@ -22,9 +22,10 @@ within a factor of 1.5 either way; bench/memory_estimate.py measured 0.87-1.26 o
 0.93-1.38 on a deviceless H200 compile (docs/RELIABILITY.md). Precision policies' quantized
 operand copies are short-lived and not counted.
 
-`device_memory()` says how much one device has (CPU: the host's available physical memory
-shared by its devices; GPU/TPU: ``memory_stats()['bytes_limit']``). `what_fits` lists the
-settings (remat, micro-batch, fsdp) under which the estimate fits a budget.
+`device_memory()` says how much one device has (CPU: the host's available physical memory,
+or what the process's memory cgroup allows when less, shared by its devices; GPU/TPU:
+``memory_stats()['bytes_limit']``). `what_fits` lists the settings (remat, micro-batch,
+fsdp) under which the estimate fits a budget.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ import jax
 
 from models.llama import LlamaConfig
 
-__all__ = ["OOM_EXIT", "MemoryEstimate", "RunOutOfMemory", "device_memory", "estimate", "for_plan",
+__all__ = ["OOM_EXIT", "CgroupFiles", "CgroupLimit", "MemoryEstimate", "RunOutOfMemory",
+           "cgroup_limit", "device_memory", "estimate", "for_plan",
            "gib", "is_out_of_memory", "out_of_memory_message", "over_budget", "what_fits"]
 
 _F32 = 4
@@ -163,20 +165,115 @@ def _host_available_bytes() -> int | None:
         return None
 
 
-def device_memory(device: jax.Device | None = None) -> tuple[int | None, str]:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CgroupFiles:
+    """Where the kernel shows this process's control groups: ``proc_self`` lists them
+    (``/proc/self/cgroup``), ``root`` is where their file systems are mounted (tests point
+    both at fakes)."""
+
+    proc_self: Path = Path("/proc/self/cgroup")
+    root: Path = Path("/sys/fs/cgroup")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CgroupLimit:
+    """The tightest memory limit of this process's cgroups: ``available`` bytes (the limit
+    less the usage that cannot be reclaimed), the ``limit`` and the ``file`` stating it."""
+
+    available: int
+    limit: int
+    file: Path
+
+
+def _read_bytes(path: Path) -> int | None:
+    """A cgroup memory file's value; None when absent, unreadable or unlimited ("max" in
+    cgroup v2, a value near 2^63 in v1)."""
+    try:
+        text = path.read_text().strip()
+        v = int(text)
+    except (OSError, ValueError):
+        return None
+    return v if v < 2**60 else None
+
+
+def _inactive_file(path: Path, key: str) -> int:
+    """The reclaimable page cache a cgroup's memory.stat counts in its usage."""
+    try:
+        for line in path.read_text().splitlines():
+            k, _, v = line.partition(" ")
+            if k == key:
+                return int(v)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def cgroup_limit(files: CgroupFiles = CgroupFiles()) -> CgroupLimit | None:
+    """The tightest memory limit over this process's cgroups and their ancestors (cgroup v2
+    ``memory.max`` less ``memory.current``, v1 ``memory.limit_in_bytes`` less
+    ``memory.usage_in_bytes``; the reclaimable page cache counts as available, as in
+    MemAvailable); None without one. A container, or ``systemd-run -p MemoryMax=3G``,
+    limits a process below the host's memory, and the kernel kills it (exit 137) at that
+    limit, whatever the host has left."""
+    try:
+        lines = files.proc_self.read_text().splitlines()
+    except OSError:
+        return None
+    best: CgroupLimit | None = None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, rel = parts
+        if controllers == "":  # cgroup v2, mounted at the root or (hybrid) at unified/
+            base = next((b for b in (files.root, files.root / "unified")
+                         if (b / "cgroup.controllers").is_file()), None)
+            names = ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):
+            base = files.root / "memory"
+            names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        if base is None or not base.is_dir():
+            continue
+        d = base / rel.strip().lstrip("/")
+        if not d.is_dir():  # a cgroup namespace shows the process's own cgroup as the root
+            d = base
+        while True:
+            limit = _read_bytes(d / names[0])
+            if limit is not None:
+                used = (_read_bytes(d / names[1]) or 0) - _inactive_file(d / "memory.stat",
+                                                                         names[2])
+                avail = max(0, limit - max(0, used))
+                if best is None or avail < best.available:
+                    best = CgroupLimit(available=avail, limit=limit, file=d / names[0])
+            if d == base or base not in d.parents:
+                break
+            d = d.parent
+    return best
+
+
+def device_memory(device: jax.Device | None = None, *,
+                  cgroup: CgroupFiles = CgroupFiles()) -> tuple[int | None, str]:
     """(bytes one device can hold, where the figure comes from); (None, why) when unknown.
 
-    CPU: the host's available physical memory (/proc/meminfo MemAvailable) divided among
+    CPU: the host's available physical memory (/proc/meminfo MemAvailable), or what the
+    process's memory cgroup still allows when that is less (`cgroup_limit`), divided among
     its local CPU devices; GPU/TPU: ``device.memory_stats()['bytes_limit']``.
     """
     device = device or jax.local_devices()[0]
     if device.platform == "cpu":
         avail = _host_available_bytes()
+        limit = cgroup_limit(cgroup)
+        n = max(1, len(jax.local_devices(backend="cpu")))
+        shared = f", shared by {n} devices" if n > 1 else ""
+        if limit is not None and (avail is None or limit.available < avail):
+            return limit.available // n, (
+                f"CPU: {gib(limit.available)} available under the memory cgroup limit of "
+                f"{gib(limit.limit)} ({limit.file}){shared}")
         if avail is None:
             return None, "the host's available memory is unknown"
-        n = max(1, len(jax.local_devices(backend="cpu")))
-        return avail // n, (f"CPU: {gib(avail)} of physical memory available"
-                            + (f", shared by {n} devices" if n > 1 else ""))
+        return avail // n, f"CPU: {gib(avail)} of physical memory available{shared}"
     try:
         stats = device.memory_stats() or {}
     except Exception:  # noqa: BLE001 (a backend without memory_stats)

@@ -183,6 +183,16 @@ def _has_checkpoint(config: Config) -> bool:
     return d.is_dir() and any(p.is_dir() and p.name.isdigit() for p in d.iterdir())
 
 
+def _check_init_from(config: Config, mc: LlamaConfig) -> None:
+    """``model.init_from``'s architecture against the run's model, whatever the data loader
+    (`train.hf.check_init_from`); skipped when the run resumes from a checkpoint of its own,
+    which never reads the HF weights again."""
+    if config.model.init_from is not None and not _has_checkpoint(config):
+        from train.hf import check_init_from
+
+        check_init_from(config.model.init_from, mc)
+
+
 def validate(config: Config, *, verbose: bool = True) -> Plan:
     """Check everything that can be checked without compiling; prepare (cached) data.
 
@@ -213,10 +223,7 @@ def validate(config: Config, *, verbose: bool = True) -> Plan:
     except datamod.DataError as e:
         raise ConfigError(f"data: {e}") from None
     mc = build_model_config(config, prepared.vocab_size, int(prepared.meta["max_token_id"]))
-    if config.model.init_from is not None and not _has_checkpoint(config):
-        from train.hf import check_init_from  # a resumed run never reads the HF weights again
-
-        check_init_from(config.model.init_from, mc)
+    _check_init_from(config, mc)
     val = datamod.Sequences(prepared.tokens("val"), config.data.seq_len)
     if t.eval_sequences > len(val):
         raise ConfigError(f"train.eval_sequences={t.eval_sequences} but the validation split has "
@@ -241,6 +248,7 @@ def _validate_stream(config: Config, policy: PrecisionPolicy | None, name: str,
     tok = load_hf(d.tokenizer, eos_token=d.eos_token, add_bos=d.add_bos)
     # every id the tokenizer can produce must fit the model
     mc = build_model_config(config, tok.vocab_size, tok.vocab_size - 1)
+    _check_init_from(config, mc)
     try:
         val_tokens = stream_data.validation_tokens(d, t.eval_sequences, tokenizer=tok)
     except datamod.DataError as e:

@@ -23,7 +23,9 @@ proceeds together (`acquire_for_run`); the directory is assumed shared by all
 hosts, as the joint checkpoints require.
 
 An output directory that cannot be written raises `RunDirNotWritable`
-(a `RunLockError`) before anything is created in it.
+(a `RunLockError`) before anything is created in it, and one that holds files of a
+run's names that no run wrote (no lock file beside them) raises `RunDirNotOwned`: the lock
+file is the mark of a run's own directory.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ class RunDirNotWritable(RunLockError):
     """The output directory (or a file the run must write in it) is not writable."""
 
 
+class RunDirNotOwned(RunLockError):
+    """The output directory holds files a run writes (config.yaml, metrics.jsonl, ...) that
+    no run wrote: it has no run lock file, which a run creates before anything else."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Holder:
     """Who holds (or last held) a run directory."""
@@ -77,6 +84,25 @@ class Holder:
                           argv=tuple(str(a) for a in d.get("argv", ())))
         except (ValueError, TypeError, KeyError):
             return None
+
+
+def check_owned(directory: str | Path) -> None:
+    """Raise `RunDirNotOwned` when `directory` holds files of a run's names (`RUN_FILES`,
+    TensorBoard event files) but no run lock (``.run.lock``): a run creates its lock before
+    it writes anything, so those files are someone else's (a user's config.yaml, a metrics
+    file copied there) and the run would overwrite them."""
+    d = Path(directory)
+    if not d.is_dir() or (d / LOCK_NAME).exists():
+        return
+    found = [n for n in RUN_FILES if (d / n).exists()]
+    found += sorted(p.name for p in d.glob("events.out.tfevents.*"))
+    if found:
+        raise RunDirNotOwned(
+            f"output directory {d} holds {', '.join(found[:6])}{', ...' if len(found) > 6 else ''}"
+            ", which no run wrote there (a run's directory has a .run.lock, created before "
+            "anything else); the run would overwrite them. Choose another --out, or move "
+            "those files away. (A run directory copied without its hidden files lacks it: "
+            f"copy {LOCK_NAME} too, or create it empty, to resume there)")
 
 
 def check_writable(directory: str | Path) -> None:
@@ -126,6 +152,7 @@ class RunLock:
         if self._fd is not None:
             raise RunLockError(f"{self.path} is already held by this RunLock")
         check_writable(self.directory)
+        check_owned(self.directory)
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:

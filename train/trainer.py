@@ -34,7 +34,7 @@ import yaml
 
 from models import sharding as shd
 from train import data as datamod
-from train import memory
+from train import execution, memory
 from train.checkpoint import Checkpointer, CheckpointWriteError
 from train.compat import check_compatible, fingerprint
 from train.config import ConfigError
@@ -106,6 +106,7 @@ class Trainer:
         self.eval_data = run.eval_batches
         self.tokens_per_step = run.tokens_per_step
         self.policy_base = policy_base_key(c.seed)
+        self._metrics: MetricsWriter | None = None  # the primary's, once training starts
 
     def init_state(self):
         return self.compiled.init_state(self.cfg.seed)
@@ -136,7 +137,8 @@ class Trainer:
         return {"status": status, "samples": step * c.train.global_batch,
                 "tokens": step * self.tokens_per_step, "epoch": self.loader.epoch(step),
                 "skipped": skipped, "time_s": time_s, "policy_name": self.plan.policy_name,
-                "config": c.to_dict(), "compat": fingerprint(self.plan), "segments": segments,
+                "config": c.to_dict(), "compat": fingerprint(self.plan),
+                "execution": execution.record(self.plan, jax.device_count()), "segments": segments,
                 **self.compiled.loader_record(self.loader, step)}
 
     def run(self) -> RunSummary:
@@ -205,6 +207,13 @@ class Trainer:
             history = earlier_segments(meta, latest)
             skipped = int(meta.get("skipped", 0))
             self._log(f"resuming from checkpoint step {latest} in {ckpt.directory}")
+            changed = execution.changes(meta, execution.record(self.plan, jax.device_count()))
+            if changed:
+                self._log(f"notice: resuming with changed settings ({'; '.join(changed)}); they "
+                          "change no state, so the run goes on, but the continuation is not "
+                          "bit-identical to an uninterrupted run (sums are grouped "
+                          "differently: about 1e-6 relative). Keep the old values for a "
+                          "bit-identical continuation (docs/RELIABILITY.md)")
         done_status = meta.get("status") if meta else None
         already = resumed is not None and (
             resumed >= t.steps or (done_status == "target_reached"
@@ -230,9 +239,9 @@ class Trainer:
                                  resumed, skipped, history, resumed)
         if self.primary:
             (self.out / "config.yaml").write_text(yaml.safe_dump(c.to_dict(), sort_keys=False))
-            writer = Tee(MetricsWriter(self.out / "metrics.jsonl", resume_step=resumed),
-                         *([TensorBoardWriter(self.out, resume_step=resumed)]
-                           if t.tensorboard else []))
+            self._metrics = MetricsWriter(self.out / "metrics.jsonl", resume_step=resumed)
+            writer = Tee(self._metrics, *([TensorBoardWriter(self.out, resume_step=resumed)]
+                                          if t.tensorboard else []))
             mll = mlperf.MLPerfLog(self.out / "mllog.txt", resume_step=resumed)
         else:  # other hosts of a multi-host run write nothing
             writer, mll = _Null(), _Null()
@@ -439,4 +448,5 @@ class Trainer:
         return summarize(self.cfg, policy_name=self.plan.policy_name, status=status,
                          message=message, step=step, tokens_per_step=self.tokens_per_step,
                          skipped=skipped, segments=segments, resumed=resumed,
-                         primary=self.primary and not self.read_only)
+                         primary=self.primary and not self.read_only,
+                         records=self._metrics.records if self._metrics is not None else None)

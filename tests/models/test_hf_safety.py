@@ -176,3 +176,37 @@ def test_missing_shard_names_the_file(tmp_path):
     os.remove(d / SHARD2)
     with pytest.raises(FileNotFoundError, match=SHARD2):
         hf.load_hf(str(d))
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_non_finite_weight_is_refused_naming_it(tmp_path, value):
+    """Issue 45 (UNCLEAR): a NaN/Inf weight would make every step non-finite (each skipped,
+    the run 'completed'); loading names the tensor instead."""
+    d = _copy_fixture(tmp_path)
+    name = "model.layers.1.self_attn.k_proj.weight"
+    with open(d / hf.INDEX_FILE) as f:
+        fn = json.load(f)["weight_map"][name]
+    with safe_open(str(d / fn), framework="numpy") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        meta = f.metadata()
+    tensors[name] = tensors[name].copy()
+    tensors[name].flat[3] = value
+    save_file(tensors, str(d / fn), metadata=meta)
+    with pytest.raises(ValueError, match=rf"tensor '{name}' in .*{fn} holds 1 non-finite"):
+        hf.load_hf(str(d))
+
+
+def test_symlink_loop_and_dangling_link_say_so(tmp_path):
+    """Issue 45 (UNCLEAR): a checkpoint path that is a symlink loop says so, not "does not
+    exist"; a dangling link names its target."""
+    from models.hf_files import resolve_checkpoint_dir
+
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(ValueError, match="is a symlink loop"):
+        resolve_checkpoint_dir(str(tmp_path / "a"))
+    with pytest.raises(ValueError, match="is a symlink loop"):
+        hf.load_hf(str(tmp_path / "a" / "sub"))
+    (tmp_path / "c").symlink_to(tmp_path / "gone")
+    with pytest.raises(FileNotFoundError, match=f"is a symlink to {tmp_path / 'gone'}, which"):
+        resolve_checkpoint_dir(str(tmp_path / "c"))

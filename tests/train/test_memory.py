@@ -168,3 +168,54 @@ def test_cli_out_of_memory_is_one_line_and_exit_9(tmp_path, data_cache):
     assert "Out of memory allocating" in lines[0]
     assert "Estimate: about " in lines[0] and "device: CPU: " in lines[0]
     assert lines[0].endswith("No checkpoint was written before it: the same command starts over.")
+
+
+def _fake_cgroup(tmp_path, proc_line, files):
+    """A /proc/self/cgroup holding `proc_line` and a cgroup mount holding `files`
+    ({relative path: text})."""
+    from train.memory import CgroupFiles
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "proc_cgroup").write_text(proc_line + "\n")
+    for rel, text in files.items():
+        (tmp_path / "fs" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fs" / rel).write_text(text)
+    return CgroupFiles(proc_self=tmp_path / "proc_cgroup", root=tmp_path / "fs")
+
+
+def test_a_memory_cgroup_below_the_hosts_memory_is_the_budget(tmp_path):
+    """Issue 45 (UNCLEAR): in a 3 GiB cgroup (v2 memory.max), --check's device memory is what
+    the cgroup still allows (its reclaimable page cache counted as free), not the host's."""
+    gb = 2**30
+    cg = _fake_cgroup(tmp_path, "0::/user.slice/run.scope", {
+        "cgroup.controllers": "memory",
+        "user.slice/memory.max": "max",
+        "user.slice/run.scope/memory.max": str(3 * gb),
+        "user.slice/run.scope/memory.current": str(gb + gb // 2),
+        "user.slice/run.scope/memory.stat": f"anon 1\ninactive_file {gb // 2}\n"})
+    lim = memory.cgroup_limit(cg)
+    assert lim is not None and lim.available == 2 * gb and lim.limit == 3 * gb
+    assert lim.file == tmp_path / "fs" / "user.slice/run.scope/memory.max"
+    n = len(jax.local_devices(backend="cpu"))
+    budget, source = memory.device_memory(cgroup=cg)
+    assert budget == 2 * gb // n
+    assert source.startswith("CPU: 2.00 GiB available under the memory cgroup limit of 3.00 GiB")
+    assert str(lim.file) in source
+
+
+def test_cgroup_v1_limit_and_no_limit(tmp_path):
+    """cgroup v1 (memory.limit_in_bytes, a parent's limit the tighter) and an unlimited
+    cgroup (the host's memory stays the budget)."""
+    gb = 2**30
+    cg = _fake_cgroup(tmp_path / "v1", "4:memory:/jobs/42", {
+        "memory/memory.limit_in_bytes": "9223372036854771712",
+        "memory/jobs/memory.limit_in_bytes": str(4 * gb),
+        "memory/jobs/memory.usage_in_bytes": str(3 * gb),
+        "memory/jobs/42/memory.limit_in_bytes": str(8 * gb),
+        "memory/jobs/42/memory.usage_in_bytes": str(gb)})
+    lim = memory.cgroup_limit(cg)
+    assert lim.available == gb and lim.limit == 4 * gb and lim.file.parent.name == "jobs"
+    free = _fake_cgroup(tmp_path / "free", "0::/", {"cgroup.controllers": "memory"})
+    assert memory.cgroup_limit(free) is None
+    assert memory.device_memory(cgroup=free)[1].startswith("CPU: ")
+    assert "cgroup" not in memory.device_memory(cgroup=free)[1]

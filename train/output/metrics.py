@@ -22,12 +22,13 @@ terminal its bar is a few lines of code.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -58,40 +59,137 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return out
 
 
-def _truncate(path: Path, keep) -> None:
-    """Rewrite `path` keeping the parsed records for which keep(record) is true."""
-    if not path.is_file():
-        return
-    recs = [r for r in read_jsonl(path) if keep(r)]
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    os.replace(tmp, path)
+class MetricsWriteError(OSError):
+    """``metrics.jsonl`` cannot be created at the start of a run (the message names the file
+    and what to do); later write failures are warnings (`MetricsWriter`)."""
+
+
+def _warn_stderr(msg: str) -> None:
+    print(f"[train] warning: {msg}", file=sys.stderr, flush=True)
 
 
 class MetricsWriter:
-    """Appends step records to ``metrics.jsonl`` (flushed per record).
+    """Appends step records to ``metrics.jsonl`` (flushed per record) and keeps them in
+    ``records`` (the run's summary is computed from these, not by reading the file back).
+
+    The file is the run's, but it can be lost: deleted or replaced while the run writes it
+    (noticed before each record by the file's identity and size), the next record recreates it with
+    every record this process holds, and `warn` says so; a failed write (disk full, a failing
+    file system) is a warning naming the file, the records are kept, and the file is
+    rewritten whole once it can be written again; training goes on (a checkpoint on a full
+    disk stops the run, keeping the last complete one).
 
     Args:
       path: the JSONL file.
       resume_step: None starts a fresh file; an int keeps records with
-        ``step <= resume_step`` and appends after them.
+        ``step <= resume_step`` and appends after them (a missing file is a warning: its
+        history before the resume step is gone, and the file restarts there).
+      warn: receives each warning line (default: stderr).
     """
 
-    def __init__(self, path: str | Path, *, resume_step: int | None):
+    def __init__(self, path: str | Path, *, resume_step: int | None,
+                 warn: Callable[[str], None] | None = None):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step is None:
-            self.path.write_text("")
-        else:
-            _truncate(self.path, lambda r: r.get("step", 0) <= resume_step)
-        self._f: TextIO = open(self.path, "a")  # noqa: SIM115 (closed by close())
+        self._warn = warn or _warn_stderr
+        self.records: list[dict[str, Any]] = []
+        self._f: TextIO | None = None
+        self._written = 0  # records of `records` in the file
+        self._failing = False  # a write failed; the file is rewritten whole when one succeeds
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if resume_step is not None:
+                if self.path.is_file():
+                    self.records = [r for r in read_jsonl(self.path)
+                                    if r.get("step", 0) <= resume_step]
+                else:
+                    self._warn(f"the metrics file {self.path} is missing (deleted since the run's "
+                               f"last segment): the records up to step {resume_step} are lost, "
+                               f"and it restarts at step {resume_step + 1}. The checkpoint and "
+                               "the run are intact (docs/RELIABILITY.md)")
+            self._rewrite()
+        except OSError as e:
+            raise MetricsWriteError(
+                f"cannot write the metrics file {self.path} ({e.strerror or e}); free space on "
+                "its file system or fix its permissions, then run the same command again "
+                "(nothing was trained yet in this process)") from None
+
+    def _intact(self) -> bool:
+        """Whether the file at `path` is still the one this writer holds open, as it left it
+        (not deleted, replaced, truncated or written by another)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._opened and st.st_size == self._f.tell()
+
+    def _rewrite(self) -> None:
+        """The file from scratch, holding every record (written beside it, then renamed in)."""
+        if self._f is not None:
+            with contextlib.suppress(OSError):
+                self._f.close()
+            self._f = None
+        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        try:
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+            os.replace(tmp, self.path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        self._f = open(self.path, "a")  # noqa: SIM115 (closed by close())
+        st = os.fstat(self._f.fileno())
+        self._opened = (st.st_dev, st.st_ino)
+        self._written = len(self.records)
 
     def write(self, record: Mapping[str, Any]) -> None:
-        self._f.write(json.dumps(_clean(dict(record))) + "\n")
-        self._f.flush()
+        self.records.append(_clean(dict(record)))
+        self._sync()
+
+    def _sync(self) -> None:
+        try:
+            if self._failing:
+                self._rewrite()
+                self._failing = False
+                self._warn(f"the metrics file {self.path} is written again ({len(self.records)} "
+                           "records, none lost)")
+                return
+            if not self._intact():
+                self._rewrite()
+                self._warn(f"the metrics file {self.path} was deleted, replaced or changed "
+                           f"while the run wrote it; recreated it with the {len(self.records)} "
+                           "records of this process (from its first step on)")
+                return
+            self._f.write("".join(json.dumps(r) + "\n" for r in self.records[self._written:]))
+            self._f.flush()
+            self._written = len(self.records)
+        except OSError as e:
+            if not self._failing:
+                self._warn(f"cannot write the metrics file {self.path} ({e.strerror or e}); "
+                           "free space on its file system. The records are kept and the file "
+                           "is rewritten whole once it can be written; training goes on (a "
+                           "checkpoint that cannot be written stops the run, keeping the last "
+                           "complete one)")
+            self._failing = True
+
+    @property
+    def complete(self) -> bool:
+        """Whether the file holds every record (no write is failing)."""
+        return not self._failing and self._written == len(self.records)
 
     def close(self) -> None:
-        self._f.close()
+        """A last try at a failing file, then closes it (never raises: the run's checkpoint
+        is saved after it; `complete` says whether the file holds every record)."""
+        if self._failing:
+            self._sync()
+            if self._failing:
+                self._warn(f"the metrics file {self.path} lacks the last "
+                           f"{len(self.records) - self._written} of {len(self.records)} "
+                           "records: it could not be written; summary.json holds the run's "
+                           "result")
+        if self._f is not None:
+            with contextlib.suppress(OSError):
+                self._f.close()
+            self._f = None
 
 
 class Tee:

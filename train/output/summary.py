@@ -94,14 +94,17 @@ def earlier_segments(meta: dict[str, Any], step: int) -> list[dict[str, Any]]:
 
 def summarize(config: Config, *, policy_name: str, status: str, message: str, step: int,
               tokens_per_step: int, skipped: int, segments: list[dict[str, Any]],
-              resumed: int | None, primary: bool) -> RunSummary:
-    """The summary of the run in ``config.out_path`` from its metrics.jsonl.
+              resumed: int | None, primary: bool,
+              records: list[dict[str, Any]] | None = None) -> RunSummary:
+    """The summary of the run in ``config.out_path`` from its ``records`` (the metrics
+    writer's, `train.output.metrics.MetricsWriter.records`: what the run measured, whatever
+    became of the file), or, without them, from its metrics.jsonl.
 
     On the primary process also draws plot.png (when ``train.plot``) and writes
     summary.json.
     """
     c, t, out = config, config.train, config.out_path
-    recs = read_jsonl(out / "metrics.jsonl")
+    recs = read_jsonl(out / "metrics.jsonl") if records is None else records
     evals = [(int(r["step"]), int(r["tokens"]), float(r["eval_loss"])) for r in recs
              if isinstance(r.get("eval_loss"), (int, float))]
     target_step = target_tokens = None
