@@ -51,7 +51,10 @@ import gzip
 import hashlib
 import json
 import os
+import signal
 import sys
+import threading
+import time
 import zlib
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -67,6 +70,9 @@ from train.data.tokenizer import TextTokenizer, TokenizerError, load_hf
 
 CHUNK_DOCS = 64  # documents per tokenized chunk (part of the data order: in the fingerprint)
 STATE_VERSION = 1
+REPORTED_BAD_RECORDS = 10  # skipped records reported one by one; then a summary now and then
+BAD_RECORD_SUMMARY_S = 30.0  # seconds between two summaries of the records skipped since
+PROBLEMS_PER_CHUNK = 10  # skipped records' messages a chunk carries (all are counted)
 
 
 # ------------------------------------------------------------------------------ shards
@@ -172,36 +178,95 @@ class RecordReader:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             return None, f"{p}: line {n}: invalid JSON ({e.msg})"
+        except RecursionError:
+            return None, f"{p}: line {n}: JSON nested too deeply to parse"
         if not isinstance(obj, dict) or self.text_key not in obj:
             return None, f"{p}: line {n}: no {self.text_key!r} field (set data.text_key)"
         text = obj[self.text_key]
         if not isinstance(text, str):
             return None, f"{p}: line {n}: field {self.text_key!r} is not a string"
+        bad = unencodable(text)
+        if bad is not None:
+            return None, f"{p}: line {n}: field {self.text_key!r} {bad}"
         return (text or None), None
 
     def _parquet(self, p: Path, start: int) -> Iterator[tuple[int, str | None, str | None]]:
+        """Rows row group by row group: a row group that cannot be read (a corrupt page) is
+        one problem, after which reading goes on at the next row group (its rows count as
+        consumed, so line numbers and resume positions stay those of the file)."""
         pq = _require_pyarrow("data.sources")
         try:
             pf = pq.ParquetFile(p)
+            groups = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
         except Exception as e:  # noqa: BLE001 (pyarrow raises assorted types)
-            raise DataError(f"{p}: not a readable parquet file ({type(e).__name__}: {e})") from None
+            yield 0, None, f"{p}: not a readable parquet file ({type(e).__name__}: {e})"
+            return
         if self.text_key not in pf.schema_arrow.names:
             raise DataError(f"{p}: no column {self.text_key!r} (set data.text_key); columns: "
                             f"{', '.join(pf.schema_arrow.names)}")
         n = 0
-        for batch in pf.iter_batches(batch_size=1024, columns=[self.text_key]):
-            col = batch.column(0).to_pylist()
-            if n + len(col) <= start:
-                n += len(col)
+        for g, rows in enumerate(groups):
+            end = n + rows
+            if end <= start:
+                n = end
                 continue
-            for text in col:
-                n += 1
-                if n <= start:
-                    continue
-                if text is not None and not isinstance(text, str):
-                    yield n, None, f"{p}: row {n}: column {self.text_key!r} is not a string"
-                else:
-                    yield n, (text or None), None
+            batches = pf.iter_batches(batch_size=1024, row_groups=[g], columns=[self.text_key])
+            while True:
+                try:
+                    batch = next(batches, None)
+                except Exception as e:  # noqa: BLE001 (pyarrow: OSError, ArrowInvalid, ...)
+                    yield end, None, (f"{p}: rows {n + 1}-{end} (row group {g + 1} of "
+                                      f"{len(groups)}) cannot be read ({type(e).__name__}: "
+                                      f"{e})")
+                    n = end
+                    break
+                if batch is None:
+                    break
+                for text in batch.column(0).to_pylist():
+                    n += 1
+                    if n <= start:
+                        continue
+                    if text is not None and not isinstance(text, str):
+                        yield n, None, f"{p}: row {n}: column {self.text_key!r} is not a string"
+                    elif text and (bad := unencodable(text)) is not None:
+                        yield n, None, f"{p}: row {n}: column {self.text_key!r} {bad}"
+                    else:
+                        yield n, (text or None), None
+            n = end
+
+
+def unencodable(text: str) -> str | None:
+    """Why `text` cannot be tokenized (a lone surrogate, which JSON's ``\\ud800`` escapes
+    can produce and UTF-8 cannot encode), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"holds a lone surrogate ({text[e.start]!r} at character {e.start}): not "
+                "valid Unicode text")
+    return None
+
+
+def probe_shards(files: Sequence[Path], reader: RecordReader) -> None:
+    """Read each shard up to its first document (the first line of a good shard); a
+    ConfigError naming every shard that holds none (empty, blank lines, every text empty,
+    or, under ``on_bad_record: skip``, no good record). Under ``error`` a bad record met
+    before the first document is a ConfigError naming it."""
+    barren = []
+    for p in files:
+        try:
+            if not any(text is not None for _, text, _ in reader.records(str(p))):
+                barren.append(str(p))
+        except DataError as e:
+            raise ConfigError(f"data.sources: {e}") from None
+    if barren:
+        raise ConfigError(f"data.sources: {len(barren)} shard(s) hold no document (an empty "
+                          "file, blank lines, every text empty, or no good record): "
+                          f"{_name_some(barren)}; remove them from data.sources or fix them")
+
+
+def _name_some(paths: Sequence[str], most: int = 8) -> str:
+    more = f" and {len(paths) - most} more" if len(paths) > most else ""
+    return ", ".join(paths[:most]) + more
 
 
 # ------------------------------------------------------------------- grain datasets
@@ -247,17 +312,32 @@ def _make_datasets() -> dict[str, type]:
             return f"ShardOrder({len(self._files)} files, seed={self._seed})"
 
     class ChunkIterator(grain.DatasetIterator):
-        def __init__(self, parent, reader: RecordReader, chunk_docs: int):
+        def __init__(self, parent, reader: RecordReader, chunk_docs: int, n_files: int):
             super().__init__(parent)
-            self._reader, self._chunk_docs = reader, chunk_docs
+            self._reader, self._chunk_docs, self._n_files = reader, chunk_docs, n_files
             self._file_state = self._parent.get_state()  # the parent's state before the file
             self._file: tuple[int, str] | None = None
             self._records: Iterator | None = None
             self._line = 0
+            self._file_docs = 0  # documents read from the open file
+            # Files read to their end since the last document: once it holds every file,
+            # no document can ever come (all empty, or no good record): an error, not a spin.
+            self._barren: set[str] = set()
 
         def _open(self, skip: int) -> None:
             self._records = self._reader.records(self._file[1], skip)
-            self._line = skip
+            self._line, self._file_docs = skip, 0
+
+        def _file_done(self) -> None:
+            self._records = None
+            if self._file_docs == 0:
+                self._barren.add(self._file[1])
+                if len(self._barren) >= self._n_files:
+                    raise DataError(
+                        f"no document in any of this process's {self._n_files} shard(s): "
+                        f"{_name_some(sorted(self._barren))} (each is empty, blank lines, has "
+                        "every text empty, or holds no good record); remove such shards from "
+                        "data.sources or fix them")
 
         def __next__(self):
             while True:
@@ -265,21 +345,25 @@ def _make_datasets() -> dict[str, type]:
                     self._file_state = self._parent.get_state()
                     self._file = next(self._parent)
                     self._open(0)
-                docs, problems, first = [], [], self._line + 1
+                docs, problems, n_problems, first = [], [], 0, self._line + 1
                 while len(docs) < self._chunk_docs:
                     try:
                         n, text, problem = next(self._records)
                     except StopIteration:
-                        self._records = None
+                        self._file_done()
                         break
                     self._line = n
                     if problem is not None:
-                        problems.append(problem)
+                        n_problems += 1
+                        if len(problems) < PROBLEMS_PER_CHUNK:
+                            problems.append(problem)
                     elif text is not None:
                         docs.append(text)
-                if docs or problems:
-                    return {"docs": docs, "problems": problems, "epoch": self._file[0],
-                            "where": f"{self._file[1]}:{first}"}
+                        self._file_docs += 1
+                        self._barren.clear()
+                if docs or n_problems:
+                    return {"docs": docs, "problems": problems, "n_problems": n_problems,
+                            "epoch": self._file[0], "where": f"{self._file[1]}:{first}"}
 
         def get_state(self) -> dict[str, Any]:
             if self._records is None:
@@ -297,12 +381,13 @@ def _make_datasets() -> dict[str, type]:
     class Chunks(grain.IterDataset):
         """Chunks of up to `chunk_docs` documents read from the parent's shards."""
 
-        def __init__(self, parent, reader: RecordReader, chunk_docs: int):
+        def __init__(self, parent, reader: RecordReader, chunk_docs: int, n_files: int):
             super().__init__(parent)
-            self._reader, self._chunk_docs = reader, chunk_docs
+            self._reader, self._chunk_docs, self._n_files = reader, chunk_docs, n_files
 
         def __iter__(self):
-            return ChunkIterator(self._parent.__iter__(), self._reader, self._chunk_docs)
+            return ChunkIterator(self._parent.__iter__(), self._reader, self._chunk_docs,
+                                 self._n_files)
 
     class PackIterator(grain.DatasetIterator):
         def __init__(self, parent, seq_len: int):
@@ -313,14 +398,14 @@ def _make_datasets() -> dict[str, type]:
             self._avail = 0
             self._bad = 0  # records skipped in every chunk pulled so far
             self._epoch = 0
+            self._log = BadRecordLog()
 
         def _pull(self) -> None:
             before = self._parent.get_state()
             el = next(self._parent)
-            for msg in el["problems"]:
-                print(f"[data] skipped a bad record: {msg}", file=sys.stderr, flush=True)
+            self._log.report(el["problems"], int(el["n_problems"]))
             self._entries.append([before, self._bad, el["tokens"], int(el["epoch"])])
-            self._bad += len(el["problems"])
+            self._bad += int(el["n_problems"])
             self._avail += len(el["tokens"])
 
         def __next__(self) -> np.ndarray:
@@ -381,6 +466,36 @@ def _make_datasets() -> dict[str, type]:
     return {"ShardOrder": ShardOrder, "Chunks": Chunks, "Pack": Pack}
 
 
+class BadRecordLog:
+    """Reports skipped records on stderr: the first `REPORTED_BAD_RECORDS` one by one, then
+    at most one summary line per `BAD_RECORD_SUMMARY_S` seconds (a shard of millions of bad
+    lines must not write a line each)."""
+
+    def __init__(self, *, clock: Any = time.monotonic):
+        self._clock = clock
+        self._reported = 0
+        self._pending = 0  # skipped since the last line printed
+        self._latest: str | None = None
+        self._last_summary = clock()
+
+    def report(self, messages: Sequence[str], count: int) -> None:
+        """`count` records were skipped; `messages` describe the first of them."""
+        for msg in messages:
+            if self._reported < REPORTED_BAD_RECORDS:
+                self._reported += 1
+                count -= 1
+                tail = ("" if self._reported < REPORTED_BAD_RECORDS else
+                        f" (the first {REPORTED_BAD_RECORDS} are reported one by one; from now "
+                        "on a count every few seconds; data_bad_records counts them all)")
+                print(f"[data] skipped a bad record: {msg}{tail}", file=sys.stderr, flush=True)
+            self._latest = msg
+        self._pending += max(count, 0)
+        if self._pending and self._clock() - self._last_summary >= BAD_RECORD_SUMMARY_S:
+            print(f"[data] skipped {self._pending} more bad record(s); the latest: "
+                  f"{self._latest}", file=sys.stderr, flush=True)
+            self._pending, self._last_summary = 0, self._clock()
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Tokenize:
     """The worker-side map: a chunk's documents -> one uint32 token array (EOS after each
@@ -399,15 +514,41 @@ class Tokenize:
 
     def __call__(self, chunk: dict[str, Any]) -> dict[str, Any]:
         docs = chunk.pop("docs")
-        arrs = self._tok.encode_documents(docs) if docs else []
+        try:
+            arrs = self._tok.encode_documents(docs) if docs else []
+        except Exception as e:  # noqa: BLE001 (the reader refuses what it knows cannot encode)
+            raise DataError(f"{chunk['where']}: the tokenizer failed on a document of the "
+                            f"{len(docs)} from this line on ({type(e).__name__}: {e})") from None
         chunk["tokens"] = np.concatenate(arrs) if arrs else np.zeros((0,), np.uint32)
         return chunk
 
 
-def _worker_init(worker_index: int, worker_count: int) -> None:
+def _worker_init(worker_index: int, worker_count: int, *, parent_pid: int) -> None:
+    """Set up a grain worker process: one tokenizer thread, no signal handling of its own,
+    and death with its parent."""
     # One core per worker: the Rust tokenizer would otherwise start a thread per core in
     # every worker (and per-worker throughput would not mean one process).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # Ctrl-C reaches the terminal's whole process group, and SLURM signals every process of
+    # a step: the trainer decides (it saves, then closes the workers); a worker's own
+    # KeyboardInterrupt would print a traceback and leave shared memory behind.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _watch_parent(parent_pid)
+
+
+def _watch_parent(parent_pid: int, period_s: float = 0.5) -> None:
+    """End this process once `parent_pid` is no longer its parent (the trainer was killed:
+    SIGKILL runs no cleanup, and a worker left behind holds memory and the trainer's
+    stdout/stderr). A thread polling the parent's pid rather than prctl(PR_SET_PDEATHSIG):
+    grain starts its workers from helper threads, and that signal fires when the starting
+    thread ends, not the process."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(period_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="mxjax-parent-watch", daemon=True).start()
 
 
 # ------------------------------------------------------------------------- the spec
@@ -449,12 +590,13 @@ class StreamSpec:
         ds = _make_datasets()
         reader = RecordReader(text_key=self.text_key, on_bad_record=self.on_bad_record)
         it = ds["ShardOrder"](self.files, self.seed).to_iter_dataset()
-        it = ds["Chunks"](it, reader, self.chunk_docs)
+        it = ds["Chunks"](it, reader, self.chunk_docs, len(set(self.files)))
         it = it.map(Tokenize(tokenizer=self.tokenizer, eos_token=self.eos_token,
                              add_bos=self.add_bos))
         if self.workers:
             it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.workers),
-                                worker_init_fn=_worker_init)
+                                worker_init_fn=functools.partial(_worker_init,
+                                                                 parent_pid=os.getpid()))
         return it
 
     def dataset(self) -> Any:
