@@ -120,6 +120,19 @@ def test_check_names_a_shard_without_documents(shards, tmp_path, kind):
     stream.probe_shards([Path(f) for f in _good(shards)], reader)  # good shards pass
 
 
+def test_check_refuses_an_empty_shard(shards, tmp_path):
+    """``--check`` (plan.validate, which every start runs too) names the empty shard."""
+    from tests.train.data.stream_testutil import grain_sets
+    from tests.train.train_testutil import load
+    from train import plan
+
+    p = _empty_shard(tmp_path, "blank_lines")
+    cfg = load(tmp_path / "run", tmp_path, *grain_sets(shards),
+               f"data.sources=[{_good(shards)[0]}, {p}]", f"data.seq_len={T}")
+    with pytest.raises(ConfigError, match=f"data.sources: 1 shard\\(s\\) hold no document.*{p}"):
+        plan.validate(cfg, verbose=False)
+
+
 # ------------------------------------------------------------- no good record under skip
 
 def _all_bad(tmp_path: Path, kind: str, n: int = 3000) -> Path:
@@ -212,6 +225,17 @@ def test_an_unencodable_validation_record_is_a_data_error(shards, tmp_path, kind
         stream.validation_tokens(d, 4)
     toks = stream.validation_tokens(dataclasses.replace(d, on_bad_record="skip"), 4)
     assert toks.size == 4 * T + 1
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_LINES))
+def test_the_prepared_loader_names_an_unencodable_record(tmp_path, kind):
+    from train.data.sources import iter_documents
+
+    line, what = BAD_LINES[kind]
+    p = tmp_path / "docs.jsonl"
+    p.write_text('{"text": "fine"}\n' + line + "\n")
+    with pytest.raises(DataError, match=f"{p}:2: .*{what}"):
+        list(iter_documents(p))
 
 
 # ------------------------------------------------------------------------------ parquet
