@@ -814,10 +814,43 @@ def check_stream(data: DataSection) -> list[Path]:
     return files
 
 
+SAMPLE_BLOCK = 4096  # bytes of each sampled block of a file (`sample_digest`)
+SAMPLE_BLOCKS = 8  # blocks sampled per file: the first, the last and 6 evenly between
+
+
+def sample_digest(path: Path, size: int) -> str:
+    """16 hex digits of SHA-256 over `SAMPLE_BLOCKS` blocks of `SAMPLE_BLOCK` bytes spread
+    over the file (the first and the last among them): a cheap check that a shard is the
+    one a checkpoint was written on (32 KiB read per file, not the whole shard). Any edit
+    of a gzip file changes its last 8 bytes (CRC-32 and length of the content), so an edited
+    ``.gz`` shard is always noticed; in an uncompressed file an edit that keeps the size and
+    misses every sampled block is not."""
+    h = hashlib.sha256()
+    span = max(size - SAMPLE_BLOCK, 0)
+    offsets = sorted({span * i // (SAMPLE_BLOCKS - 1) for i in range(SAMPLE_BLOCKS)})
+    with open(path, "rb") as f:
+        for off in offsets:
+            f.seek(off)
+            h.update(f.read(SAMPLE_BLOCK))
+    return h.hexdigest()[:16]
+
+
+def file_listing(paths: Sequence[Path]) -> list[list[Any]]:
+    """``[name, size, sample_digest]`` of each file, in order (a checkpoint's record of the
+    shards it was written on, to say which changed)."""
+    out = []
+    for p in paths:
+        size = p.stat().st_size
+        out.append([p.name, size, sample_digest(p, size)])
+    return out
+
+
 def stream_fingerprint(data: DataSection, process_count: int) -> dict[str, Any]:
     """What a grain run's data order depends on besides the seed (a checkpoint must match
-    it to resume): each key is the ``data.*`` key (or fact) it comes from; the sources are
-    their file names and sizes (no content hash: nothing reads the shards up front)."""
+    it to resume): each key is the ``data.*`` key (or fact) it comes from. The sources are
+    compared by file names and sizes (``sources``, ``val_sources``) and by ``files``: each
+    file's name, size and `sample_digest`, which also names what changed (see
+    `train.compat.check_compatible`); nothing reads the shards whole."""
     files = [p for p in resolve_sources(data.sources)]
     vals = resolve_sources(data.val_sources, "data.val_sources")
 
@@ -829,7 +862,29 @@ def stream_fingerprint(data: DataSection, process_count: int) -> dict[str, Any]:
             "val_sources": listing(vals), "tokenizer": _digest_bytes(data.tokenizer)[:16],
             "eos_token": data.eos_token, "add_bos": data.add_bos, "text_key": data.text_key,
             "on_bad_record": data.on_bad_record, "workers": data.workers,
-            "chunk_docs": CHUNK_DOCS, "seq_len": data.seq_len, "process_count": process_count}
+            "chunk_docs": CHUNK_DOCS, "seq_len": data.seq_len, "process_count": process_count,
+            "files": {"sources": file_listing(files), "val_sources": file_listing(vals)}}
+
+
+def file_changes(old: Sequence[Sequence[Any]], new: Sequence[Sequence[Any]]) -> list[str]:
+    """What differs between two `file_listing`s: files added, removed, changed (size or
+    content), or the same files in another order; [] when equal."""
+    o = {str(e[0]): tuple(e[1:]) for e in old}
+    n = {str(e[0]): tuple(e[1:]) for e in new}
+    out = []
+    if added := [k for k in n if k not in o]:
+        out.append(f"added {_name_some(added)}")
+    if removed := [k for k in o if k not in n]:
+        out.append(f"removed {_name_some(removed)}")
+    changed = [k for k in n if k in o and n[k] != o[k]]
+    if changed:
+        sizes = ", ".join(f"{k} ({o[k][0]} -> {n[k][0]} bytes)" if o[k][0] != n[k][0]
+                          else f"{k} (same size, other content)" for k in changed[:8])
+        more = f" and {len(changed) - 8} more" if len(changed) > 8 else ""
+        out.append(f"changed {sizes}{more}")
+    if not out and [str(e[0]) for e in old] != [str(e[0]) for e in new]:
+        out.append("the same files in another order")
+    return out
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.train.data.stream_testutil import write_shards
+from tests.train.data.stream_testutil import within, write_shards
 from tests.train.train_testutil import ROOT
 from train.config import ConfigError
 from train.data import stream
@@ -46,25 +46,6 @@ def _loader(shards, files, **kw) -> stream.StreamLoader:
             "tokenizer": str(shards["tokenizer"]), "workers": 0}
     args.update(kw)
     return stream.StreamLoader(stream.StreamSpec(**args), global_batch=2)
-
-
-class Hang(Exception):  # noqa: N818 (what it is)
-    """Raised in a block that `within` gave up on."""
-
-
-@contextlib.contextmanager
-def within(seconds: float):
-    """Fail (instead of hanging the suite) when the block runs longer than `seconds`."""
-    def expire(signum, frame):
-        raise Hang(f"still running after {seconds} s: a hang")
-
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def _empty_shard(tmp_path: Path, kind: str) -> Path:
@@ -258,7 +239,7 @@ def _corrupt_parquet(tmp_path: Path) -> tuple[Path, int]:
     mid = start + col.total_compressed_size // 2
     raw[mid:mid + 64] = bytes(rng.integers(0, 256, 64, dtype=np.uint8))
     p.write_bytes(bytes(raw))
-    with pytest.raises(Exception):  # noqa: B017, PT011 (the precondition: pyarrow fails on it)
+    with pytest.raises(Exception):  # noqa: B017 (the precondition: pyarrow fails on it)
         pq.read_table(p)
     return p, 200
 
