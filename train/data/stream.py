@@ -31,11 +31,19 @@ is next, the token offset into the chunk the packer is in) is a small JSON dict;
 reopens the stream there (re-reading the current shard up to its line). The trainer
 stores every process's state in the checkpoint's record (`gather_states`).
 
-Bad records: a corrupt gzip stream, invalid UTF-8, a bad JSON line or a missing text
-field raises `DataError` naming the file and line (``data.on_bad_record: error``, the
-default). With ``skip`` the record is skipped (the rest of the shard for a corrupt
-gzip stream, which cannot be read past), reported on stderr with file and line, and
-counted (`StreamLoader.bad_records`, the ``data_bad_records`` metric).
+Bad records: a corrupt gzip stream, invalid UTF-8, a bad or too deeply nested JSON line,
+a missing text field, a text with a lone surrogate (no tokenizer takes it) or an
+unreadable parquet row group raises `DataError` naming the file and line
+(``data.on_bad_record: error``, the default). With ``skip`` the record is skipped (the
+rest of the shard for a corrupt gzip stream, which cannot be read past; the row group for
+parquet), reported on stderr (`BadRecordLog`: the first few one by one, then counts) and
+counted (`StreamLoader.bad_records`, the ``data_bad_records`` metric). Once a reader has
+read every one of its files through without a document since its last one, no document
+can come: a `DataError` naming them, not an endless loop (`probe_shards`, run by
+``--check`` and at every start, names such shards first).
+
+Workers ignore SIGINT/SIGTERM (the trainer saves, then closes them) and end themselves when
+the training process is gone (`_watch_parent`).
 
 Validation (`validation_tokens`): the first documents of ``data.val_sources``, read in
 order in the training process until ``eval_sequences`` packed sequences are full: the
