@@ -45,6 +45,11 @@ can come: a `DataError` naming them, not an endless loop (`probe_shards`, run by
 Workers ignore SIGINT/SIGTERM (the trainer saves, then closes them) and end themselves when
 the training process is gone (`_watch_parent`).
 
+The pieces live in their own modules: `train.data.records` reads a shard's documents,
+`train.data.grain_pipeline` holds the grain datasets of steps 1-3 (imported only when a
+stream is built: grain is optional); this module has the spec, the loader (a
+`train.data.loader.BatchLoader`), the checks and the fingerprint.
+
 Validation (`validation_tokens`): the first documents of ``data.val_sources``, read in
 order in the training process until ``eval_sequences`` packed sequences are full: the
 same set whatever the number of hosts (each takes its rows of every eval batch).
@@ -55,32 +60,31 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import gzip
 import hashlib
 import json
 import os
-import signal
 import sys
-import threading
-import time
-import zlib
-from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from train.config import ConfigError, DataSection
-from train.data.loader import epoch_permutation
+from train.data.records import (  # noqa: F401 (re-exported: the stream's public names)
+    REPORTED_BAD_RECORDS,
+    RecordReader,
+    name_some,
+    probe_shards,
+    require_pyarrow,
+    shard_format,
+    unencodable,
+)
 from train.data.sources import DataError, resolve_sources
 from train.data.tokenizer import TextTokenizer, TokenizerError, load_hf
 
 CHUNK_DOCS = 64  # documents per tokenized chunk (part of the data order: in the fingerprint)
 STATE_VERSION = 1
-REPORTED_BAD_RECORDS = 10  # skipped records reported one by one; then a summary now and then
-BAD_RECORD_SUMMARY_S = 30.0  # seconds between two summaries of the records skipped since
-PROBLEMS_PER_CHUNK = 10  # skipped records' messages a chunk carries (all are counted)
 
 
 # ------------------------------------------------------------------------------ shards
@@ -101,462 +105,18 @@ def host_shards(files: Sequence[Any], process_index: int, process_count: int) ->
     return list(files[process_index::process_count])
 
 
-def shard_format(path: Path) -> str:
-    """'jsonl' for .json/.jsonl(.gz), 'parquet' for .parquet; DataError otherwise."""
-    name = path.name.lower().removesuffix(".gz")
-    if name.endswith((".json", ".jsonl")):
-        return "jsonl"
-    if path.name.lower().endswith(".parquet"):
-        return "parquet"
-    raise DataError(f"{path}: data.loader grain reads JSON lines (.json/.jsonl, .gz or not; C4 "
-                    "shards) and parquet files; for plain text use data.loader: prepared")
-
-
-def _require_pyarrow(what: str) -> Any:
+def _pipeline() -> Any:
+    """`train.data.grain_pipeline`, which imports grain (an optional dependency)."""
     try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ConfigError(f"{what}: reading parquet needs the 'pyarrow' package, which is not "
-                          "installed (pip install pyarrow)") from None
-    return pq
-
-
-@functools.lru_cache(maxsize=4)
-def _order(n: int, seed: int, epoch: int) -> np.ndarray:
-    return epoch_permutation(n, seed, epoch)
-
-
-# ----------------------------------------------------------------------------- records
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RecordReader:
-    """Reads the documents of one shard from a line (row) on; see `records`."""
-
-    text_key: str = "text"
-    on_bad_record: str = "error"
-
-    def records(self, path: str, start: int = 0) -> Iterator[tuple[int, str | None, str | None]]:
-        """Yield ``(lines consumed so far, text or None, problem or None)`` from line (row)
-        ``start`` on (0-based; the lines before it are read and dropped).
-
-        A problem raises DataError naming the file and line under ``on_bad_record:
-        error``; under ``skip`` it is yielded as the problem of that line (text None).
-        Empty documents yield ``(n, None, None)``.
-        """
-        p = Path(path)
-        kind = shard_format(p)
-        gen = self._parquet(p, start) if kind == "parquet" else self._jsonl(p, start)
-        for n, text, problem in gen:
-            if problem is not None and self.on_bad_record == "error":
-                raise DataError(f"{problem} (data.on_bad_record: skip would skip it and count "
-                                "it in the metrics)")
-            yield n, text, problem
-
-    def _jsonl(self, p: Path, start: int) -> Iterator[tuple[int, str | None, str | None]]:
-        gz = p.name.lower().endswith(".gz")
-        n = 0
-        try:
-            f = gzip.open(p, "rb") if gz else open(p, "rb")  # noqa: SIM115 (closed below)
-        except OSError as e:
-            raise DataError(f"{p}: cannot open ({e})") from None
-        with f:
-            while True:
-                try:
-                    raw = f.readline()
-                except (OSError, EOFError, zlib.error) as e:
-                    kind = "corrupt or truncated gzip data" if gz else "read error"
-                    yield n, None, (f"{p}: line {n + 1}: {kind} ({type(e).__name__}: {e}); the "
-                                    "rest of this file cannot be read")
-                    return
-                if not raw:
-                    return
-                n += 1
-                if n <= start:
-                    continue
-                yield n, *self._parse(raw, p, n)
-
-    def _parse(self, raw: bytes, p: Path, n: int) -> tuple[str | None, str | None]:
-        if not raw.strip():
-            return None, None
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            return None, f"{p}: line {n}: invalid UTF-8 ({e.reason})"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            return None, f"{p}: line {n}: invalid JSON ({e.msg})"
-        except RecursionError:
-            return None, f"{p}: line {n}: JSON nested too deeply to parse"
-        if not isinstance(obj, dict) or self.text_key not in obj:
-            return None, f"{p}: line {n}: no {self.text_key!r} field (set data.text_key)"
-        text = obj[self.text_key]
-        if not isinstance(text, str):
-            return None, f"{p}: line {n}: field {self.text_key!r} is not a string"
-        bad = unencodable(text)
-        if bad is not None:
-            return None, f"{p}: line {n}: field {self.text_key!r} {bad}"
-        return (text or None), None
-
-    def _parquet(self, p: Path, start: int) -> Iterator[tuple[int, str | None, str | None]]:
-        """Rows row group by row group: a row group that cannot be read (a corrupt page) is
-        one problem, after which reading goes on at the next row group (its rows count as
-        consumed, so line numbers and resume positions stay those of the file)."""
-        pq = _require_pyarrow("data.sources")
-        try:
-            pf = pq.ParquetFile(p)
-            groups = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
-        except Exception as e:  # noqa: BLE001 (pyarrow raises assorted types)
-            yield 0, None, f"{p}: not a readable parquet file ({type(e).__name__}: {e})"
-            return
-        if self.text_key not in pf.schema_arrow.names:
-            raise DataError(f"{p}: no column {self.text_key!r} (set data.text_key); columns: "
-                            f"{', '.join(pf.schema_arrow.names)}")
-        n = 0
-        for g, rows in enumerate(groups):
-            end = n + rows
-            if end <= start:
-                n = end
-                continue
-            batches = pf.iter_batches(batch_size=1024, row_groups=[g], columns=[self.text_key])
-            while True:
-                try:
-                    batch = next(batches, None)
-                except Exception as e:  # noqa: BLE001 (pyarrow: OSError, ArrowInvalid, ...)
-                    yield end, None, (f"{p}: rows {n + 1}-{end} (row group {g + 1} of "
-                                      f"{len(groups)}) cannot be read ({type(e).__name__}: "
-                                      f"{e})")
-                    n = end
-                    break
-                if batch is None:
-                    break
-                for text in batch.column(0).to_pylist():
-                    n += 1
-                    if n <= start:
-                        continue
-                    if text is not None and not isinstance(text, str):
-                        yield n, None, f"{p}: row {n}: column {self.text_key!r} is not a string"
-                    elif text and (bad := unencodable(text)) is not None:
-                        yield n, None, f"{p}: row {n}: column {self.text_key!r} {bad}"
-                    else:
-                        yield n, (text or None), None
-            n = end
-
-
-def unencodable(text: str) -> str | None:
-    """Why `text` cannot be tokenized (a lone surrogate, which JSON's ``\\ud800`` escapes
-    can produce and UTF-8 cannot encode), or None."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        return (f"holds a lone surrogate ({text[e.start]!r} at character {e.start}): not "
-                "valid Unicode text")
-    return None
-
-
-def probe_shards(files: Sequence[Path], reader: RecordReader) -> None:
-    """Read each shard up to its first document (the first line of a good shard); a
-    ConfigError naming every shard that holds none (empty, blank lines, every text empty,
-    or, under ``on_bad_record: skip``, no good record). Under ``error`` a bad record met
-    before the first document is a ConfigError naming it."""
-    barren = []
-    for p in files:
-        try:
-            if not any(text is not None for _, text, _ in reader.records(str(p))):
-                barren.append(str(p))
-        except DataError as e:
-            raise ConfigError(f"data.sources: {e}") from None
-    if barren:
-        raise ConfigError(f"data.sources: {len(barren)} shard(s) hold no document (an empty "
-                          "file, blank lines, every text empty, or no good record): "
-                          f"{_name_some(barren)}; remove them from data.sources or fix them")
-
-
-def _name_some(paths: Sequence[str], most: int = 8) -> str:
-    more = f" and {len(paths) - most} more" if len(paths) > most else ""
-    return ", ".join(paths[:most]) + more
-
-
-# ------------------------------------------------------------------- grain datasets
-
-def _grain() -> Any:
-    try:
-        import grain
-    except ImportError:
+        from train.data import grain_pipeline
+    except ImportError as e:
+        if e.name is None or not e.name.startswith(("grain", "absl")):
+            raise
         raise ConfigError("data.loader: 'grain' needs the grain package, which is not "
                           "installed (pip install grain, or the project's 'train' extra)"
                           ) from None
-    # grain 0.2.18 reads an absl flag while starting worker processes and fails when the
-    # program never parsed absl flags (google/grain#1355, fixed after 0.2.18): mark them
-    # parsed (at their defaults) when nobody has.
-    from absl import flags
-
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()
-    return grain
-
-
-def _make_datasets() -> dict[str, type]:
-    """The grain dataset classes (defined once grain is imported; grain is optional)."""
-    grain = _grain()
-
-    class ShardOrder(grain.MapDataset):
-        """Index k -> (epoch, path): the host's shards in a seeded order per epoch, forever."""
-
-        def __init__(self, files: Sequence[str], seed: int):
-            super().__init__()
-            self._files, self._seed = tuple(files), int(seed)
-
-        def __len__(self) -> int:
-            return sys.maxsize
-
-        def __getitem__(self, index):
-            if isinstance(index, slice):
-                return self.slice(index)
-            epoch, k = divmod(int(index), len(self._files))
-            return epoch, self._files[int(_order(len(self._files), self._seed, epoch)[k])]
-
-        def __str__(self) -> str:
-            return f"ShardOrder({len(self._files)} files, seed={self._seed})"
-
-    class ChunkIterator(grain.DatasetIterator):
-        def __init__(self, parent, reader: RecordReader, chunk_docs: int, n_files: int):
-            super().__init__(parent)
-            self._reader, self._chunk_docs, self._n_files = reader, chunk_docs, n_files
-            self._file_state = self._parent.get_state()  # the parent's state before the file
-            self._file: tuple[int, str] | None = None
-            self._records: Iterator | None = None
-            self._line = 0
-            self._file_docs = 0  # documents read from the open file
-            # Files read to their end since the last document: once it holds every file,
-            # no document can ever come (all empty, or no good record): an error, not a spin.
-            self._barren: set[str] = set()
-
-        def _open(self, skip: int) -> None:
-            self._records = self._reader.records(self._file[1], skip)
-            self._line, self._file_docs = skip, 0
-
-        def _file_done(self) -> None:
-            self._records = None
-            if self._file_docs == 0:
-                self._barren.add(self._file[1])
-                if len(self._barren) >= self._n_files:
-                    raise DataError(
-                        f"no document in any of this process's {self._n_files} shard(s): "
-                        f"{_name_some(sorted(self._barren))} (each is empty, blank lines, has "
-                        "every text empty, or holds no good record); remove such shards from "
-                        "data.sources or fix them")
-
-        def __next__(self):
-            while True:
-                if self._records is None:
-                    self._file_state = self._parent.get_state()
-                    self._file = next(self._parent)
-                    self._open(0)
-                docs, problems, n_problems, first = [], [], 0, self._line + 1
-                while len(docs) < self._chunk_docs:
-                    try:
-                        n, text, problem = next(self._records)
-                    except StopIteration:
-                        self._file_done()
-                        break
-                    self._line = n
-                    if problem is not None:
-                        n_problems += 1
-                        if len(problems) < PROBLEMS_PER_CHUNK:
-                            problems.append(problem)
-                    elif text is not None:
-                        docs.append(text)
-                        self._file_docs += 1
-                        self._barren.clear()
-                if docs or n_problems:
-                    return {"docs": docs, "problems": problems, "n_problems": n_problems,
-                            "epoch": self._file[0], "where": f"{self._file[1]}:{first}"}
-
-        def get_state(self) -> dict[str, Any]:
-            if self._records is None:
-                return {"parent": self._parent.get_state(), "line": 0, "open": False}
-            return {"parent": self._file_state, "line": self._line, "open": True}
-
-        def set_state(self, state: dict[str, Any]) -> None:
-            self._parent.set_state(state["parent"])
-            self._file_state = state["parent"]
-            self._records = None
-            if state["open"]:
-                self._file = next(self._parent)
-                self._open(int(state["line"]))
-
-    class Chunks(grain.IterDataset):
-        """Chunks of up to `chunk_docs` documents read from the parent's shards."""
-
-        def __init__(self, parent, reader: RecordReader, chunk_docs: int, n_files: int):
-            super().__init__(parent)
-            self._reader, self._chunk_docs, self._n_files = reader, chunk_docs, n_files
-
-        def __iter__(self):
-            return ChunkIterator(self._parent.__iter__(), self._reader, self._chunk_docs,
-                                 self._n_files)
-
-    class PackIterator(grain.DatasetIterator):
-        def __init__(self, parent, seq_len: int):
-            super().__init__(parent)
-            self._T = seq_len
-            self._entries: deque[list[Any]] = deque()  # [state before, bad before, tokens, epoch]
-            self._skip = 0  # tokens of entries[0] already behind the next sequence's start
-            self._avail = 0
-            self._bad = 0  # records skipped in every chunk pulled so far
-            self._epoch = 0
-            self._log = BadRecordLog()
-
-        def _pull(self) -> None:
-            before = self._parent.get_state()
-            el = next(self._parent)
-            self._log.report(el["problems"], int(el["n_problems"]))
-            self._entries.append([before, self._bad, el["tokens"], int(el["epoch"])])
-            self._bad += int(el["n_problems"])
-            self._avail += len(el["tokens"])
-
-        def __next__(self) -> np.ndarray:
-            T = self._T
-            while self._avail - self._skip < T + 1:
-                self._pull()
-            out = np.empty(T + 1, np.uint32)
-            filled, skip = 0, self._skip
-            for _, _, toks, _ in self._entries:
-                take = toks[skip:skip + T + 1 - filled]
-                out[filled:filled + len(take)] = take
-                filled += len(take)
-                skip = 0
-                if filled == T + 1:
-                    break
-            self._epoch = self._entries[0][3]
-            self._skip += T
-            while self._skip >= len(self._entries[0][2]):
-                self._skip -= len(self._entries[0][2])
-                self._avail -= len(self._entries[0][2])
-                self._entries.popleft()
-            return out
-
-        def get_state(self) -> dict[str, Any]:
-            if not self._entries:
-                return {"parent": self._parent.get_state(), "skip": 0, "bad": self._bad,
-                        "epoch": self._epoch}
-            head = self._entries[0]
-            return {"parent": head[0], "skip": self._skip, "bad": head[1], "epoch": self._epoch}
-
-        def set_state(self, state: dict[str, Any]) -> None:
-            self._parent.set_state(state["parent"])
-            self._entries.clear()
-            self._avail, self._skip = 0, 0
-            self._bad, self._epoch = int(state["bad"]), int(state["epoch"])
-            if state["skip"]:
-                self._pull()
-                self._skip = int(state["skip"])
-
-        @property
-        def bad_records(self) -> int:
-            return self._bad
-
-        @property
-        def epoch(self) -> int:
-            return self._epoch
-
-    class Pack(grain.IterDataset):
-        """Megatron-style packing: ``seq_len + 1`` token windows overlapping by one."""
-
-        def __init__(self, parent, seq_len: int):
-            super().__init__(parent)
-            self._T = seq_len
-
-        def __iter__(self):
-            return PackIterator(self._parent.__iter__(), self._T)
-
-    return {"ShardOrder": ShardOrder, "Chunks": Chunks, "Pack": Pack}
-
-
-class BadRecordLog:
-    """Reports skipped records on stderr: the first `REPORTED_BAD_RECORDS` one by one, then
-    at most one summary line per `BAD_RECORD_SUMMARY_S` seconds (a shard of millions of bad
-    lines must not write a line each)."""
-
-    def __init__(self, *, clock: Any = time.monotonic):
-        self._clock = clock
-        self._reported = 0
-        self._pending = 0  # skipped since the last line printed
-        self._latest: str | None = None
-        self._last_summary = clock()
-
-    def report(self, messages: Sequence[str], count: int) -> None:
-        """`count` records were skipped; `messages` describe the first of them."""
-        for msg in messages:
-            if self._reported < REPORTED_BAD_RECORDS:
-                self._reported += 1
-                count -= 1
-                tail = ("" if self._reported < REPORTED_BAD_RECORDS else
-                        f" (the first {REPORTED_BAD_RECORDS} are reported one by one; from now "
-                        "on a count every few seconds; data_bad_records counts them all)")
-                print(f"[data] skipped a bad record: {msg}{tail}", file=sys.stderr, flush=True)
-            self._latest = msg
-        self._pending += max(count, 0)
-        if self._pending and self._clock() - self._last_summary >= BAD_RECORD_SUMMARY_S:
-            print(f"[data] skipped {self._pending} more bad record(s); the latest: "
-                  f"{self._latest}", file=sys.stderr, flush=True)
-            self._pending, self._last_summary = 0, self._clock()
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Tokenize:
-    """The worker-side map: a chunk's documents -> one uint32 token array (EOS after each
-    document, BOS before it with `add_bos`). The tokenizer is loaded once per process."""
-
-    tokenizer: str
-    eos_token: str | None = None
-    add_bos: bool = False
-
-    @functools.cached_property
-    def _tok(self) -> TextTokenizer:
-        return load_hf(self.tokenizer, eos_token=self.eos_token, add_bos=self.add_bos)
-
-    def __getstate__(self) -> dict[str, Any]:  # the tokenizer is rebuilt in each worker
-        return {k: v for k, v in self.__dict__.items() if k != "_tok"}
-
-    def __call__(self, chunk: dict[str, Any]) -> dict[str, Any]:
-        docs = chunk.pop("docs")
-        try:
-            arrs = self._tok.encode_documents(docs) if docs else []
-        except Exception as e:  # noqa: BLE001 (the reader refuses what it knows cannot encode)
-            raise DataError(f"{chunk['where']}: the tokenizer failed on a document of the "
-                            f"{len(docs)} from this line on ({type(e).__name__}: {e})") from None
-        chunk["tokens"] = np.concatenate(arrs) if arrs else np.zeros((0,), np.uint32)
-        return chunk
-
-
-def _worker_init(worker_index: int, worker_count: int, *, parent_pid: int) -> None:
-    """Set up a grain worker process: one tokenizer thread, no signal handling of its own,
-    and death with its parent."""
-    # One core per worker: the Rust tokenizer would otherwise start a thread per core in
-    # every worker (and per-worker throughput would not mean one process).
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    # Ctrl-C reaches the terminal's whole process group, and SLURM signals every process of
-    # a step: the trainer decides (it saves, then closes the workers); a worker's own
-    # KeyboardInterrupt would print a traceback and leave shared memory behind.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _watch_parent(parent_pid)
-
-
-def _watch_parent(parent_pid: int, period_s: float = 0.5) -> None:
-    """End this process once `parent_pid` is no longer its parent (the trainer was killed:
-    SIGKILL runs no cleanup, and a worker left behind holds memory and the trainer's
-    stdout/stderr). A thread polling the parent's pid rather than prctl(PR_SET_PDEATHSIG):
-    grain starts its workers from helper threads, and that signal fires when the starting
-    thread ends, not the process."""
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(period_s)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="mxjax-parent-watch", daemon=True).start()
+    grain_pipeline.mark_absl_flags_parsed()
+    return grain_pipeline
 
 
 # ------------------------------------------------------------------------- the spec
@@ -594,22 +154,21 @@ class StreamSpec:
     def chunk_dataset(self) -> Any:
         """The grain `IterDataset` of tokenized chunks before packing: dicts with 'tokens'
         (uint32), 'problems' (skipped records), 'epoch' and 'where' (file:first line)."""
-        grain = _grain()
-        ds = _make_datasets()
+        gp = _pipeline()
         reader = RecordReader(text_key=self.text_key, on_bad_record=self.on_bad_record)
-        it = ds["ShardOrder"](self.files, self.seed).to_iter_dataset()
-        it = ds["Chunks"](it, reader, self.chunk_docs, len(set(self.files)))
-        it = it.map(Tokenize(tokenizer=self.tokenizer, eos_token=self.eos_token,
-                             add_bos=self.add_bos))
+        it = gp.ShardOrder(self.files, self.seed).to_iter_dataset()
+        it = gp.Chunks(it, reader, self.chunk_docs, len(set(self.files)))
+        it = it.map(gp.Tokenize(tokenizer=self.tokenizer, eos_token=self.eos_token,
+                                add_bos=self.add_bos))
         if self.workers:
-            it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.workers),
-                                worker_init_fn=functools.partial(_worker_init,
+            it = it.mp_prefetch(gp.grain.MultiprocessingOptions(num_workers=self.workers),
+                                worker_init_fn=functools.partial(gp.worker_init,
                                                                  parent_pid=os.getpid()))
         return it
 
     def dataset(self) -> Any:
         """The grain `IterDataset` of packed sequences (uint32[seq_len + 1])."""
-        return _make_datasets()["Pack"](self.chunk_dataset(), self.seq_len)
+        return _pipeline().Pack(self.chunk_dataset(), self.seq_len)
 
 
 def spec_for_process(data: DataSection, seed: int, process_index: int,
@@ -634,11 +193,12 @@ class StreamLoader:
     """
 
     def __init__(self, spec: StreamSpec, *, global_batch: int, process_count: int = 1,
-                 vocab_size: int | None = None):
+                 process_index: int = 0, vocab_size: int | None = None):
         if global_batch % process_count:
             raise ConfigError(f"train.global_batch ({global_batch}) must be divisible by the "
                               f"number of processes ({process_count})")
         self.spec, self.local = spec, global_batch // process_count
+        self.process_index, self.process_count = process_index, process_count
         self.vocab_size = vocab_size
         self._ds = spec.dataset()
         self._it: Any = None
@@ -705,6 +265,27 @@ class StreamLoader:
         self._it = self._ds.__iter__()
         self._it.set_state(state["iterator"])
         self._next, self._before = step, None
+
+    def checkpoint_record(self, step: int) -> dict[str, Any]:
+        """What a checkpoint at `step` records: every process's stream state
+        (``data_state``; a collective on several processes)."""
+        return {"data_state": gather_states(self.state_for(step))}
+
+    def resume(self, record: Mapping[str, Any], step: int) -> None:
+        """Continue from the checkpoint of `step` whose record is `record` (this process's
+        state among ``data_state``)."""
+        states = record.get("data_state")
+        pc = self.process_count
+        if not isinstance(states, list) or len(states) != pc:
+            have = len(states) if isinstance(states, list) else "no"
+            raise DataError(f"checkpoint step {step} holds {have} data-loader states "
+                            f"for {pc} processes; it cannot be resumed exactly")
+        self.restore(states[self.process_index], step)
+
+    def metrics(self) -> dict[str, Any]:
+        """``data_bad_records``: the records skipped over every process (a collective on
+        several processes)."""
+        return {"data_bad_records": sum_over_processes(self.bad_records)}
 
     @property
     def bad_records(self) -> int:
@@ -812,7 +393,7 @@ def check_stream(data: DataSection) -> list[Path]:
             except DataError as e:
                 raise ConfigError(f"{what}: {e}") from None
             if kind == "parquet":
-                _require_pyarrow(what)
+                require_pyarrow(what)
     if not Path(data.tokenizer).is_file():
         raise ConfigError(f"data.tokenizer: file not found: {data.tokenizer}")
     try:
@@ -881,9 +462,9 @@ def file_changes(old: Sequence[Sequence[Any]], new: Sequence[Sequence[Any]]) -> 
     n = {str(e[0]): tuple(e[1:]) for e in new}
     out = []
     if added := [k for k in n if k not in o]:
-        out.append(f"added {_name_some(added)}")
+        out.append(f"added {name_some(added)}")
     if removed := [k for k in o if k not in n]:
-        out.append(f"removed {_name_some(removed)}")
+        out.append(f"removed {name_some(removed)}")
     changed = [k for k in n if k in o and n[k] != o[k]]
     if changed:
         sizes = ", ".join(f"{k} ({o[k][0]} -> {n[k][0]} bytes)" if o[k][0] != n[k][0]
