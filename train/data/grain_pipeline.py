@@ -79,6 +79,7 @@ class ChunkIterator(grain.DatasetIterator):
         # Files read to their end since the last document: once it holds every file,
         # no document can ever come (all empty, or no good record): an error, not a spin.
         self._barren: set[str] = set()
+        self._last_problem: str | None = None  # the latest bad record, for that error
 
     def _open(self, skip: int) -> None:
         self._records = self._reader.records(self._file[1], skip)
@@ -93,7 +94,9 @@ class ChunkIterator(grain.DatasetIterator):
                     f"no document in any of this process's {self._n_files} shard(s): "
                     f"{name_some(sorted(self._barren))} (each is empty, blank lines, has "
                     "every text empty, or holds no good record); remove such shards from "
-                    "data.sources or fix them")
+                    "data.sources or fix them"
+                    + (f" (the latest bad record: {self._last_problem})"
+                       if self._last_problem else ""))
 
     def __next__(self):
         while True:
@@ -111,6 +114,7 @@ class ChunkIterator(grain.DatasetIterator):
                 self._line = n
                 if problem is not None:
                     n_problems += 1
+                    self._last_problem = problem
                     if len(problems) < PROBLEMS_PER_CHUNK:
                         problems.append(problem)
                 elif text is not None:

@@ -135,6 +135,7 @@ def test_skip_with_no_good_record_is_a_bounded_error(shards, tmp_path, kind, cap
     with within(20), pytest.raises(DataError, match="no document") as e:
         loader.batch(0)
     assert str(p) in str(e.value)
+    assert f"the latest bad record: {p}: line " in str(e.value)  # why: not gzip, not JSON
     err = capfd.readouterr().err
     assert len(err.splitlines()) <= stream.REPORTED_BAD_RECORDS + 2, err[:2000]
 
