@@ -101,7 +101,8 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("loop", "commands"),
         ("__main__",),
     ),
-    "train.data": (("sources", "tokenizer"), ("cache", "loader"), ("stream",), ("__main__",)),
+    "train.data": (("sources", "tokenizer"), ("cache", "loader", "records"), ("grain_pipeline",),
+                   ("stream",), ("run_data",), ("__main__",)),
     "train.output": (("metrics", "mlperf", "tensorboard_log"), ("summary",), ("previous",)),
     "train.diagnostics": (("dynamics",), ("numerics",)),
     #  - the policies and the statistics need nothing of the study; the config names the

@@ -49,7 +49,25 @@ def _comparable(key: str, value: Any) -> Any:
     if key == "policy" and isinstance(value, Mapping):
         return {k: ({f: x for f, x in v.items() if f != "backend"} if isinstance(v, Mapping)
                     else v) for k, v in value.items() if k != "name"}
+    if key == "data" and isinstance(value, Mapping):  # its "files" are compared on their own
+        return {k: v for k, v in value.items() if k != "files"}
     return value
+
+
+def _data_file_changes(old: Any, new: Any) -> list[str]:
+    """The grain sources' changes ("sources: added x; changed y ..."), when both fingerprints
+    list their files (checkpoints written before the listing existed are compared by names
+    and sizes only)."""
+    of = old.get("files") if isinstance(old, Mapping) else None
+    nf = new.get("files") if isinstance(new, Mapping) else None
+    if not isinstance(of, Mapping) or not isinstance(nf, Mapping):
+        return []
+    out = []
+    for key in ("sources", "val_sources"):
+        changes = stream_data.file_changes(of.get(key, []), nf.get(key, []))
+        if changes:
+            out.append(f"data.{key}: " + "; ".join(changes))
+    return out
 
 
 def check_compatible(meta: Mapping[str, Any], want: Mapping[str, Any], where: Path,
@@ -57,26 +75,41 @@ def check_compatible(meta: Mapping[str, Any], want: Mapping[str, Any], where: Pa
     """Raise IncompatibleCheckpointError listing what differs between a checkpoint's
     ``meta['compat']`` and this run's `fingerprint` (`want`)."""
     have = meta.get("compat", {})
-    diffs = [k for k, v in want.items() if _comparable(k, have.get(k)) != _comparable(k, v)]
+    files = _data_file_changes(have.get("data"), want.get("data"))
+    diffs = [k for k, v in want.items()
+             if _comparable(k, have.get(k)) != _comparable(k, v) or (k == "data" and files)]
     if not diffs:
         return
     lines = []
     for k in diffs:
-        old, new = have.get(k), want[k]
-        if isinstance(old, Mapping) and isinstance(new, Mapping):
+        old, new = _comparable(k, have.get(k)), _comparable(k, want[k])
+        if k == "data" and files:
+            shown = {"sources", "n_sources", "val_sources"}  # what the file changes explain
+            sub = sorted(s for s in set(old) | set(new)
+                         if old.get(s) != new.get(s) and s not in shown)
+            detail = "; ".join(files + [f"{s}: {old.get(s)!r} -> {new.get(s)!r}"
+                                        for s in sub[:4]])
+        elif isinstance(old, Mapping) and isinstance(new, Mapping):
             sub = sorted(s for s in set(old) | set(new) if old.get(s) != new.get(s))
             detail = ", ".join(f"{s}: {old.get(s)!r} -> {new.get(s)!r}" for s in sub[:4])
         else:
             detail = f"{old!r} -> {new!r}"
         if k == "policy":
             detail = f"checkpoint {meta.get('policy_name')!r}, this run {policy_name!r}"
-        lines.append(f"  {k}: {detail[:300]}")
+        lines.append(f"  {k}: {detail[:1200 if k == 'data' and files else 300]}")
         if k == "optim" and old.get("decay_steps") != new.get("decay_steps"):
             lines.append(f"  (optim.decay_steps defaults to train.steps; to train longer on the "
                          f"old schedule set optim.decay_steps={old.get('decay_steps')})")
         if k == "eval":
             lines.append("  (resuming would put evaluations on two validation sets in one "
                          "history; keep the old train.* eval settings or start a new --out)")
+        if k == "data" and files:
+            lines.append("  (the stream's position in the checkpoint is a shard and line of "
+                         "those files: put them back as they were, with the same names and "
+                         "contents, and run the same command again; to go on training on the "
+                         "changed files, export this run's weights (python -m train export-hf "
+                         "RUN_DIR HF_DIR) and start a new --out with --set "
+                         "model.init_from=HF_DIR)")
     raise IncompatibleCheckpointError(
         f"the checkpoints in {where} were written by a different run setup and cannot be "
         f"resumed:\n" + "\n".join(lines) + "\nUse another output directory (--out) or delete "

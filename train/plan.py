@@ -244,7 +244,9 @@ def _validate_stream(config: Config, policy: PrecisionPolicy | None, name: str,
     """`validate`'s data.loader grain branch: no document of the training shards is read."""
     d, t = config.data, config.train
     files = stream_data.check_stream(d)
-    stream_data.host_shards(files, jax.process_index(), jax.process_count())
+    mine = stream_data.host_shards(files, jax.process_index(), jax.process_count())
+    stream_data.probe_shards(mine, stream_data.RecordReader(text_key=d.text_key,
+                                                             on_bad_record=d.on_bad_record))
     tok = load_hf(d.tokenizer, eos_token=d.eos_token, add_bos=d.add_bos)
     # every id the tokenizer can produce must fit the model
     mc = build_model_config(config, tok.vocab_size, tok.vocab_size - 1)

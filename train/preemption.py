@@ -21,16 +21,17 @@ one process (saved and stopped like a preemption) and a failed checkpoint write.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 
 import numpy as np
 
 __all__ = ["PREEMPTED_EXIT", "STOP_DATA_ERROR", "STOP_NONE", "STOP_SIGNAL", "STOP_WRITE_FAILED",
-           "StopSignals", "agree"]
+           "StopRequested", "StopSignals", "agree"]
 
 # sysexits.h EX_TEMPFAIL ("try again later"): the run stopped cleanly on a signal
 # after saving a checkpoint; the same command resumes it.
@@ -41,6 +42,11 @@ STOP_NONE = 0
 STOP_SIGNAL = 1  # a SIGTERM/SIGINT arrived: save and stop
 STOP_DATA_ERROR = 2  # the next batch is damaged (token ids outside the vocabulary): save, stop
 STOP_WRITE_FAILED = 3  # a checkpoint write failed on some process: stop, nothing to save
+
+
+class StopRequested(Exception):
+    """Raised by a stop signal inside `StopSignals.interrupting`: what was running is
+    abandoned (the data pipeline waiting for, or spinning over, its next batch)."""
 
 
 class StopSignals:
@@ -62,14 +68,31 @@ class StopSignals:
         self._previous: dict[int, object] = {}
         self.requested: str | None = None
         self.installed = False
+        self._interrupting = False
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         for s in self._signals:
             signal.signal(s, signal.SIG_DFL)
         self.requested = name
+        if self._interrupting:
+            self._interrupting = False
+            self._log(f"{name} received while waiting for data: saving a checkpoint of the "
+                      "last step and stopping (send it again to exit at once)")
+            raise StopRequested(name)
         self._log(f"{name} received: finishing the current step, then saving a checkpoint and "
                   "stopping (send it again to exit at once)")
+
+    @contextlib.contextmanager
+    def interrupting(self) -> Iterator[None]:
+        """While inside, a stop signal raises `StopRequested` at once (in the main thread)
+        instead of waiting for the block to end: for a wait that may never end, such as
+        the data pipeline's next batch. Nothing is raised for a signal that came before."""
+        self._interrupting = self.installed and self.requested is None
+        try:
+            yield
+        finally:
+            self._interrupting = False
 
     def __enter__(self) -> StopSignals:  # noqa: PYI034
         if threading.current_thread() is threading.main_thread():

@@ -21,7 +21,8 @@ from models import sharding as shd
 from mxjax import PrecisionPolicy
 from train import data as datamod
 from train.config import ConfigError
-from train.data import stream as stream_data
+from train.data.loader import BatchLoader
+from train.data.run_data import PreparedRunData, StreamRunData, run_data
 from train.hooks import Hooks
 from train.optimizer import make_optimizer
 from train.plan import Plan, with_backend
@@ -40,7 +41,10 @@ class CompiledRun:
       mesh: the (data, fsdp, tensor) mesh of ``plan.mesh_axes``.
       tx, schedule: the optax transformation and the learning-rate schedule.
       layout: the `StateLayout` (abstract state, shardings, the jitted fresh init).
-      train_sequences: the packed training split (token ids checked on read).
+      data: the run's data as this process reads it (`train.data.run_data`: the prepared
+        cache or the grain stream, one interface).
+      train_sequences: the packed training split (token ids checked on read); None for a
+        stream.
       eval_batches: this process's rows of every validation batch, int32[b, T+1].
     """
 
@@ -58,21 +62,15 @@ class CompiledRun:
         if plan.eval_batch % pc:
             raise ConfigError(f"the eval batch ({plan.eval_batch}) must be divisible by the "
                               f"number of processes ({pc})")
-        T = c.data.seq_len
-        V = plan.model_config.vocab_size  # batches with ids outside it are refused on the host
-        if plan.stream is None:
-            self.train_sequences = datamod.Sequences(
-                plan.prepared.tokens("train"), T, vocab_size=V,
-                source=plan.prepared.path / "train.bin")
-            val = datamod.Sequences(plan.prepared.tokens("val"), T, vocab_size=V,
-                                    source=plan.prepared.path / "val.bin")
-        else:  # data.loader grain: the training stream is opened by `loader`
-            self.train_sequences = None
-            val = datamod.Sequences(plan.stream.val_tokens, T, vocab_size=V,
-                                    source=", ".join(c.data.val_sources))
+        self.data: PreparedRunData | StreamRunData = run_data(
+            c.data, prepared=plan.prepared, stream=plan.stream,
+            # batches with ids outside the model's vocabulary are refused on the host
+            vocab_size=plan.model_config.vocab_size, global_batch=c.train.global_batch,
+            process_index=pi, process_count=pc)
+        self.train_sequences = self.data.train
         per = plan.eval_batch // pc
         self.eval_batches = [b[pi * per:(pi + 1) * per]
-                             for b in datamod.eval_batches(val, c.train.eval_sequences,
+                             for b in datamod.eval_batches(self.data.val, c.train.eval_sequences,
                                                            plan.eval_batch)]
 
     @property
@@ -144,61 +142,35 @@ class CompiledRun:
         """The global batch from this process's rows int32[b_local, T+1], on the mesh."""
         return put_batch(local, self.layout.batch)
 
-    def loader(self, seed: int) -> datamod.TrainLoader | stream_data.StreamLoader:
-        """The deterministic batch stream of `seed` (this process's rows of each batch):
-        a `TrainLoader` (random access by step) for the prepared data, a
+    def loader(self, seed: int) -> BatchLoader:
+        """The deterministic batch stream of `seed` (this process's rows of each batch): a
+        `train.data.loader.TrainLoader` (random access by step) for the prepared data, a
         `train.data.stream.StreamLoader` (consecutive steps, resumable state) for grain."""
-        c = self.config
-        if self.plan.stream is not None:
-            spec = stream_data.spec_for_process(c.data, seed, jax.process_index(),
-                                                jax.process_count())
-            return stream_data.StreamLoader(spec, global_batch=c.train.global_batch,
-                                            process_count=jax.process_count(),
-                                            vocab_size=self.plan.model_config.vocab_size)
-        return datamod.TrainLoader(self.train_sequences,
-                                   global_batch=c.train.global_batch, seed=seed,
-                                   process_index=jax.process_index(),
-                                   process_count=jax.process_count())
+        return self.data.loader(seed)
 
     @property
     def train_samples(self) -> int | None:
         """Training sequences (of the prepared data); None for a stream (not counted)."""
-        return None if self.train_sequences is None else len(self.train_sequences)
+        return self.data.train_samples
 
     def data_summary(self) -> str:
         """One line on the training data, for the run's log."""
-        T = self.config.data.seq_len
-        if self.plan.stream is None:
-            return f"{len(self.train_sequences)} train sequences of {T} tokens"
-        return (f"{self.plan.stream.n_sources} shards streamed (grain, "
-                f"{self.config.data.workers} workers per process) into sequences of {T} tokens")
+        return self.data.summary()
 
-    def loader_record(self, loader: Any, step: int) -> dict[str, Any]:
+    def loader_record(self, loader: BatchLoader, step: int) -> dict[str, Any]:
         """What a checkpoint at `step` records of the loader: every process's stream state
         (``data_state``, a collective on several processes) for grain; nothing for the
         prepared data, whose position is the step."""
-        if self.plan.stream is None:
-            return {}
-        return {"data_state": stream_data.gather_states(loader.state_for(step))}
+        return loader.checkpoint_record(step)
 
-    def restore_loader(self, loader: Any, meta: dict[str, Any], step: int) -> None:
+    def restore_loader(self, loader: BatchLoader, meta: dict[str, Any], step: int) -> None:
         """Put the loader where the checkpoint of `step` (its record `meta`) left it."""
-        if self.plan.stream is None:
-            return
-        states = meta.get("data_state")
-        pc = jax.process_count()
-        if not isinstance(states, list) or len(states) != pc:
-            have = len(states) if isinstance(states, list) else "no"
-            raise datamod.DataError(f"checkpoint step {step} holds {have} data-loader states "
-                                    f"for {pc} processes; it cannot be resumed exactly")
-        loader.restore(states[jax.process_index()], step)
+        loader.resume(meta, step)
 
-    def loader_metrics(self, loader: Any) -> dict[str, Any]:
+    def loader_metrics(self, loader: BatchLoader) -> dict[str, Any]:
         """Metrics of the loader for a record: the bad records skipped over every process
         (``data_bad_records``; a collective on several processes) for grain."""
-        if self.plan.stream is None:
-            return {}
-        return {"data_bad_records": stream_data.sum_over_processes(loader.bad_records)}
+        return loader.metrics()
 
     def evaluate(self, params: Any, policy: PrecisionPolicy | None,
                  policy_base: jax.Array) -> float:

@@ -52,7 +52,14 @@ from train.output.summary import (
 )
 from train.output.tensorboard_log import TensorBoardWriter
 from train.plan import Plan
-from train.preemption import STOP_DATA_ERROR, STOP_SIGNAL, STOP_WRITE_FAILED, StopSignals, agree
+from train.preemption import (
+    STOP_DATA_ERROR,
+    STOP_SIGNAL,
+    STOP_WRITE_FAILED,
+    StopRequested,
+    StopSignals,
+    agree,
+)
 from train.process import fetch
 from train.run import CompiledRun
 from train.run_lock import RunDirNotWritable
@@ -107,6 +114,10 @@ class Trainer:
         self.tokens_per_step = run.tokens_per_step
         self.policy_base = policy_base_key(c.seed)
         self._metrics: MetricsWriter | None = None  # the primary's, once training starts
+        # What a checkpoint must match, computed once: a save never reads the data files
+        # again (a shard, tokenizer or validation file gone by then cannot fail it), and
+        # every checkpoint of this process records the data as it was when it started.
+        self.compat = fingerprint(plan)
 
     def init_state(self):
         return self.compiled.init_state(self.cfg.seed)
@@ -137,7 +148,7 @@ class Trainer:
         return {"status": status, "samples": step * c.train.global_batch,
                 "tokens": step * self.tokens_per_step, "epoch": self.loader.epoch(step),
                 "skipped": skipped, "time_s": time_s, "policy_name": self.plan.policy_name,
-                "config": c.to_dict(), "compat": fingerprint(self.plan),
+                "config": c.to_dict(), "compat": self.compat,
                 "execution": execution.record(self.plan, jax.device_count()), "segments": segments,
                 **self.compiled.loader_record(self.loader, step)}
 
@@ -195,7 +206,7 @@ class Trainer:
             latest = ckpt.latest_step()
             try:
                 meta = ckpt.read_meta(latest)
-                check_compatible(meta, fingerprint(self.plan), ckpt.directory,
+                check_compatible(meta, self.compat, ckpt.directory,
                                  self.plan.policy_name)
                 state = ckpt.restore(latest, self.abs_state, meta)
                 self.compiled.restore_loader(self.loader, meta, latest)
@@ -331,9 +342,12 @@ class Trainer:
             while step < t.steps:
                 t0 = time.time()
                 try:
-                    local, data_error = self.loader.batch(step), None
+                    with signals.interrupting():  # the pipeline may wait long, or spin
+                        local, data_error = self.loader.batch(step), None
                 except datamod.DataError as e:
                     local, data_error = None, e
+                except StopRequested:  # signals.requested is set: saved and stopped below
+                    local, data_error = None, None
                 # Every process stops at the same step boundary, or none does.
                 code = agree(max(STOP_SIGNAL if signals.requested else 0,
                                  STOP_DATA_ERROR if data_error is not None else 0,

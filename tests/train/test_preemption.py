@@ -74,3 +74,49 @@ def test_second_signal_ends_the_process_at_once():
     assert p.stdout == "first: SIGINT\n", p.stdout + p.stderr
     assert p.returncode == -signal.SIGTERM
     assert "Traceback" not in p.stderr
+
+
+def test_interrupting_raises_at_once_and_only_inside():
+    """Inside `interrupting` a stop signal abandons what runs (a data pipeline spinning or
+    waiting), as StopRequested; `requested` is set either way."""
+    with StopSignals(log=lambda m: None) as stop:
+        with pytest.raises(preemption.StopRequested), stop.interrupting():
+            os.kill(os.getpid(), signal.SIGTERM)
+            while True:  # a spin that would never end
+                pass
+        assert stop.requested == "SIGTERM"
+    with StopSignals(log=lambda m: None) as stop:
+        os.kill(os.getpid(), signal.SIGINT)  # before the block: nothing raised inside
+        with stop.interrupting():
+            pass
+        assert stop.requested == "SIGINT"
+
+
+def test_a_stop_signal_while_the_loader_spins_saves_and_stops(tmp_path, data_cache, monkeypatch):
+    """Issue 45: a run whose data pipeline spun (an empty shard) ignored SIGTERM. A signal
+    while the next batch is awaited stops the run at once: the last step is checkpointed,
+    status preempted (exit 75)."""
+    import time
+
+    from tests.train.data.stream_testutil import within
+    from tests.train.train_testutil import load
+    from train import loop
+    from train.checkpoint import Checkpointer
+    from train.data.loader import TrainLoader
+
+    real = TrainLoader.batch
+
+    def spin_at_two(self, step):
+        if step == 2:
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            while True:
+                time.sleep(0.01)
+        return real(self, step)
+
+    monkeypatch.setattr(TrainLoader, "batch", spin_at_two)
+    cfg = load(tmp_path / "run", data_cache, "train.steps=5", "checkpoint.every=0")
+    with within(120):
+        s = loop.run(cfg, verbose=False)
+    assert s.status == "preempted" and s.steps == 2, s.message
+    with Checkpointer(tmp_path / "run" / "checkpoints", keep=3) as ck:
+        assert ck.latest_step() == 2

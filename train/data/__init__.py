@@ -34,8 +34,11 @@ globs, text/JSONL readers, the train/validation split, file digests),
 ``tokenizer`` (the byte-level BPE trainer and the HF tokenizer wrapper),
 ``cache`` (the prepared directory: fingerprint, ``prepare``, ``open_prepared``),
 ``loader`` (packing, the deterministic shuffle, train and eval batches),
-``stream`` (``data.loader: grain``: shards streamed, tokenized in grain worker
-processes, packed on the fly, resumable; docs/DATA.md), ``__main__`` (the CLI).
+``records`` (a shard's documents and bad records, for the stream), ``grain_pipeline``
+(the grain datasets: shard order, chunks, tokenize, pack), ``stream`` (``data.loader:
+grain``: shards streamed, tokenized in grain worker processes, packed on the fly,
+resumable; docs/DATA.md), ``run_data`` (a run's data, prepared or streamed, behind one
+interface: its loader is a ``loader.BatchLoader``), ``__main__`` (the CLI).
 The names below are re-exported so ``from train import data; data.prepare(...)`` works.
 """
 

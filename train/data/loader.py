@@ -8,7 +8,9 @@ the loader's only state is the step.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -71,8 +73,33 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
     return np.argsort(keys, kind="stable")
 
 
+class BatchLoader(Protocol):
+    """What the trainer reads its batches through: `TrainLoader` (prepared data) and
+    `train.data.stream.StreamLoader` (``data.loader: grain``) both are one.
+
+    ``batch(step)``: this process's rows int32[b_local, seq_len + 1] of step `step`'s global
+    batch (a DataError for damaged data); ``epoch(step)``: passes over the data so far;
+    ``checkpoint_record(step)``: what a checkpoint of `step` stores of the loader (a
+    collective on several processes); ``resume(record, step)``: continue from such a record;
+    ``metrics()``: the loader's fields of a metrics record (a collective on several
+    processes); ``close()``: release workers and files.
+    """
+
+    def batch(self, step: int) -> np.ndarray: ...
+
+    def epoch(self, step: int) -> float: ...
+
+    def checkpoint_record(self, step: int) -> dict[str, Any]: ...
+
+    def resume(self, record: Mapping[str, Any], step: int) -> None: ...
+
+    def metrics(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
 class TrainLoader:
-    """Deterministic shuffled batches; the only state is the step.
+    """Deterministic shuffled batches; the only state is the step (a `BatchLoader`).
 
     Step s uses global sample numbers [s*B, (s+1)*B); sample g is sequence
     ``perm_{g // n}[g % n]`` (a fresh permutation per epoch). A process of a
@@ -113,6 +140,17 @@ class TrainLoader:
 
     def epoch(self, step: int) -> float:
         return step * self.global_batch / len(self.seqs)
+
+    def checkpoint_record(self, step: int) -> dict[str, Any]:
+        """Nothing: the step is the position."""
+        return {}
+
+    def resume(self, record: Mapping[str, Any], step: int) -> None:
+        """Nothing to restore: `batch` takes any step."""
+
+    def metrics(self) -> dict[str, Any]:
+        """No loader fields in the metrics."""
+        return {}
 
     def close(self) -> None:
         """Nothing to release (the streaming loader's workers are; one interface)."""

@@ -133,11 +133,19 @@ def iter_documents(path: Path, *, fmt: str = "auto", text_key: str = "text",
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+            except RecursionError:
+                raise DataError(f"{path}:{lineno}: JSON nested too deeply to parse") from None
             if not isinstance(obj, dict) or text_key not in obj:
                 raise DataError(f"{path}:{lineno}: no {text_key!r} field (set data.text_key)")
             text = obj[text_key]
             if not isinstance(text, str):
                 raise DataError(f"{path}:{lineno}: field {text_key!r} is not a string")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise DataError(f"{path}:{lineno}: field {text_key!r} holds a lone surrogate "
+                                f"({text[e.start]!r} at character {e.start}): not valid Unicode "
+                                "text") from None
             if text:
                 yield text
 

@@ -31,11 +31,24 @@ is next, the token offset into the chunk the packer is in) is a small JSON dict;
 reopens the stream there (re-reading the current shard up to its line). The trainer
 stores every process's state in the checkpoint's record (`gather_states`).
 
-Bad records: a corrupt gzip stream, invalid UTF-8, a bad JSON line or a missing text
-field raises `DataError` naming the file and line (``data.on_bad_record: error``, the
-default). With ``skip`` the record is skipped (the rest of the shard for a corrupt
-gzip stream, which cannot be read past), reported on stderr with file and line, and
-counted (`StreamLoader.bad_records`, the ``data_bad_records`` metric).
+Bad records: a corrupt gzip stream, invalid UTF-8, a bad or too deeply nested JSON line,
+a missing text field, a text with a lone surrogate (no tokenizer takes it) or an
+unreadable parquet row group raises `DataError` naming the file and line
+(``data.on_bad_record: error``, the default). With ``skip`` the record is skipped (the
+rest of the shard for a corrupt gzip stream, which cannot be read past; the row group for
+parquet), reported on stderr (`BadRecordLog`: the first few one by one, then counts) and
+counted (`StreamLoader.bad_records`, the ``data_bad_records`` metric). Once a reader has
+read every one of its files through without a document since its last one, no document
+can come: a `DataError` naming them, not an endless loop (`probe_shards`, run by
+``--check`` and at every start, names such shards first).
+
+Workers ignore SIGINT/SIGTERM (the trainer saves, then closes them) and end themselves when
+the training process is gone (`_watch_parent`).
+
+The pieces live in their own modules: `train.data.records` reads a shard's documents,
+`train.data.grain_pipeline` holds the grain datasets of steps 1-3 (imported only when a
+stream is built: grain is optional); this module has the spec, the loader (a
+`train.data.loader.BatchLoader`), the checks and the fingerprint.
 
 Validation (`validation_tokens`): the first documents of ``data.val_sources``, read in
 order in the training process until ``eval_sequences`` packed sequences are full: the
@@ -47,21 +60,26 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import gzip
 import hashlib
 import json
 import os
 import sys
-import zlib
-from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from train.config import ConfigError, DataSection
-from train.data.loader import epoch_permutation
+from train.data.records import (  # noqa: F401 (re-exported: the stream's public names)
+    REPORTED_BAD_RECORDS,
+    RecordReader,
+    name_some,
+    probe_shards,
+    require_pyarrow,
+    shard_format,
+    unencodable,
+)
 from train.data.sources import DataError, resolve_sources
 from train.data.tokenizer import TextTokenizer, TokenizerError, load_hf
 
@@ -87,327 +105,18 @@ def host_shards(files: Sequence[Any], process_index: int, process_count: int) ->
     return list(files[process_index::process_count])
 
 
-def shard_format(path: Path) -> str:
-    """'jsonl' for .json/.jsonl(.gz), 'parquet' for .parquet; DataError otherwise."""
-    name = path.name.lower().removesuffix(".gz")
-    if name.endswith((".json", ".jsonl")):
-        return "jsonl"
-    if path.name.lower().endswith(".parquet"):
-        return "parquet"
-    raise DataError(f"{path}: data.loader grain reads JSON lines (.json/.jsonl, .gz or not; C4 "
-                    "shards) and parquet files; for plain text use data.loader: prepared")
-
-
-def _require_pyarrow(what: str) -> Any:
+def _pipeline() -> Any:
+    """`train.data.grain_pipeline`, which imports grain (an optional dependency)."""
     try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ConfigError(f"{what}: reading parquet needs the 'pyarrow' package, which is not "
-                          "installed (pip install pyarrow)") from None
-    return pq
-
-
-@functools.lru_cache(maxsize=4)
-def _order(n: int, seed: int, epoch: int) -> np.ndarray:
-    return epoch_permutation(n, seed, epoch)
-
-
-# ----------------------------------------------------------------------------- records
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RecordReader:
-    """Reads the documents of one shard from a line (row) on; see `records`."""
-
-    text_key: str = "text"
-    on_bad_record: str = "error"
-
-    def records(self, path: str, start: int = 0) -> Iterator[tuple[int, str | None, str | None]]:
-        """Yield ``(lines consumed so far, text or None, problem or None)`` from line (row)
-        ``start`` on (0-based; the lines before it are read and dropped).
-
-        A problem raises DataError naming the file and line under ``on_bad_record:
-        error``; under ``skip`` it is yielded as the problem of that line (text None).
-        Empty documents yield ``(n, None, None)``.
-        """
-        p = Path(path)
-        kind = shard_format(p)
-        gen = self._parquet(p, start) if kind == "parquet" else self._jsonl(p, start)
-        for n, text, problem in gen:
-            if problem is not None and self.on_bad_record == "error":
-                raise DataError(f"{problem} (data.on_bad_record: skip would skip it and count "
-                                "it in the metrics)")
-            yield n, text, problem
-
-    def _jsonl(self, p: Path, start: int) -> Iterator[tuple[int, str | None, str | None]]:
-        gz = p.name.lower().endswith(".gz")
-        n = 0
-        try:
-            f = gzip.open(p, "rb") if gz else open(p, "rb")  # noqa: SIM115 (closed below)
-        except OSError as e:
-            raise DataError(f"{p}: cannot open ({e})") from None
-        with f:
-            while True:
-                try:
-                    raw = f.readline()
-                except (OSError, EOFError, zlib.error) as e:
-                    kind = "corrupt or truncated gzip data" if gz else "read error"
-                    yield n, None, (f"{p}: line {n + 1}: {kind} ({type(e).__name__}: {e}); the "
-                                    "rest of this file cannot be read")
-                    return
-                if not raw:
-                    return
-                n += 1
-                if n <= start:
-                    continue
-                yield n, *self._parse(raw, p, n)
-
-    def _parse(self, raw: bytes, p: Path, n: int) -> tuple[str | None, str | None]:
-        if not raw.strip():
-            return None, None
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            return None, f"{p}: line {n}: invalid UTF-8 ({e.reason})"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            return None, f"{p}: line {n}: invalid JSON ({e.msg})"
-        if not isinstance(obj, dict) or self.text_key not in obj:
-            return None, f"{p}: line {n}: no {self.text_key!r} field (set data.text_key)"
-        text = obj[self.text_key]
-        if not isinstance(text, str):
-            return None, f"{p}: line {n}: field {self.text_key!r} is not a string"
-        return (text or None), None
-
-    def _parquet(self, p: Path, start: int) -> Iterator[tuple[int, str | None, str | None]]:
-        pq = _require_pyarrow("data.sources")
-        try:
-            pf = pq.ParquetFile(p)
-        except Exception as e:  # noqa: BLE001 (pyarrow raises assorted types)
-            raise DataError(f"{p}: not a readable parquet file ({type(e).__name__}: {e})") from None
-        if self.text_key not in pf.schema_arrow.names:
-            raise DataError(f"{p}: no column {self.text_key!r} (set data.text_key); columns: "
-                            f"{', '.join(pf.schema_arrow.names)}")
-        n = 0
-        for batch in pf.iter_batches(batch_size=1024, columns=[self.text_key]):
-            col = batch.column(0).to_pylist()
-            if n + len(col) <= start:
-                n += len(col)
-                continue
-            for text in col:
-                n += 1
-                if n <= start:
-                    continue
-                if text is not None and not isinstance(text, str):
-                    yield n, None, f"{p}: row {n}: column {self.text_key!r} is not a string"
-                else:
-                    yield n, (text or None), None
-
-
-# ------------------------------------------------------------------- grain datasets
-
-def _grain() -> Any:
-    try:
-        import grain
-    except ImportError:
+        from train.data import grain_pipeline
+    except ImportError as e:
+        if e.name is None or not e.name.startswith(("grain", "absl")):
+            raise
         raise ConfigError("data.loader: 'grain' needs the grain package, which is not "
                           "installed (pip install grain, or the project's 'train' extra)"
                           ) from None
-    # grain 0.2.18 reads an absl flag while starting worker processes and fails when the
-    # program never parsed absl flags (google/grain#1355, fixed after 0.2.18): mark them
-    # parsed (at their defaults) when nobody has.
-    from absl import flags
-
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()
-    return grain
-
-
-def _make_datasets() -> dict[str, type]:
-    """The grain dataset classes (defined once grain is imported; grain is optional)."""
-    grain = _grain()
-
-    class ShardOrder(grain.MapDataset):
-        """Index k -> (epoch, path): the host's shards in a seeded order per epoch, forever."""
-
-        def __init__(self, files: Sequence[str], seed: int):
-            super().__init__()
-            self._files, self._seed = tuple(files), int(seed)
-
-        def __len__(self) -> int:
-            return sys.maxsize
-
-        def __getitem__(self, index):
-            if isinstance(index, slice):
-                return self.slice(index)
-            epoch, k = divmod(int(index), len(self._files))
-            return epoch, self._files[int(_order(len(self._files), self._seed, epoch)[k])]
-
-        def __str__(self) -> str:
-            return f"ShardOrder({len(self._files)} files, seed={self._seed})"
-
-    class ChunkIterator(grain.DatasetIterator):
-        def __init__(self, parent, reader: RecordReader, chunk_docs: int):
-            super().__init__(parent)
-            self._reader, self._chunk_docs = reader, chunk_docs
-            self._file_state = self._parent.get_state()  # the parent's state before the file
-            self._file: tuple[int, str] | None = None
-            self._records: Iterator | None = None
-            self._line = 0
-
-        def _open(self, skip: int) -> None:
-            self._records = self._reader.records(self._file[1], skip)
-            self._line = skip
-
-        def __next__(self):
-            while True:
-                if self._records is None:
-                    self._file_state = self._parent.get_state()
-                    self._file = next(self._parent)
-                    self._open(0)
-                docs, problems, first = [], [], self._line + 1
-                while len(docs) < self._chunk_docs:
-                    try:
-                        n, text, problem = next(self._records)
-                    except StopIteration:
-                        self._records = None
-                        break
-                    self._line = n
-                    if problem is not None:
-                        problems.append(problem)
-                    elif text is not None:
-                        docs.append(text)
-                if docs or problems:
-                    return {"docs": docs, "problems": problems, "epoch": self._file[0],
-                            "where": f"{self._file[1]}:{first}"}
-
-        def get_state(self) -> dict[str, Any]:
-            if self._records is None:
-                return {"parent": self._parent.get_state(), "line": 0, "open": False}
-            return {"parent": self._file_state, "line": self._line, "open": True}
-
-        def set_state(self, state: dict[str, Any]) -> None:
-            self._parent.set_state(state["parent"])
-            self._file_state = state["parent"]
-            self._records = None
-            if state["open"]:
-                self._file = next(self._parent)
-                self._open(int(state["line"]))
-
-    class Chunks(grain.IterDataset):
-        """Chunks of up to `chunk_docs` documents read from the parent's shards."""
-
-        def __init__(self, parent, reader: RecordReader, chunk_docs: int):
-            super().__init__(parent)
-            self._reader, self._chunk_docs = reader, chunk_docs
-
-        def __iter__(self):
-            return ChunkIterator(self._parent.__iter__(), self._reader, self._chunk_docs)
-
-    class PackIterator(grain.DatasetIterator):
-        def __init__(self, parent, seq_len: int):
-            super().__init__(parent)
-            self._T = seq_len
-            self._entries: deque[list[Any]] = deque()  # [state before, bad before, tokens, epoch]
-            self._skip = 0  # tokens of entries[0] already behind the next sequence's start
-            self._avail = 0
-            self._bad = 0  # records skipped in every chunk pulled so far
-            self._epoch = 0
-
-        def _pull(self) -> None:
-            before = self._parent.get_state()
-            el = next(self._parent)
-            for msg in el["problems"]:
-                print(f"[data] skipped a bad record: {msg}", file=sys.stderr, flush=True)
-            self._entries.append([before, self._bad, el["tokens"], int(el["epoch"])])
-            self._bad += len(el["problems"])
-            self._avail += len(el["tokens"])
-
-        def __next__(self) -> np.ndarray:
-            T = self._T
-            while self._avail - self._skip < T + 1:
-                self._pull()
-            out = np.empty(T + 1, np.uint32)
-            filled, skip = 0, self._skip
-            for _, _, toks, _ in self._entries:
-                take = toks[skip:skip + T + 1 - filled]
-                out[filled:filled + len(take)] = take
-                filled += len(take)
-                skip = 0
-                if filled == T + 1:
-                    break
-            self._epoch = self._entries[0][3]
-            self._skip += T
-            while self._skip >= len(self._entries[0][2]):
-                self._skip -= len(self._entries[0][2])
-                self._avail -= len(self._entries[0][2])
-                self._entries.popleft()
-            return out
-
-        def get_state(self) -> dict[str, Any]:
-            if not self._entries:
-                return {"parent": self._parent.get_state(), "skip": 0, "bad": self._bad,
-                        "epoch": self._epoch}
-            head = self._entries[0]
-            return {"parent": head[0], "skip": self._skip, "bad": head[1], "epoch": self._epoch}
-
-        def set_state(self, state: dict[str, Any]) -> None:
-            self._parent.set_state(state["parent"])
-            self._entries.clear()
-            self._avail, self._skip = 0, 0
-            self._bad, self._epoch = int(state["bad"]), int(state["epoch"])
-            if state["skip"]:
-                self._pull()
-                self._skip = int(state["skip"])
-
-        @property
-        def bad_records(self) -> int:
-            return self._bad
-
-        @property
-        def epoch(self) -> int:
-            return self._epoch
-
-    class Pack(grain.IterDataset):
-        """Megatron-style packing: ``seq_len + 1`` token windows overlapping by one."""
-
-        def __init__(self, parent, seq_len: int):
-            super().__init__(parent)
-            self._T = seq_len
-
-        def __iter__(self):
-            return PackIterator(self._parent.__iter__(), self._T)
-
-    return {"ShardOrder": ShardOrder, "Chunks": Chunks, "Pack": Pack}
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Tokenize:
-    """The worker-side map: a chunk's documents -> one uint32 token array (EOS after each
-    document, BOS before it with `add_bos`). The tokenizer is loaded once per process."""
-
-    tokenizer: str
-    eos_token: str | None = None
-    add_bos: bool = False
-
-    @functools.cached_property
-    def _tok(self) -> TextTokenizer:
-        return load_hf(self.tokenizer, eos_token=self.eos_token, add_bos=self.add_bos)
-
-    def __getstate__(self) -> dict[str, Any]:  # the tokenizer is rebuilt in each worker
-        return {k: v for k, v in self.__dict__.items() if k != "_tok"}
-
-    def __call__(self, chunk: dict[str, Any]) -> dict[str, Any]:
-        docs = chunk.pop("docs")
-        arrs = self._tok.encode_documents(docs) if docs else []
-        chunk["tokens"] = np.concatenate(arrs) if arrs else np.zeros((0,), np.uint32)
-        return chunk
-
-
-def _worker_init(worker_index: int, worker_count: int) -> None:
-    # One core per worker: the Rust tokenizer would otherwise start a thread per core in
-    # every worker (and per-worker throughput would not mean one process).
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    grain_pipeline.mark_absl_flags_parsed()
+    return grain_pipeline
 
 
 # ------------------------------------------------------------------------- the spec
@@ -445,21 +154,21 @@ class StreamSpec:
     def chunk_dataset(self) -> Any:
         """The grain `IterDataset` of tokenized chunks before packing: dicts with 'tokens'
         (uint32), 'problems' (skipped records), 'epoch' and 'where' (file:first line)."""
-        grain = _grain()
-        ds = _make_datasets()
+        gp = _pipeline()
         reader = RecordReader(text_key=self.text_key, on_bad_record=self.on_bad_record)
-        it = ds["ShardOrder"](self.files, self.seed).to_iter_dataset()
-        it = ds["Chunks"](it, reader, self.chunk_docs)
-        it = it.map(Tokenize(tokenizer=self.tokenizer, eos_token=self.eos_token,
-                             add_bos=self.add_bos))
+        it = gp.ShardOrder(self.files, self.seed).to_iter_dataset()
+        it = gp.Chunks(it, reader, self.chunk_docs, len(set(self.files)))
+        it = it.map(gp.Tokenize(tokenizer=self.tokenizer, eos_token=self.eos_token,
+                                add_bos=self.add_bos))
         if self.workers:
-            it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.workers),
-                                worker_init_fn=_worker_init)
+            it = it.mp_prefetch(gp.grain.MultiprocessingOptions(num_workers=self.workers),
+                                worker_init_fn=functools.partial(gp.worker_init,
+                                                                 parent_pid=os.getpid()))
         return it
 
     def dataset(self) -> Any:
         """The grain `IterDataset` of packed sequences (uint32[seq_len + 1])."""
-        return _make_datasets()["Pack"](self.chunk_dataset(), self.seq_len)
+        return _pipeline().Pack(self.chunk_dataset(), self.seq_len)
 
 
 def spec_for_process(data: DataSection, seed: int, process_index: int,
@@ -484,11 +193,12 @@ class StreamLoader:
     """
 
     def __init__(self, spec: StreamSpec, *, global_batch: int, process_count: int = 1,
-                 vocab_size: int | None = None):
+                 process_index: int = 0, vocab_size: int | None = None):
         if global_batch % process_count:
             raise ConfigError(f"train.global_batch ({global_batch}) must be divisible by the "
                               f"number of processes ({process_count})")
         self.spec, self.local = spec, global_batch // process_count
+        self.process_index, self.process_count = process_index, process_count
         self.vocab_size = vocab_size
         self._ds = spec.dataset()
         self._it: Any = None
@@ -555,6 +265,27 @@ class StreamLoader:
         self._it = self._ds.__iter__()
         self._it.set_state(state["iterator"])
         self._next, self._before = step, None
+
+    def checkpoint_record(self, step: int) -> dict[str, Any]:
+        """What a checkpoint at `step` records: every process's stream state
+        (``data_state``; a collective on several processes)."""
+        return {"data_state": gather_states(self.state_for(step))}
+
+    def resume(self, record: Mapping[str, Any], step: int) -> None:
+        """Continue from the checkpoint of `step` whose record is `record` (this process's
+        state among ``data_state``)."""
+        states = record.get("data_state")
+        pc = self.process_count
+        if not isinstance(states, list) or len(states) != pc:
+            have = len(states) if isinstance(states, list) else "no"
+            raise DataError(f"checkpoint step {step} holds {have} data-loader states "
+                            f"for {pc} processes; it cannot be resumed exactly")
+        self.restore(states[self.process_index], step)
+
+    def metrics(self) -> dict[str, Any]:
+        """``data_bad_records``: the records skipped over every process (a collective on
+        several processes)."""
+        return {"data_bad_records": sum_over_processes(self.bad_records)}
 
     @property
     def bad_records(self) -> int:
@@ -662,7 +393,7 @@ def check_stream(data: DataSection) -> list[Path]:
             except DataError as e:
                 raise ConfigError(f"{what}: {e}") from None
             if kind == "parquet":
-                _require_pyarrow(what)
+                require_pyarrow(what)
     if not Path(data.tokenizer).is_file():
         raise ConfigError(f"data.tokenizer: file not found: {data.tokenizer}")
     try:
@@ -672,10 +403,43 @@ def check_stream(data: DataSection) -> list[Path]:
     return files
 
 
+SAMPLE_BLOCK = 4096  # bytes of each sampled block of a file (`sample_digest`)
+SAMPLE_BLOCKS = 8  # blocks sampled per file: the first, the last and 6 evenly between
+
+
+def sample_digest(path: Path, size: int) -> str:
+    """16 hex digits of SHA-256 over `SAMPLE_BLOCKS` blocks of `SAMPLE_BLOCK` bytes spread
+    over the file (the first and the last among them): a cheap check that a shard is the
+    one a checkpoint was written on (32 KiB read per file, not the whole shard). Any edit
+    of a gzip file changes its last 8 bytes (CRC-32 and length of the content), so an edited
+    ``.gz`` shard is always noticed; in an uncompressed file an edit that keeps the size and
+    misses every sampled block is not."""
+    h = hashlib.sha256()
+    span = max(size - SAMPLE_BLOCK, 0)
+    offsets = sorted({span * i // (SAMPLE_BLOCKS - 1) for i in range(SAMPLE_BLOCKS)})
+    with open(path, "rb") as f:
+        for off in offsets:
+            f.seek(off)
+            h.update(f.read(SAMPLE_BLOCK))
+    return h.hexdigest()[:16]
+
+
+def file_listing(paths: Sequence[Path]) -> list[list[Any]]:
+    """``[name, size, sample_digest]`` of each file, in order (a checkpoint's record of the
+    shards it was written on, to say which changed)."""
+    out = []
+    for p in paths:
+        size = p.stat().st_size
+        out.append([p.name, size, sample_digest(p, size)])
+    return out
+
+
 def stream_fingerprint(data: DataSection, process_count: int) -> dict[str, Any]:
     """What a grain run's data order depends on besides the seed (a checkpoint must match
-    it to resume): each key is the ``data.*`` key (or fact) it comes from; the sources are
-    their file names and sizes (no content hash: nothing reads the shards up front)."""
+    it to resume): each key is the ``data.*`` key (or fact) it comes from. The sources are
+    compared by file names and sizes (``sources``, ``val_sources``) and by ``files``: each
+    file's name, size and `sample_digest`, which also names what changed (see
+    `train.compat.check_compatible`); nothing reads the shards whole."""
     files = [p for p in resolve_sources(data.sources)]
     vals = resolve_sources(data.val_sources, "data.val_sources")
 
@@ -687,7 +451,29 @@ def stream_fingerprint(data: DataSection, process_count: int) -> dict[str, Any]:
             "val_sources": listing(vals), "tokenizer": _digest_bytes(data.tokenizer)[:16],
             "eos_token": data.eos_token, "add_bos": data.add_bos, "text_key": data.text_key,
             "on_bad_record": data.on_bad_record, "workers": data.workers,
-            "chunk_docs": CHUNK_DOCS, "seq_len": data.seq_len, "process_count": process_count}
+            "chunk_docs": CHUNK_DOCS, "seq_len": data.seq_len, "process_count": process_count,
+            "files": {"sources": file_listing(files), "val_sources": file_listing(vals)}}
+
+
+def file_changes(old: Sequence[Sequence[Any]], new: Sequence[Sequence[Any]]) -> list[str]:
+    """What differs between two `file_listing`s: files added, removed, changed (size or
+    content), or the same files in another order; [] when equal."""
+    o = {str(e[0]): tuple(e[1:]) for e in old}
+    n = {str(e[0]): tuple(e[1:]) for e in new}
+    out = []
+    if added := [k for k in n if k not in o]:
+        out.append(f"added {name_some(added)}")
+    if removed := [k for k in o if k not in n]:
+        out.append(f"removed {name_some(removed)}")
+    changed = [k for k in n if k in o and n[k] != o[k]]
+    if changed:
+        sizes = ", ".join(f"{k} ({o[k][0]} -> {n[k][0]} bytes)" if o[k][0] != n[k][0]
+                          else f"{k} (same size, other content)" for k in changed[:8])
+        more = f" and {len(changed) - 8} more" if len(changed) > 8 else ""
+        out.append(f"changed {sizes}{more}")
+    if not out and [str(e[0]) for e in old] != [str(e[0]) for e in new]:
+        out.append("the same files in another order")
+    return out
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

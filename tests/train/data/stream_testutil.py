@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import itertools
 import json
+import signal
 from pathlib import Path
 
 from train.data import sources as S
@@ -46,3 +48,23 @@ def grain_sets(data: dict[str, Path], workers: int = 0, *extra: str) -> list[str
             f"data.sources=[{data['dir']}/c4-train.*-of-01024.json.gz]",
             f"data.val_sources=[{data['val']}]", f"data.tokenizer={data['tokenizer']}",
             f"data.workers={workers}", *extra]
+
+
+class Hang(Exception):
+    """Raised in a block that `within` gave up on."""
+
+
+@contextlib.contextmanager
+def within(seconds: float):
+    """Fail (instead of hanging the suite) when the block runs longer than `seconds`: a
+    SIGALRM raises `Hang` in the main thread, wherever it is (main thread only)."""
+    def expire(signum, frame):
+        raise Hang(f"still running after {seconds} s: a hang")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)

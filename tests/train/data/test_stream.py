@@ -402,6 +402,99 @@ def test_prepared_and_grain_do_not_resume_each_other(grain_run, tmp_path, data_c
         loop.run(load(out, data_cache, "train.steps=9", *SETS), verbose=False)
 
 
+def _same_size_edit(path: Path) -> None:
+    """Change one letter of a document of the gzip shard `path`, keeping the file's size
+    (written as `write_shards` writes it: line by line through a text stream)."""
+    import io
+
+    def gz(text: bytes) -> bytes:
+        buf = io.BytesIO()
+        with (gzip.GzipFile(filename=path.name.removesuffix(".gz"), mode="wb",
+                            fileobj=buf) as g, io.TextIOWrapper(g, encoding="utf-8") as w):
+            for line in text.decode().splitlines(keepends=True):
+                w.write(line)
+        return buf.getvalue()
+
+    size, text = path.stat().st_size, gzip.decompress(path.read_bytes())
+    for i in range(200, len(text)):
+        t = bytearray(text)
+        if not chr(t[i]).isalpha():
+            continue
+        t[i] = ord("x") if t[i] != ord("x") else ord("y")
+        raw = gz(bytes(t))
+        if len(raw) == size:
+            path.write_bytes(raw)
+            return
+    raise AssertionError("no same-size edit found")
+
+
+@pytest.mark.parametrize("change", ["removed", "added", "edited, same size", "grown"])
+def test_a_changed_shard_list_on_resume_names_the_files(grain_run, shards, tmp_path, data_cache,
+                                                        change):
+    """Issue 45 (unclear): a changed shard list was refused showing hashes and counts only,
+    with deleting the checkpoints as the only remedy, and a shard edited in place (same
+    size) resumed silently on other data. The refusal now names each file and says how to
+    resume."""
+    from train.checkpoint import IncompatibleCheckpointError
+
+    _, cfg, _ = grain_run
+    out = tmp_path / "copy"
+    shutil.copytree(cfg.out_path, out)
+    d = tmp_path / "c4"
+    shutil.copytree(shards["dir"], d)
+    files = sorted(d.glob("c4-train.*.json.gz"))
+    if change == "removed":
+        files[3].unlink()
+        want = f"data.sources: removed {files[3].name}"
+    elif change == "added":
+        shutil.copy(files[0], d / "c4-train.00100-of-01024.json.gz")
+        want = "data.sources: added c4-train.00100-of-01024.json.gz"
+    elif change == "grown":
+        size = files[2].stat().st_size
+        with gzip.open(files[2], "at") as f:
+            f.write(json.dumps({"text": "one more document"}) + "\n")
+        want = f"data.sources: changed {files[2].name} \\({size} -> {files[2].stat().st_size} "
+    else:
+        _same_size_edit(files[5])
+        want = f"data.sources: changed {files[5].name} \\(same size, other content\\)"
+    more = load(out, data_cache, "train.steps=9", *SETS, *grain_sets({**shards, "dir": d}))
+    with pytest.raises(IncompatibleCheckpointError, match=want) as e:
+        loop.run(more, verbose=False)
+    assert "put them back as they were" in str(e.value)
+    assert "model.init_from=HF_DIR" in str(e.value)
+
+
+def test_resume_after_files_went_missing_mid_run(shards, tmp_path, data_cache):
+    """Issue 45 FAIL 6 and 7: a tokenizer, validation file or shard glob missing when a
+    checkpoint was written killed the run with nothing saved (every save re-read them for
+    the fingerprint), and after a shard vanished mid-run (exit 7, saved) the run could not
+    be resumed once the file was back. Now the saves go on, the vanished shard stops the run
+    with a checkpoint, and putting the files back resumes it."""
+    from train.hooks import Hooks
+
+    d = tmp_path / "c4"
+    shutil.copytree(shards["dir"], d)
+    away = tmp_path / "away"
+    away.mkdir()
+    data = {**shards, "dir": d, "val": d / shards["val"].name, "tokenizer": d / "tokenizer.json"}
+    sets = ("train.steps=30", "checkpoint.every=2", "train.log_every=1", "train.eval_every=0",
+            *grain_sets(data))
+
+    def vanish(rec):
+        if rec["step"] == 1:  # every data file away: the tokenizer, the validation set, shards
+            for p in d.iterdir():
+                p.rename(away / p.name)
+
+    out = tmp_path / "run"
+    s = loop.run(load(out, data_cache, *sets), hooks=Hooks(on_record=vanish), verbose=False)
+    assert s.status == "data_error" and 2 < s.steps < 30, s.message
+    assert "cannot open" in s.message and str(d) in s.message
+    for p in away.iterdir():
+        p.rename(d / p.name)
+    s2 = loop.run(load(out, data_cache, *sets), verbose=False)
+    assert s2.status == "completed" and s2.resumed_from == s.steps, s2.message
+
+
 @pytest.mark.slow  # a training run (~10-25 s); the loader's error is tested above
 def test_a_bad_record_in_training_stops_with_a_checkpoint(shards, tmp_path, data_cache):
     """A bad JSON line in the second shard the stream reads: the run stops at a step boundary
