@@ -90,7 +90,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     #    compiled run loads it.
     #    commands (the CLI's export-hf and mlperf-check) sit beside loop.
     "train": (
-        ("jsonsafe",),
+        ("jsonsafe", "execution"),
         ("config",),
         ("hooks", "process", "run_lock", "checkpoint", "optimizer", "preemption", "memory"),
         ("data", "state", "diagnostics"),
