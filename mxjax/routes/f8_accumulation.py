@@ -30,8 +30,8 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["GEMM_NAMES", "PROMOTION_INTERVAL", "accumulation_bound", "f8_dot_precision",
-           "is_fast_accumulation"]
+__all__ = ["GEMM_NAMES", "MMA_FRACTION_BITS", "MMA_STEP", "PROMOTION_INTERVAL",
+           "accumulation_bound", "f8_dot_precision", "is_fast_accumulation"]
 
 GEMM_NAMES = ("fprop", "dgrad", "wgrad")
 # K elements between cuBLAS's promotions of the tensor core's partial sums (fast accumulation
