@@ -72,9 +72,10 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     #  - the emulation's f32 values (in_place_values), its TPU kernel (in_place_tpu), then
     #    its GPU form and GEMM (in_place); beside it FP8 recipes on FP8 units (fp8_units);
     #    the MXFP4 routes reuse the emulation's in-place operands: 'xla_fp8' (carried in
-    #    FP8), then 'xla_fp4' (NVFP4, sharing xla_fp8's window and result scaling).
+    #    FP8), then 'xla_fp4' (NVFP4, sharing xla_fp8's window and result scaling); the FP8
+    #    GEMMs' accumulation per GEMM (f8_accumulation) needs nothing of them.
     "mxjax.routes": (
-        ("in_place_values",),
+        ("in_place_values", "f8_accumulation"),
         ("in_place_tpu", "xla_fp4_kernel"),  # the Pallas kernels
         ("in_place", "fp8_units"),
         ("xla_fp8",),

@@ -7,8 +7,9 @@ tracing host):
 * **per-tensor FP8** (the ``fp8`` preset: E4M3 / E5M2, current scaling): each operand's
   values on the element grid (``fake_quantize_parts``, per-tensor factor left out) are
   cast to ``float8_e4m3fn`` / ``float8_e5m2`` (exact: they are on that grid), one
-  ``dot_general`` f8 x f8 with ``preferred_element_type=f32``, and the two tensor
-  scales applied to the f32 result. This is the pattern XLA rewrites into an FP8 GEMM
+  ``dot_general`` f8 x f8 with ``preferred_element_type=f32`` (precision DEFAULT in the
+  forward GEMM, HIGHEST in the backward ones: `mxjax.routes.f8_accumulation`), and the two
+  tensor scales applied to the f32 result. This is the pattern XLA rewrites into an FP8 GEMM
   under both of its GEMM paths (a Triton f8 fusion, or ``__cublas$lt$matmul$f8`` with
   ``xla_gpu_enable_triton_gemm=false``), GEMMs it merges (q|k|v, gate|up) included.
   The rounding is done by mxjax's arithmetic, before the cast; the cast only changes
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mxjax.quantization import fake_quantize_parts_with, quantize_with
+from mxjax.routes import f8_accumulation
 from mxjax.scaling import SR_UNSCALE
 
 __all__ = [
@@ -93,15 +95,21 @@ def f8_operand(x: jax.Array, op, key) -> tuple[jax.Array, tuple[jax.Array, ...]]
     return values.astype(F8_DTYPES[op.fmt.element.name]), factors
 
 
-def f8_dot(a: jax.Array, b: jax.Array, dimension_numbers, a_factors, b_factors) -> jax.Array:
-    """``dot_general(a, b)`` of f8 operands accumulated in f32, times the factors.
+def f8_dot(a: jax.Array, b: jax.Array, dimension_numbers, a_factors, b_factors, *,
+           gemm_name: str | None = None) -> jax.Array:
+    """``dot_general(a, b)`` of f8 operands with an f32 result, times the factors.
 
     The factors are applied to the f32 result one multiply each, lhs's then rhs's (as
-    the bf16 accelerator form does). Precision HIGHEST asks XLA for its most precise f8
-    accumulation (it stays an FP8 GEMM under both GEMM paths; what the tensor cores then
-    accumulate in is docs/NUMERICS.md's device bound).
+    the bf16 accelerator form does). The precision follows Transformer Engine's recipe
+    (`mxjax.routes.f8_accumulation.f8_dot_precision`): DEFAULT in the forward GEMM, which
+    XLA's cuBLAS GEMM runs with fast accumulation, HIGHEST in dgrad and wgrad (promoted
+    accumulation). ``gemm_name`` ('fprop', 'dgrad', 'wgrad') names the GEMM; None: the
+    operands do (E4M3 x E4M3 is the forward GEMM, an E5M2 operand a backward one). It
+    stays an FP8 GEMM under both of XLA's GEMM paths either way; what the tensor cores keep
+    is docs/NUMERICS.md's device bound.
     """
-    out = lax.dot_general(a, b, dimension_numbers, precision=lax.Precision.HIGHEST,
+    precision = f8_accumulation.f8_dot_precision(gemm_name, a.dtype, b.dtype)
+    out = lax.dot_general(a, b, dimension_numbers, precision=precision,
                           preferred_element_type=jnp.float32)
     for factor in tuple(a_factors) + tuple(b_factors):
         out = out * factor

@@ -48,7 +48,7 @@ from jax import lax
 from mxjax import _bits
 from mxjax.formats import E2M1, E4M3, E5M2, ElementFormat
 from mxjax.quantization import dequantize
-from mxjax.routes import in_place
+from mxjax.routes import f8_accumulation, in_place
 from mxjax.scaling import SR_UNSCALE
 
 __all__ = [
@@ -169,7 +169,7 @@ def _apply_pow2(out: jax.Array, e: jax.Array) -> jax.Array:
 
 
 def mx_gemm_fp8(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
-                operand_dtypes=None, out_dtype=None) -> jax.Array:
+                operand_dtypes=None, out_dtype=None, gemm_name: str | None = None) -> jax.Array:
     """``dot_general(a, b, dims)`` under an MXFP4 recipe on FP8 GEMMs: f32, lax's layout.
 
     Same operands, keys and rotation as `mxjax.routes.in_place.mx_gemm` (form 'gpu'), whose
@@ -184,6 +184,10 @@ def mx_gemm_fp8(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
       out_dtype: the f32 result is cast to this in both branches (None: f32), so that
         XLA fuses the cast and the factors into the GEMM instead of writing f32 out of
         the conditional.
+      gemm_name: 'fprop' asks for fast accumulation (precision DEFAULT), 'dgrad' and
+        'wgrad' for promoted accumulation (HIGHEST), as Transformer Engine does
+        (`mxjax.routes.f8_accumulation`); None: the carriers decide, and an E5M2 lhs
+        always asks for promoted accumulation.
     Returns:
       ``[batch..., lhs free..., rhs free...]`` (f32 or out_dtype), times each operand's
       SR unscale.
@@ -207,13 +211,15 @@ def mx_gemm_fp8(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
     if narrow:
         exact = exact & narrow_result_exact(ta + tb, kw["k_out"], CARRIER_PRODUCT_EXPONENTS)
 
+    precision = f8_accumulation.f8_dot_precision(gemm_name, qa.dtype, qb.dtype)
+
     def fp8(a, b):
         del a, b
         if narrow:  # the GEMM writes bf16 itself: 2 bytes per result, not 4 + a pass
-            out = lax.dot_general(qa, qb, contract, precision=lax.Precision.HIGHEST,
+            out = lax.dot_general(qa, qb, contract, precision=precision,
                                   preferred_element_type=jnp.bfloat16)
             return scaled_result(out.astype(jnp.float32), ta + tb, recipe, out_dtype)
-        out = lax.dot_general(qa, qb, contract, precision=lax.Precision.HIGHEST,
+        out = lax.dot_general(qa, qb, contract, precision=precision,
                               preferred_element_type=jnp.float32)
         return scaled_result(out, ta + tb, recipe, out_dtype)
 
@@ -272,7 +278,9 @@ def mx_dot_fp8(lhs_q, rhs_q) -> jax.Array:
     dims = (((lhs_q.axis,), (rhs_q.axis,)), (batch, batch))
 
     def fp8(qa, qb, va, vb):
-        out = lax.dot_general(qa, qb, dims, precision=lax.Precision.HIGHEST,
+        # Any GEMM of a model: promoted accumulation (an E5M2 lhs, f8_accumulation's rule).
+        out = lax.dot_general(qa, qb, dims,
+                              precision=f8_accumulation.f8_dot_precision(None, qa.dtype, qb.dtype),
                               preferred_element_type=jnp.float32)
         return _apply_pow2(out, ta + tb)
 

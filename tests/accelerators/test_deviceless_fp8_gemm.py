@@ -11,6 +11,11 @@ bench/accelerator_cost.py's ``cublas`` variant). Asserted:
   fusion or ``__cublas$lt$matmul$f8``, merged GEMMs (q|k|v, gate|up) included. An f8
   operand in the optimized program also means the FP8 rounding survived XLA (a folded
   f32 -> f8 -> bf16 round trip leaves bf16 operands);
+* the accumulation each ``fp8`` GEMM asks for (Transformer Engine's recipe,
+  mxjax.routes.f8_accumulation): the forward E4M3 x E4M3 GEMMs at precision DEFAULT, which
+  XLA's cuBLASLt thunk runs with ``CUBLASLT_MATMUL_DESC_FAST_ACCUM``, and every GEMM with an
+  E5M2 gradient at HIGHEST (promoted accumulation), in the cuBLASLt call's precision_config
+  and in the Triton fusion's dot (where XLA never promotes f8 accumulation, at any precision);
 * ``mxfp8``: on B200 every quantized GEMM is cuDNN's block-scaled MMA
   (``__cudnn$blockScaledDot``) on E4M3 operands; on H200 (no block-scaled MMA) XLA
   expands ``jax.nn.scaled_matmul`` into a dequantize and an f32 GEMM, as
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import re
 
 import pytest
 
@@ -42,12 +48,41 @@ F8_TARGETS = {"triton": ("fusion",), "cublas": ("__cublas$lt$matmul$f8",)}
 
 
 @functools.cache
-def _gemms(target: str, program: str, policy: str, path: str):
+def _text(target: str, program: str, policy: str, path: str) -> str:
     from bench.programs import program as build
 
     fn, args = build(program, policy)
-    text = aot.compile_for(fn, args, require(target), PATHS[path]).as_text()
-    return tuple(hk.gemm_operand_types(text))
+    return aot.compile_for(fn, args, require(target), PATHS[path]).as_text()
+
+
+@functools.cache
+def _gemms(target: str, program: str, policy: str, path: str):
+    return tuple(hk.gemm_operand_types(_text(target, program, policy, path)))
+
+
+_CUBLAS_PRECISION = re.compile(r'"operand_precision":\["(\w+)","(\w+)"\]')
+
+
+def _f8_gemm_precisions(text: str) -> list[tuple[tuple[str, str], str, str]]:
+    """(operand types, 'cublas' or 'triton', precision) of every quantized f8 GEMM: the
+    cuBLASLt call's precision_config (what XLA's cuBLASLt thunk reads: DEFAULT sets
+    CUBLASLT_MATMUL_DESC_FAST_ACCUM), or the operand_precision of the dot in a fusion."""
+    module = hk.parse_module(text)
+    out = []
+    for instructions in module.computations.values():
+        types = {i.name: i.shape.split("[", 1)[0] for i in instructions}
+        for inst in instructions:
+            pair = tuple(types.get(o, "") for o in inst.operands[:2])
+            if "emulated_gemm" not in inst.attributes or not all("f8" in t for t in pair):
+                continue
+            if inst.custom_call_target == "__cublas$lt$matmul$f8":
+                lhs, rhs = _CUBLAS_PRECISION.search(inst.attributes).groups()
+                assert lhs == rhs, inst.attributes
+                out.append((pair, "cublas", lhs))
+            elif inst.opcode == "dot":
+                highest = "operand_precision={highest,highest}" in inst.attributes
+                out.append((pair, "triton", "HIGHEST" if highest else "DEFAULT"))
+    return out
 
 
 def _quantized(gemms):
@@ -86,3 +121,24 @@ def test_mxfp8_is_block_scaled_on_b200_and_xla_expanded_on_h200():
         # XLA's expansion drops the op_name: every GEMM of the matmul program is quantized.
         h = _gemms("h200", "matmul", "mxfp8", path)
         assert len(h) == 3 and all(g[2] == ("f32", "f32") for g in h), (path, h)
+
+
+# Transformer Engine's accumulation per GEMM (mxjax.routes.f8_accumulation): the forward pair
+# at DEFAULT (cuBLASLt fast accumulation), every pair with an E5M2 gradient at HIGHEST.
+EXPECTED_PRECISION = {(E4M3, E4M3): "DEFAULT", (E5M2, E4M3): "HIGHEST", (E4M3, E5M2): "HIGHEST"}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("target", ["h200", "b200"])
+def test_fp8_matmul_fast_accumulation_in_fprop_only(target, path):
+    found = _f8_gemm_precisions(_text(target, "matmul", "fp8", path))
+    assert sorted((pair, precision) for pair, _, precision in found) == sorted(
+        EXPECTED_PRECISION.items()), found
+    assert {how for _, how, _ in found} == {path}, found
+
+
+@pytest.mark.parametrize("target", ["h200", "b200"])
+def test_fp8_layer_fast_accumulation_in_every_forward_gemm_only(target):
+    found = _f8_gemm_precisions(_text(target, "layer", "fp8", "cublas"))
+    assert len(found) == sum(LAYER_FP8_FORWARD.values()) + LAYER_FP8_BACKWARD, found
+    assert all(precision == EXPECTED_PRECISION[pair] for pair, _, precision in found), found
