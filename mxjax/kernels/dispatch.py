@@ -21,6 +21,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from mxjax import formats as F
+from mxjax import measurements
 from mxjax.kernels import _common as C
 from mxjax.kernels.capabilities import Capabilities, capabilities
 from mxjax.kernels.fp8_gemm import mxfp4_matmul_fp8
@@ -58,55 +59,46 @@ class BackendUnavailableError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AutoChoice:
-    """What backend 'auto' picks on a class of chips, and the estimate behind it.
+    """What backend 'auto' picks on a class of chips, and the evidence behind it.
 
     ``platform``: 'cpu', 'gpu' or 'tpu'. ``min_compute_capability``: on NVIDIA GPUs, the
     choice applies from this compute capability up (the first matching row of
-    :data:`AUTO_CHOICES` wins); None matches any chip of the platform. ``evidence``: where
-    the estimate comes from. 'auto' never takes a path estimated slower than the
+    :data:`AUTO_CHOICES` wins); None matches any chip of the platform. ``evidence``: the
+    keys of the figures behind the choice in ``mxjax/measurements.json``
+    (:attr:`figures` reads them). 'auto' never takes a route estimated slower than the
     emulation ('xla') on that chip; a row's backend that cannot run on a chip gives 'xla'.
     """
 
     platform: str
     min_compute_capability: tuple[int, int] | None = None
     backend: str
-    evidence: str
+    evidence: tuple[str, ...]
+
+    def __post_init__(self):
+        if (not isinstance(self.evidence, tuple) or not self.evidence
+                or not all(isinstance(k, str) for k in self.evidence)):
+            raise ValueError(f"AutoChoice.evidence: expected a non-empty tuple of keys of "
+                             f"mxjax/measurements.json, got {self.evidence!r}")
+
+    @property
+    def figures(self) -> tuple[measurements.Figure, ...]:
+        """The evidence's figures, read from the measurements file."""
+        return tuple(measurements.figure(key) for key in self.evidence)
 
 
 AUTO_CHOICES: tuple[AutoChoice, ...] = (
-    AutoChoice(
-        platform="gpu", min_compute_capability=(10, 0), backend="xla_fp4",
-        evidence=(
-            "Blackwell (B200), Llama 3.1-8B decoder layer at seq 8192, fwd+bwd, under "
-            "mxfp4_all_h16 (bench/accelerator_cost.py rates roofline, deviceless, "
-            "2026-12-05; never run on a B200): 'xla_fp4' 3.68 ms (0.55x bf16, 0.74x fp8 with "
-            "cuBLAS GEMMs; 0.57x, 0.82x fp8 with XLA's default GEMMs: cuDNN's FP4 MMA in all "
-            "21 GEMMs, each operand quantized once by the one-pass kernel; 4.00 ms, 0.60x "
-            "and 0.62x bf16, 0.73x and 0.80x fp8, on the '+alu' roofline that also charges "
-            "each kernel its arithmetic, the kernel its SASS), 'xla_fp8' 6.64 ms (1.00x), the "
-            "emulation 8.35 ms (1.26x), 'triton' 8.21 ms (1.23x, jax 0.11.2 with the 'gpu' "
-            "extra: FP4 MMA in all 21 GEMMs, operands quantized canonically).")),
-    AutoChoice(
-        platform="gpu", min_compute_capability=(9, 0), backend="xla_fp8",
-        evidence=(
-            "Hopper (H200), the same layer: deviceless rates roofline 12.91 ms (0.90x bf16) "
-            "against the emulation's 17.14 ms (1.19x) (2026-12-04, both quantize passes "
-            "fused whole, bf16 results from the GEMM); measured on an H200 before that "
-            "(jax 0.11.2, bench/gpu_probe_xla_fp8.py, interleaved medians) 'xla_fp8' 27.41 ms "
-            "against "
-            "the emulation's 27.62 ms (bf16 20.26 ms): faster, by little. 'pallas_fp8' "
-            "estimated 1.80-2.08x bf16 on the 1B layer, 'pallas' slower still.")),
-    AutoChoice(
-        platform="gpu", backend="xla",
-        evidence=("older or unknown GPUs: no kernel estimate; the kernels' bf16 dots are the "
-                  "emulation's GEMM plus an in-kernel dequantize.")),
-    AutoChoice(
-        platform="tpu", backend="xla",
-        evidence=("TPU: the kernel backends are GPU (Triton) kernels; the emulation's TPU "
-                  "form has its own Pallas TPU quantize kernels (mxjax/routes/in_place_tpu.py).")),
-    AutoChoice(
-        platform="cpu", backend="xla",
-        evidence="CPU: the Pallas interpreter runs orders of magnitude slower than XLA:CPU."),
+    # Blackwell: 'xla_fp4' (cuDNN's FP4 MMA in every GEMM) estimated fastest, ahead of
+    # 'xla_fp8', 'triton' and the emulation.
+    AutoChoice(platform="gpu", min_compute_capability=(10, 0), backend="xla_fp4",
+               evidence=("layer_8b.b200.rates_roofline",
+                         "layer_8b.b200.triton_rates_roofline")),
+    # Hopper: 'xla_fp8' (MXFP4 carried exactly in FP8) faster than the emulation, measured
+    # and estimated.
+    AutoChoice(platform="gpu", min_compute_capability=(9, 0), backend="xla_fp8",
+               evidence=("layer_8b.h200.rates_roofline", "layer_8b.h200.measured")),
+    AutoChoice(platform="gpu", backend="xla", evidence=("auto.gpu.other",)),
+    AutoChoice(platform="tpu", backend="xla", evidence=("auto.tpu",)),
+    AutoChoice(platform="cpu", backend="xla", evidence=("auto.cpu",)),
 )
 
 

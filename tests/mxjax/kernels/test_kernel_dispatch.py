@@ -74,11 +74,11 @@ def test_auto_choice_per_device():
     Blackwell (estimated), the emulation wherever no route is estimated faster."""
     h200 = _caps()
     assert auto_backend(h200) == "xla_fp8"
-    assert "27.41 ms" in auto_choice(h200).evidence
+    assert "layer_8b.h200.measured" in auto_choice(h200).evidence
     blackwell = _caps(device_kind="NVIDIA B200", compute_capability=(10, 0), native_fp4=True)
     assert auto_choice(blackwell).min_compute_capability == (10, 0)
     assert auto_backend(blackwell) == "xla_fp4"
-    assert "3.68 ms" in auto_choice(blackwell).evidence
+    assert "layer_8b.b200.rates_roofline" in auto_choice(blackwell).evidence
     ampere = _caps(device_kind="NVIDIA A100", compute_capability=(8, 0), fp8_tensor_cores=False,
                    backends=(("xla", ""), ("pallas", ""), ("pallas_fp8", "no fp8"), ("triton", "")))
     assert auto_backend(ampere) == "xla"
@@ -93,10 +93,35 @@ def test_auto_choice_per_device():
             or row.min_compute_capability is None} == {"xla"}
 
 
+def test_auto_choices_evidence_supports_each_choice():
+    """Every row's evidence is in the measurements file, and where it has timings the
+    chosen route beats the emulation ('xla') and every other route timed beside it."""
+    for row in AUTO_CHOICES:
+        timed = [f for f in row.figures if f.kind in ("measured", "estimated")]
+        if row.backend == "xla":
+            assert all(f.kind == "rationale" for f in row.figures)
+            continue
+        assert timed
+        for fig in timed:
+            values = dict(fig.values)
+            if row.backend not in values:
+                continue
+            others = [v for label, v in values.items()
+                      if label not in ("bf16", "fp8", row.backend) and " " not in label]
+            assert values[row.backend] < min(others), (row.backend, fig.summary())
+        with_emulation = [f for f in timed if {"xla", row.backend} <= set(dict(f.values))]
+        assert with_emulation, row
+
+
+def test_auto_choice_evidence_must_be_keys():
+    with pytest.raises(ValueError, match="tuple of keys"):
+        AutoChoice(platform="cpu", backend="xla", evidence="3 ms faster")
+
+
 def test_auto_choice_takes_a_kernel_row_only_where_it_runs():
     """A row's backend that cannot run on a chip gives 'xla', never an error."""
     row = AutoChoice(platform="gpu", min_compute_capability=(9, 0), backend="pallas_fp8",
-                     evidence="synthetic")
+                     evidence=("auto.cpu",))
     assert row.backend == "pallas_fp8"
     no_fp8 = _caps(backends=(("xla", ""), ("xla_fp8", "no fp8"), ("xla_fp4", "no fp4"),
                              ("pallas", ""), ("pallas_fp8", "no fp8"), ("triton", "")))
