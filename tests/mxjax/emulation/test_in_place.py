@@ -34,7 +34,8 @@ from mxjax.quantization import fake_quantize_parts_with
 from mxjax.scaling import SR_UNSCALE
 from tests import reference as ref
 
-dg = importlib.import_module("mxjax.gemm")
+dg = importlib.import_module("mxjax.emulation.forms")
+ops = importlib.import_module("mxjax.operands")
 
 # (shape, batch axes, contracting axes): contraction last, first, in the middle with
 # batch axes, two adjacent axes, two axes out of order (a transpose), K not a multiple
@@ -65,7 +66,7 @@ def _adversarial(rng, shape, dtype=np.float32, exp=0):
 
 def _canonical_values(x, batch, contract, op, h, signs, key):
     """The CPU form's operand values: canonical layout [batch..., F, K_h]."""
-    x3 = dg._to_canonical(x, batch, contract)
+    x3 = ops._to_canonical(x, batch, contract)
     if h is not None:
         pad = (-x3.shape[-1]) % h
         if pad:
@@ -113,7 +114,7 @@ def _all_layouts(xs, op, h, signs, key):
     for x, (_, batch, contract) in zip(xs, LAYOUTS):
         got, _ = _in_place_values(x, batch, contract, op, h, signs, key)
         want = _canonical_values(x, batch, contract, op, h, signs, key)
-        x3 = dg._to_canonical(x, batch, contract)
+        x3 = ops._to_canonical(x, batch, contract)
         if h is not None:
             x3 = jnp.pad(x3, [(0, 0)] * (x3.ndim - 1) + [(0, (-x3.shape[-1]) % h)])
             x3 = mxjax.hadamard(x3, h, axis=-1, signs=signs)
@@ -315,10 +316,10 @@ GEMM_SHAPES = (((24, 96), (96, 40), (((1,), (0,)), ((), ()))),
 
 def _both_forms(a, b, dims, recipe, key):
     """(accelerator form, f32 GEMM of the CPU form's operand values times the unscales)."""
-    k_lhs, k_rhs, k_had = dg.split_key(key if recipe.needs_key else None)
+    k_lhs, k_rhs, k_had = ops.split_key(key if recipe.needs_key else None)
     acc = dg._accelerator_form(a, b, dims, recipe, k_lhs, k_rhs, k_had, form="gpu")
     h = None if recipe.hadamard is None else recipe.hadamard.block_size
-    signs = None if recipe.hadamard is None else dg.rotation_signs(recipe.hadamard, k_had)
+    signs = None if recipe.hadamard is None else ops.rotation_signs(recipe.hadamard, k_had)
     (ca, cb), (ba, bb) = dims
     va = _canonical_values(a, ba, ca, recipe.lhs, h, signs, k_lhs)
     vb = _canonical_values(b, bb, cb, recipe.rhs, h, signs, k_rhs)
