@@ -4,7 +4,8 @@ A tool for restructurings that must not change a single bit: run it before and
 after and diff the output (``python scripts/numerics_fingerprint.py > before.txt``).
 Everything is computed on CPU with fixed seeds:
 
-* for each preset but the ablations (``mxjax.policies.names()``), on several GEMM shapes
+* for each library preset but the study's ablations (``mxjax.policies.names()`` without
+  ``study.policies.ABLATIONS``), on several GEMM shapes
   (2-D, batched, several contracting dims, a non-trailing contraction, K not a
   multiple of 32), f32 and bf16 inputs, well-behaved and adversarial (ties, zeros,
   subnormals, saturation, NaN and Inf rows): the forward values of
@@ -41,11 +42,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mxjax
-from mxjax import gemm as mxgemm
+from mxjax import operands as mxoperands
 from mxjax import policies
 from mxjax.dimensions import normalize_dimension_numbers
+from mxjax.emulation.forms import accelerator_gemm
 from mxjax.formats import FORMATS, Rounding, ScaleRule
 from mxjax.quantization import fake_quantize_parts
+from study.policies import ABLATIONS
 
 jax.config.update("jax_platforms", "cpu")
 
@@ -206,10 +209,10 @@ def _accelerator_fn(policy, dims):
         for gname, recipe in policy.gemms.items():
             if recipe.is_passthrough:
                 continue
-            a3, b3 = mxgemm.canonical_operands(a, b, nd)
-            a3, b3, k_lhs, k_rhs = mxgemm.quantizer_operands(
+            a3, b3 = mxoperands.canonical_operands(a, b, nd)
+            a3, b3, k_lhs, k_rhs = mxoperands.quantizer_operands(
                 a3, b3, recipe, key if recipe.needs_key else None)
-            out[gname] = mxgemm._accelerator_gemm(a3, b3, recipe, k_lhs, k_rhs)
+            out[gname] = accelerator_gemm(a3, b3, recipe, k_lhs, k_rhs)
         return out
     return f
 
@@ -340,7 +343,7 @@ def _fused_copies(x, spec, key):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", default=",".join(n for n in policies.names()
-                                                 if n not in policies.ABLATIONS),
+                                                 if n not in ABLATIONS),
                    help="comma-separated presets (default: all 12)")
     p.add_argument("--no-eager-quantizer", action="store_true",
                    help="skip the eager quantizer runs (the slowest part)")

@@ -12,7 +12,7 @@ bench/accelerator_cost.py's ``cublas`` variant). Asserted:
   operand in the optimized program also means the FP8 rounding survived XLA (a folded
   f32 -> f8 -> bf16 round trip leaves bf16 operands);
 * the accumulation each ``fp8`` GEMM asks for (Transformer Engine's recipe,
-  mxjax.routes.f8_accumulation): the forward E4M3 x E4M3 GEMMs at precision DEFAULT, which
+  mxjax.emulation.f8_accumulation): the forward E4M3 x E4M3 GEMMs at precision DEFAULT, which
   XLA's cuBLASLt thunk runs with ``CUBLASLT_MATMUL_DESC_FAST_ACCUM``, and every GEMM with an
   E5M2 gradient at HIGHEST (promoted accumulation), in the cuBLASLt call's precision_config
   and in the Triton fusion's dot (where XLA never promotes f8 accumulation, at any precision);
@@ -123,7 +123,7 @@ def test_mxfp8_is_block_scaled_on_b200_and_xla_expanded_on_h200():
         assert len(h) == 3 and all(g[2] == ("f32", "f32") for g in h), (path, h)
 
 
-# Transformer Engine's accumulation per GEMM (mxjax.routes.f8_accumulation): the forward pair
+# Transformer Engine's accumulation per GEMM (mxjax.emulation.f8_accumulation): the forward pair
 # at DEFAULT (cuBLASLt fast accumulation), every pair with an E5M2 gradient at HIGHEST.
 EXPECTED_PRECISION = {(E4M3, E4M3): "DEFAULT", (E5M2, E4M3): "HIGHEST", (E4M3, E5M2): "HIGHEST"}
 

@@ -28,7 +28,8 @@ from mxjax import policies
 from mxjax.quantization import fake_quantize_parts
 from mxjax.scaling import SR_UNSCALE
 
-dg = importlib.import_module("mxjax.gemm")
+dg = importlib.import_module("mxjax.emulation.forms")
+ops = importlib.import_module("mxjax.operands")
 dims_mod = importlib.import_module("mxjax.dimensions")
 
 M, K, N = 24, 96, 40  # K = 3 MX blocks, 6 H16 blocks, 6 NVFP4 blocks
@@ -81,7 +82,7 @@ def _main_xla_gemm(a3, b3, recipe, key):
 
 def _main_gemm(a, b, dims, recipe, key, out_dtype):
     (ca, cb), (ba, bb) = dims
-    out = _main_xla_gemm(dg._to_canonical(a, ba, ca), dg._to_canonical(b, bb, cb), recipe, key)
+    out = _main_xla_gemm(ops._to_canonical(a, ba, ca), ops._to_canonical(b, bb, cb), recipe, key)
     fa = [a.shape[i] for i in range(a.ndim) if i not in ca + ba]
     fb = [b.shape[i] for i in range(b.ndim) if i not in cb + bb]
     return out.reshape(tuple(a.shape[i] for i in ba) + tuple(fa) + tuple(fb)).astype(out_dtype)
@@ -221,7 +222,7 @@ def test_decisions_per_format():
 def test_accelerator_form_computes_the_same_gemm(name, np_rng):
     """`_accelerator_form` (bf16 operands, factors on the result) vs the CPU form, run here.
 
-    MX: operands quantized in place (mxjax.routes.in_place), the same exact products,
+    MX: operands quantized in place (mxjax.emulation.in_place), the same exact products,
     summed in f32; with these magnitudes every partial sum is exact, so the results
     are equal bit for bit. NVFP4/FP8 (canonical operands, `_accelerator_gemm`): the
     tensor scales move from each operand to the result, so the two differ by
@@ -237,7 +238,7 @@ def test_accelerator_form_computes_the_same_gemm(name, np_rng):
     if recipe.lhs.fmt.scale == "e8m0":
         chex.assert_trees_all_equal(acc, cpu)
         return
-    a3, b3 = jax.jit(lambda a, b: dg._rotate(*dg.canonical_operands(a, b, dims), recipe, None))(
+    a3, b3 = jax.jit(lambda a, b: ops.rotate(*ops.canonical_operands(a, b, dims), recipe, None))(
         a, b)
     qa, qb = jax.jit(lambda a, b: (dg._prepare_operand(a, recipe.lhs, keys[0]),
                                    dg._prepare_operand(b, recipe.rhs, keys[1])))(a3, b3)

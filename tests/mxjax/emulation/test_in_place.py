@@ -1,4 +1,4 @@
-"""The emulated GEMM's GPU/TPU form (mxjax.routes.in_place), run here on CPU.
+"""The emulated GEMM's GPU/TPU form (mxjax.emulation.in_place), run here on CPU.
 
 * In-place MX operand values equal the numpy reference quantizer (tests/reference.py)
   applied to the rotated operand along its own contraction axis, and equal the CPU
@@ -29,12 +29,13 @@ import pytest
 import mxjax
 from mxjax import rotation
 from mxjax.elements import round_to_value
+from mxjax.emulation import in_place, in_place_values
 from mxjax.quantization import fake_quantize_parts_with
-from mxjax.routes import in_place, in_place_values
 from mxjax.scaling import SR_UNSCALE
 from tests import reference as ref
 
-dg = importlib.import_module("mxjax.gemm")
+dg = importlib.import_module("mxjax.emulation.forms")
+ops = importlib.import_module("mxjax.operands")
 
 # (shape, batch axes, contracting axes): contraction last, first, in the middle with
 # batch axes, two adjacent axes, two axes out of order (a transpose), K not a multiple
@@ -65,7 +66,7 @@ def _adversarial(rng, shape, dtype=np.float32, exp=0):
 
 def _canonical_values(x, batch, contract, op, h, signs, key):
     """The CPU form's operand values: canonical layout [batch..., F, K_h]."""
-    x3 = dg._to_canonical(x, batch, contract)
+    x3 = ops._to_canonical(x, batch, contract)
     if h is not None:
         pad = (-x3.shape[-1]) % h
         if pad:
@@ -113,7 +114,7 @@ def _all_layouts(xs, op, h, signs, key):
     for x, (_, batch, contract) in zip(xs, LAYOUTS):
         got, _ = _in_place_values(x, batch, contract, op, h, signs, key)
         want = _canonical_values(x, batch, contract, op, h, signs, key)
-        x3 = dg._to_canonical(x, batch, contract)
+        x3 = ops._to_canonical(x, batch, contract)
         if h is not None:
             x3 = jnp.pad(x3, [(0, 0)] * (x3.ndim - 1) + [(0, (-x3.shape[-1]) % h)])
             x3 = mxjax.hadamard(x3, h, axis=-1, signs=signs)
@@ -205,7 +206,7 @@ def test_tpu_kernel_values_equal_the_gpu_form(case, np_rng):
     op = mxjax.OperandRecipe(fmt=mxjax.MXFP4, **kw)
     signs = None if seed is None else mxjax.fixed_signs(seed, h)
     key = jax.random.key(5) if op.needs_key else None
-    from mxjax.routes import in_place_tpu
+    from mxjax.emulation import in_place_tpu
 
     xs = [jnp.asarray(_adversarial(np_rng, shape, ml_dtypes.bfloat16))
           for shape, _, _ in TPU_LAYOUTS]
@@ -225,7 +226,7 @@ def test_tpu_kernel_values_equal_the_gpu_form(case, np_rng):
 
 
 def test_tpu_form_falls_back_when_the_operand_does_not_tile(np_rng):
-    from mxjax.routes import in_place_tpu
+    from mxjax.emulation import in_place_tpu
 
     op = mxjax.OperandRecipe(fmt=mxjax.MXFP4, scale_rule="even")
     x = jnp.asarray(_adversarial(np_rng, (8, 96), ml_dtypes.bfloat16))
@@ -315,10 +316,10 @@ GEMM_SHAPES = (((24, 96), (96, 40), (((1,), (0,)), ((), ()))),
 
 def _both_forms(a, b, dims, recipe, key):
     """(accelerator form, f32 GEMM of the CPU form's operand values times the unscales)."""
-    k_lhs, k_rhs, k_had = dg.split_key(key if recipe.needs_key else None)
+    k_lhs, k_rhs, k_had = ops.split_key(key if recipe.needs_key else None)
     acc = dg._accelerator_form(a, b, dims, recipe, k_lhs, k_rhs, k_had, form="gpu")
     h = None if recipe.hadamard is None else recipe.hadamard.block_size
-    signs = None if recipe.hadamard is None else dg.rotation_signs(recipe.hadamard, k_had)
+    signs = None if recipe.hadamard is None else ops.rotation_signs(recipe.hadamard, k_had)
     (ca, cb), (ba, bb) = dims
     va = _canonical_values(a, ba, ca, recipe.lhs, h, signs, k_lhs)
     vb = _canonical_values(b, bb, cb, recipe.rhs, h, signs, k_rhs)

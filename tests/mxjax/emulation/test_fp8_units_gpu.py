@@ -3,10 +3,10 @@
 * The f8 operands the GPU form computes (the accelerator branch of the per-tensor
   division, f32 subnormals kept by the GPU) are the numpy / ml_dtypes reference bits.
 * ``fp8``'s forward GEMM as the tensor cores run it (fast accumulation: precision DEFAULT,
-  mxjax.routes.f8_accumulation) is within docs/NUMERICS.md's device bound of the exact
+  mxjax.emulation.f8_accumulation) is within docs/NUMERICS.md's device bound of the exact
   product of the quantized operands, ``|C - A_q B_q| <= b * (|A_q| |B_q|)`` with
   ``b = accumulation_bound(K, fast=True, subnormal_bits=6)`` (the Hopper tensor-core model
-  of tests/mxjax/routes/fp8_mma_model.py). The measured ratio is printed.
+  of tests/mxjax/emulation/fp8_mma_model.py). The measured ratio is printed.
 * ``mxfp8`` (Hopper: XLA's dequantize + f32 GEMM; Blackwell: cuDNN's block-scaled MMA)
   within the same bound.
 * The GEMM settings: an 8192^3 FP8 GEMM (E4M3 x E4M3, E5M2 x E4M3) timed at precision
@@ -28,8 +28,8 @@ import pytest
 import mxjax
 from mxjax import policies
 from mxjax.quantization import fake_quantize_with
-from mxjax.routes.f8_accumulation import accumulation_bound
-from tests.mxjax.routes.test_fp8_units import FP8, OPERAND_CASES, check_f8_operand_bits
+from mxjax.emulation.f8_accumulation import accumulation_bound
+from tests.mxjax.emulation.test_fp8_units import FP8, OPERAND_CASES, check_f8_operand_bits
 
 pytestmark = [
     pytest.mark.gpu,

@@ -8,7 +8,7 @@ tracing host):
   values on the element grid (``fake_quantize_parts``, per-tensor factor left out) are
   cast to ``float8_e4m3fn`` / ``float8_e5m2`` (exact: they are on that grid), one
   ``dot_general`` f8 x f8 with ``preferred_element_type=f32`` (precision DEFAULT in the
-  forward GEMM, HIGHEST in the backward ones: `mxjax.routes.f8_accumulation`), and the two
+  forward GEMM, HIGHEST in the backward ones: `mxjax.emulation.f8_accumulation`), and the two
   tensor scales applied to the f32 result. This is the pattern XLA rewrites into an FP8 GEMM
   under both of its GEMM paths (a Triton f8 fusion, or ``__cublas$lt$matmul$f8`` with
   ``xla_gpu_enable_triton_gemm=false``), GEMMs it merges (q|k|v, gate|up) included.
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mxjax.quantization import fake_quantize_parts_with, quantize_with
-from mxjax.routes import f8_accumulation
+from mxjax.emulation import f8_accumulation
 from mxjax.scaling import SR_UNSCALE
 
 __all__ = [
@@ -101,7 +101,7 @@ def f8_dot(a: jax.Array, b: jax.Array, dimension_numbers, a_factors, b_factors, 
 
     The factors are applied to the f32 result one multiply each, lhs's then rhs's (as
     the bf16 accelerator form does). The precision follows Transformer Engine's recipe
-    (`mxjax.routes.f8_accumulation.f8_dot_precision`): DEFAULT in the forward GEMM, which
+    (`mxjax.emulation.f8_accumulation.f8_dot_precision`): DEFAULT in the forward GEMM, which
     XLA's cuBLAS GEMM runs with fast accumulation, HIGHEST in dgrad and wgrad (promoted
     accumulation). ``gemm_name`` ('fprop', 'dgrad', 'wgrad') names the GEMM; None: the
     operands do (E4M3 x E4M3 is the forward GEMM, an E5M2 operand a backward one). It
