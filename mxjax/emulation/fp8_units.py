@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mxjax.quantization import fake_quantize_parts_with, quantize_with
 from mxjax.emulation import f8_accumulation
+from mxjax.quantization import fake_quantize_parts_with, quantize_with
 from mxjax.scaling import SR_UNSCALE
 
 __all__ = [

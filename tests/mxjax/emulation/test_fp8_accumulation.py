@@ -18,8 +18,8 @@ import pytest
 from jax import lax
 
 from mxjax.emulation import f8_accumulation, fp8_units
-from mxjax.routes import xla_fp8
 from mxjax.emulation.f8_accumulation import accumulation_bound, f8_dot_precision
+from mxjax.routes import xla_fp8
 from tests.mxjax.emulation import fp8_mma_model as mma
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2

@@ -27,8 +27,8 @@ import pytest
 
 import mxjax
 from mxjax import policies
-from mxjax.quantization import fake_quantize_with
 from mxjax.emulation.f8_accumulation import accumulation_bound
+from mxjax.quantization import fake_quantize_with
 from tests.mxjax.emulation.test_fp8_units import FP8, OPERAND_CASES, check_f8_operand_bits
 
 pytestmark = [
