@@ -36,7 +36,7 @@ def main() -> int:
     ap.add_argument("--policy", default=None, help="a precision policy (default: none)")
     ap.add_argument("--shapes", default=None, help="comma-separated shape names (default all)")
     args = ap.parse_args()
-    from bench import aot
+    from bench.costmodel import aot
 
     if args.target != "cpu":
         aot.use_cpu_host()

@@ -51,15 +51,15 @@ def main(argv=None) -> int:
     dump = Path(tempfile.mkdtemp(prefix="quantize_cost_"))
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_dump_to={dump} --xla_dump_emitter_re=ptx")
-    from bench import aot
+    from bench.costmodel import aot
 
     aot.use_cpu_host()
     import jax
     import jax.numpy as jnp
 
     import mxjax
-    from bench import hlo_kernels as hk
-    from bench.ptx_cost import ptx_kernels, sass_kernels
+    from bench.costmodel import hlo_kernels as hk
+    from bench.costmodel.ptx_cost import ptx_kernels, sass_kernels
     from mxjax import policies
     from mxjax.routes import in_place, xla_fp4, xla_fp8
 

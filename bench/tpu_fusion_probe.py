@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from bench import tpu_kernel_cycles as tkc  # sets libtpu's profile flag, the CPU host
+from bench.costmodel import tpu_kernel_cycles as tkc  # sets libtpu's profile flag, the CPU host
 
 
 def _kernel_call(x, *, op, lanes: bool, rows: int, cols: int, fuse: bool,

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import aot
+from bench.costmodel import aot
 
 aot.use_cpu_host()
 
@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> None:
 
     import jax
 
-    from bench import export_shape
-    from bench.accelerator_cost import measure
+    from bench.costmodel import export_shape
+    from bench.costmodel.accelerator_cost import measure
     from models.llama import LlamaConfig
 
     for name in args.targets.split(","):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import ptx_cost
+from bench.costmodel import ptx_cost
 
 THUNKS = """\
 001: kCustomKernel [source       | next=002 (1)] mxfp4_operand grid: [4, 2, 1] threads: [256, 1, 1]  shared_memory: 256 bytes

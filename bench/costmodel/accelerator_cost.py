@@ -1,59 +1,39 @@
-"""What GPU and TPU compilers make of the emulated GEMMs, from deviceless compiles on this CPU.
+"""Cost of one program compiled deviceless for a GPU, TPU or CPU target: one row (`Cost`).
 
-For each target (``--targets``: h100, h200, v5e, v6e, cpu; b200 too) and program
-(``--programs``: ``matmul``, value_and_grad of one 4096^3 bf16 matmul; ``layer``,
-the Llama-3.2-1B decoder layer's train step of ``bench/export_shape.py``, batch
-1 x seq 2048; on request ``wrapped_mlp``, a Flax MLP under ``mxjax.nn.wrap``,
-``bench/programs.py``) under ``bf16`` and every MXFP4/NVFP4/FP8 preset, prints one row:
-kernels (fusions, GEMMs, custom calls, copies), bytes read + written by all
-kernels, ``memory_analysis`` temp bytes, on TPU XLA's ``optimal_seconds``, and
-a roofline step-time estimate (its assumptions are printed with the table),
-each also as a ratio to ``bf16`` compiled in the same run. The last line is the
-verdict against issue 22's targets for ``mxfp4_all_h16``.
+`compile_one` builds a program of `bench.costmodel.programs`, compiles it ahead of time
+(`bench.costmodel.aot`) and `measure`s the optimized HLO: kernels (fusions, GEMMs, custom
+calls, copies), bytes read + written by all kernels, ``memory_analysis`` temp bytes, on TPU
+XLA's ``optimal_seconds``, a peak-efficiency roofline (`roofline`, `ASSUMPTIONS`) and the
+rates roofline (`rates_roofline`: each kernel at its chip's published rate,
+`bench.costmodel.rates`). bench/accelerator_cost.py prints the rows as tables.
 
-    pip install -e '.[train,aot-tpu,aot-gpu]'   # libtpu and the CUDA PJRT plugin (~1.1 GB)
-    python bench/accelerator_cost.py                          # everything (~1 h on 2 cores)
-    python bench/accelerator_cost.py --targets h200,v5e --programs matmul \\
-        --policies bf16,mxfp4_all_h16
-
-GPU compiles run without a device: no GEMM autotuning (XLA's placeholder Triton
-tiles), so each GPU target is compiled twice, with XLA's default Triton GEMMs
-and with cuBLAS (``xla_gpu_enable_triton_gemm=false``; row ``<gpu>/cublas``).
-Fusion structure and elementwise bytes are the real compiler's. The GPU bytes
-are the sum of every kernel's operand and result sizes; the TPU bytes are
-XLA's own ``bytes accessed`` (its ``optimal_seconds`` subtracts 1 s per custom
-call; the count is added back here).
+GPU compiles run without a device: no GEMM autotuning (XLA's placeholder Triton tiles),
+so a GPU target is compiled with XLA's default Triton GEMMs or with cuBLAS (variant
+``cublas``: ``xla_gpu_enable_triton_gemm=false``). Fusion structure and elementwise bytes
+are the real compiler's. The GPU bytes are the sum of every kernel's operand and result
+sizes; the TPU bytes are XLA's own ``bytes accessed`` (its ``optimal_seconds`` subtracts
+1 s per custom call; the count is added back here).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import functools
 import json
-import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if not os.environ.get("PYTHONPATH") and str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # with PYTHONPATH set, that checkout's mxjax (a before table)
-
-from bench import aot, ptx_cost
-from bench import hlo_kernels as hk
-from bench import rates as R
-from bench.programs import EXTRA_PROGRAMS, LAYER_8B_SEQ, PROGRAMS, program
+from bench.costmodel import aot, ptx_cost
+from bench.costmodel import hlo_kernels as hk
+from bench.costmodel import rates as R
+from bench.costmodel.programs import LAYER_8B_SEQ, program
 
 aot.use_cpu_host()
 
-import jax
-
-DEFAULT_TARGETS = ("h100", "h200", "v5e", "v6e", "cpu")
 GEMM_EFFICIENCY = 0.70  # of the bf16 matrix peak, for GEMM kernels
 HBM_EFFICIENCY = 0.85  # of peak HBM bandwidth, for every kernel's bytes
 LAUNCH_S = 2e-6  # per kernel (GPU), per fusion/custom call (TPU)
@@ -65,19 +45,6 @@ ASSUMPTIONS = (
     "XLA's target spec (bf16 = matrix units x 2 flops per FMA); TPU v5e 197 TFLOP/s, 819 GB/s, "
     "v6e 918 TFLOP/s, 1640 GB/s (published). Copies and fusions on TPU are kernels too."
 )
-# Issue 22's targets (mxfp4_all_h16 emulated vs bf16): (target, program, metric) -> max ratio.
-TARGETS_22 = {
-    ("h200", "matmul", "bytes"): 3.0,
-    ("h200", "layer", "bytes"): 1.4,
-    ("h200", "layer", "roofline"): 1.3,
-    ("v5e", "layer", "bytes"): 1.5,
-    ("v5e", "layer", "optimal_s"): 1.3,
-    ("v5e", "matmul", "optimal_s"): 1.5,
-    ("cpu", "layer", "temp"): 1.25,
-    ("h200", "layer", "temp"): 1.25,
-    ("v5e", "layer", "temp"): 1.25,
-}
-VERDICT_POLICY = "mxfp4_all_h16"
 RATES_ASSUMPTIONS = (
     "rates roofline (assumptions, not measurements): per kernel max(sum over its GEMMs of "
     "flops / the chip's published dense peak for the GEMM's operand types, bytes / peak HBM "
@@ -94,15 +61,6 @@ RATES_ASSUMPTIONS = (
     "calls (Pallas kernels) by threads x the SASS instructions ptxas makes of their "
     "PTX (static counts, bench/ptx_cost.py); '*': Triton calls whose SASS was not found, "
     "uncharged.")
-# Issue 35's targets on the rates roofline, vs plain bf16 on the same chip and program:
-# (target, program, policy) -> max ratio.
-TARGETS_35 = {
-    ("h200", "layer_8b", "fp8"): 0.75,
-    ("b200", "layer_8b", "fp8"): 0.70,
-}
-# bf16 8B layer with fused attention vs the explicit-attention layer (rates roofline), and
-# its temp memory, on H200.
-FUSED_ATTENTION_TARGET = ("h200", "layer_8b", 0.6, 1.5e9)
 TOP_KERNELS = 40  # kept per program (printed with --top)
 
 
@@ -287,7 +245,7 @@ class KernelCycles:
         self.clock: dict[str, float] = {}
 
     def __call__(self, target: aot.Target, specs):
-        from bench import tpu_kernel_cycles as tkc
+        from bench.costmodel import tpu_kernel_cycles as tkc
 
         todo = {json.dumps(tkc.spec_to_json(s), sort_keys=True) for s in specs}
         todo = sorted(j for j in todo if (target.name, j) not in self.cycles)
@@ -334,282 +292,3 @@ def compile_one(target: aot.Target, variant: str, prog: str, policy: str, args,
                        kernel_specs=specs, kernel_cycles=kernel_cycles or KernelCycles(),
                        attention=attention,
                        xla_dump=Path(xla_dump) if target.kind == "gpu" else None)
-
-
-# --------------------------------------------------------------------------- #
-# Tables and verdict
-# --------------------------------------------------------------------------- #
-def _gb(b: float) -> str:
-    return f"{b / 1e9:.2f}"
-
-
-def _ms(s: float | None) -> str:
-    return "-" if s is None else f"{s * 1e3:.2f}"
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    return "-" if a is None or not b else f"{a / b:.2f}x"
-
-
-def table(costs: list[Cost]) -> list[str]:
-    """One block per (target row, program): a row per policy with ratios to bf16."""
-    header = ("policy", "kernels (fus/gemm/cc/copy)", "GB", "x", "temp GB", "x", "opt ms", "x",
-              "roofline ms", "x", "+alu ms", "x")
-    lines: list[str] = []
-    groups: dict[tuple[str, str], list[Cost]] = {}
-    for c in costs:
-        groups.setdefault((c.row_target, c.row_program), []).append(c)
-    for (row_target, prog), group in groups.items():
-        base = next((c for c in group if c.policy == "bf16"), None)
-        rows = [header]
-        for c in group:
-            k = c.kernels
-            rows.append((
-                c.policy,
-                f"{c.n_kernels} ({k['fusion']}/{k['gemm']}/{k['custom-call']}/{k['copy']})",
-                _gb(c.bytes), _ratio(c.bytes, base and base.bytes),
-                _gb(c.temp), _ratio(c.temp, base and base.temp),
-                _ms(c.optimal_s), _ratio(c.optimal_s, base and base.optimal_s),
-                _ms(c.roofline_s or None), _ratio(c.roofline_s, base and base.roofline_s),
-                _ms(c.roofline_alu_s or None),
-                _ratio(c.roofline_alu_s, base and base.roofline_alu_s)))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-        lines.append(f"## {row_target}, {prog}")
-        for j, r in enumerate(rows):
-            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)))
-            if j == 0:
-                lines.append("  " + "  ".join("-" * w for w in widths))
-    return lines
-
-
-def _by_class(c: Cost) -> str:
-    total = sum(f for _, f in c.flops_by_class)
-    if not total:
-        return "-"
-    return " ".join(f"{cls} {f / total:.0%}" for cls, f in c.flops_by_class)
-
-
-def rates_table(costs: list[Cost]) -> list[str]:
-    """One block per (chip, program): the rates roofline per policy, its ratio to bf16 of
-    the same block, the same with each kernel bounded by its arithmetic too ('+alu':
-    fusions by their HLO elementwise ops, Triton calls by their SASS; a '*' marks Triton
-    calls left uncharged), the GEMM flops by operand type, temp memory and kernel count."""
-    header = ("policy", "rates ms", "x bf16", "+alu ms", "x bf16", "GEMM TFLOP",
-              "GEMM flops by type", "temp GB", "kernels", "GB moved")
-    lines: list[str] = []
-    groups: dict[tuple[str, str], list[Cost]] = {}
-    for c in costs:
-        if c.rates_s:
-            groups.setdefault((c.row_target, c.row_program), []).append(c)
-    for (row_target, prog), group in groups.items():
-        base = next((c for c in group if c.policy == "bf16"), None)
-        rows = [header]
-        for c in group:
-            alu = _ms(c.rates_alu_s or None) + ("*" if c.alu_unmatched else "")
-            rows.append((c.policy, _ms(c.rates_s), _ratio(c.rates_s, base and base.rates_s),
-                         alu, _ratio(c.rates_alu_s or None, base and base.rates_alu_s or None),
-                         f"{c.gemm_flops / 1e12:.2f}", _by_class(c), _gb(c.temp),
-                         str(c.n_kernels), _gb(c.bytes)))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-        lines.append(f"## rates roofline: {row_target}, {prog}")
-        for j, r in enumerate(rows):
-            lines.append("  " + "  ".join(x.ljust(w) for x, w in zip(r, widths)))
-            if j == 0:
-                lines.append("  " + "  ".join("-" * w for w in widths))
-    return lines
-
-
-def verdict_35(costs: list[Cost]) -> str:
-    """Issue 35's targets on the rates roofline (default GPU GEMM variant)."""
-    def pick(target, prog, policy, attention=None):
-        for c in costs:
-            if (c.target, c.variant, c.program, c.policy) == (target, "", prog, policy) and (
-                    attention is None or c.attention == attention):
-                return c
-        return None
-
-    met, missed, absent = [], [], []
-    for (target, prog, policy), bound in TARGETS_35.items():
-        attentions = sorted({c.attention for c in costs
-                             if c.program == prog and c.policy == policy}) or [""]
-        for att in attentions:
-            c, b = pick(target, prog, policy, att), pick(target, prog, "bf16", att)
-            label = f"{target} {prog}{'@' + att if att else ''} {policy}"
-            if c is None or b is None or not b.rates_s:
-                absent.append(label)
-                continue
-            r = c.rates_s / b.rates_s
-            (met if r <= bound else missed).append(f"{label} {r:.2f}x (<= {bound}x)")
-    target, prog, bound, temp = FUSED_ATTENTION_TARGET
-    fused, explicit = pick(target, prog, "bf16", "fused"), pick(target, prog, "bf16", "explicit")
-    label = f"{target} {prog} bf16 fused vs explicit attention"
-    if fused is None or explicit is None:
-        absent.append(label)
-    else:
-        r = fused.rates_s / explicit.rates_s
-        ok = r <= bound and fused.temp <= temp
-        (met if ok else missed).append(
-            f"{label} {r:.2f}x (<= {bound}x), temp {_gb(fused.temp)} GB (<= {temp / 1e9} GB)")
-    parts = [f"met: {'; '.join(met) or 'none'}", f"MISSED: {'; '.join(missed) or 'none'}"]
-    if absent:
-        parts.append(f"not compiled in this run: {', '.join(absent)}")
-    status = "all met" if not missed and not absent else "NOT met" if missed else "partial"
-    return "verdict (issue 35 targets, rates roofline): " + status + ". " + ". ".join(parts)
-
-
-def ratios(costs: list[Cost], target: str, prog: str, policy: str) -> dict[str, float] | None:
-    """Metric ratios of `policy` to bf16 for (target, default variant, program), or None."""
-    rows = [c for c in costs if c.target == target and not c.variant and c.program == prog]
-    pair = next(((c, b) for c in rows if c.policy == policy for b in rows
-                 if b.policy == "bf16" and b.attention == c.attention), None)
-    if pair is None:  # policy and bf16 compiled with the same attention
-        return None
-    c, b = pair
-    out = {"bytes": c.bytes / b.bytes, "roofline": c.roofline_s / b.roofline_s if b.roofline_s
-           else float("nan"), "temp": c.temp / b.temp if b.temp else float("nan")}
-    if c.optimal_s is not None and b.optimal_s:
-        out["optimal_s"] = c.optimal_s / b.optimal_s
-    return out
-
-
-def verdict(costs: list[Cost], policy: str = VERDICT_POLICY) -> str:
-    met, missed, absent = [], [], []
-    for (target, prog, metric), bound in TARGETS_22.items():
-        r = ratios(costs, target, prog, policy)
-        label = f"{target} {prog} {metric}"
-        if r is None or metric not in r:
-            absent.append(label)
-            continue
-        value = r[metric]
-        (met if value <= bound else missed).append(f"{label} {value:.2f}x (<= {bound}x)")
-    parts = [f"met: {'; '.join(met) or 'none'}", f"MISSED: {'; '.join(missed) or 'none'}"]
-    if absent:
-        parts.append(f"not compiled in this run: {', '.join(absent)}")
-    status = "all met" if not missed and not absent else "NOT met" if missed else "partial"
-    return f"verdict ({policy} vs bf16, issue 22 targets): {status}. " + ". ".join(parts)
-
-
-def main(argv=None) -> int:
-    from mxjax import policies
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
-                    help=f"comma list of {sorted(aot.TARGETS)}")
-    ap.add_argument("--programs", default=",".join(PROGRAMS),
-                    help=f"comma list of {list(PROGRAMS + EXTRA_PROGRAMS)}")
-    ap.add_argument("--policies", default=",".join(policies.names()))
-    ap.add_argument("--gpu-gemm", default="triton,cublas",
-                    help="GPU GEMM variants: 'triton' (XLA's default), 'cublas' (triton off)")
-    ap.add_argument("--matmul-size", type=int, default=4096)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seq", type=int, default=2048, help="the 1B layer's and the MLP's")
-    ap.add_argument("--seq-8b", type=int, default=LAYER_8B_SEQ, help="the 8B layer's")
-    ap.add_argument("--attention", default="fused",
-                    help="comma list of LlamaConfig.attention_impl values for the layers "
-                         "(each a separate program; '' = the config's default, explicit)")
-    ap.add_argument("--attention-baseline", default="explicit",
-                    help="also compile each layer's bf16 train step with this attention_impl "
-                         "(issue 35's fused-attention target; '' = none)")
-    ap.add_argument("--peers", default="",
-                    help="comma list of bench/peers.py peers compiled beside the presets "
-                         "(flax_fp8, jax_mxfp8, jax_nvfp4, jax_mxfp4, qwix_fp8); a peer that "
-                         "cannot be built here is reported and skipped")
-    ap.add_argument("--dump", type=Path, default=None, help="write each optimized HLO here")
-    ap.add_argument("--autotune-results", type=Path, default=None,
-                    help="GPU compiles load XLA's autotune results from this file "
-                         "(written on a device by bench/gpu.py --dump-autotune)")
-    ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
-    ap.add_argument("--top", type=int, default=0,
-                    help=f"print each program's N slowest kernels (rates roofline; N <= "
-                         f"{TOP_KERNELS})")
-    args = ap.parse_args(argv)
-
-    import mxjax
-
-    names = [p.strip() for p in args.policies.split(",") if p.strip()]
-    if "bf16" not in names:
-        names.insert(0, "bf16")
-    for n in names:
-        policies.get(n)  # unknown names fail before any compile
-    from bench import peers as peer_mod
-
-    for p in (x.strip() for x in args.peers.split(",") if x.strip()):
-        why = peer_mod.unavailable_reason(p)
-        if why:
-            print(f"# peer {p}: skipped: {why}", flush=True)
-        else:
-            names.append(f"peer:{p}")
-    attentions = [a.strip() for a in args.attention.split(",") if a.strip()] or [""]
-    baseline = args.attention_baseline.strip()
-    targets = [aot.TARGETS[t.strip()] for t in args.targets.split(",") if t.strip()]
-    variants_gpu = [v.strip() for v in args.gpu_gemm.split(",") if v.strip()]
-    for v in variants_gpu:
-        if v not in ("triton", "cublas"):
-            raise SystemExit(f"--gpu-gemm: unknown variant {v!r}; expected triton, cublas")
-    progs = [p.strip() for p in args.programs.split(",") if p.strip()]
-    for p in progs:
-        if p not in PROGRAMS + EXTRA_PROGRAMS:
-            raise SystemExit(f"--programs: unknown {p!r}; expected some of "
-                             f"{PROGRAMS + EXTRA_PROGRAMS}")
-    print(f"jax {jax.__version__}; mxjax from {Path(mxjax.__file__).parent}; deviceless compiles "
-          f"on {jax.default_backend()}", flush=True)
-    costs: list[Cost] = []
-    kernel_cycles = KernelCycles()
-    t_start = time.perf_counter()
-    for target in targets:
-        why = aot.unavailable_reason(target)
-        if why:
-            print(f"# {target.name}: skipped: {why}", flush=True)
-            continue
-        variants = [("" if v == "triton" else v) for v in variants_gpu] if (
-            target.kind == "gpu") else [""]
-        for variant in variants:
-            for prog, attention in ((p, a) for p in progs for a in (
-                    attentions + ([baseline] if baseline and baseline not in attentions else [])
-                    if p.startswith("layer") else [""])):
-                for name in (names if attention in attentions or not prog.startswith("layer")
-                             else ["bf16"]):
-                    try:
-                        c = compile_one(target, variant, prog, name, args, kernel_cycles,
-                                        attention=attention)
-                    except Exception as e:  # one failed compile is a row, not the run's end
-                        if not name.startswith("peer:"):
-                            raise
-                        print(f"  FAILED   {target.name} {prog} {name}: {type(e).__name__}: "
-                              f"{str(e)[:300]}", flush=True)
-                        continue
-                    costs.append(c)
-                    if args.json:  # after every compile: a long run that stops keeps its rows
-                        args.json.write_text(json.dumps([dataclasses.asdict(x) for x in costs],
-                                                        indent=1))
-                    print(f"  compiled {c.row_target:12s} {c.row_program:8s} {name:18s} "
-                          f"{c.compile_s:6.1f}s: {c.n_kernels} kernels, {_gb(c.bytes)} GB, "
-                          f"rates {_ms(c.rates_s)} ms", flush=True)
-    print()
-    for line in table(costs):
-        print(line)
-    if args.top:
-        for c in costs:
-            print(f"## slowest kernels: {c.row_target}, {c.program}, {c.policy}")
-            for name, cat, s, b, shape in c.top[: args.top]:
-                print(f"  {s * 1e6:9.1f} us  {b / 1e6:9.1f} MB  {cat:11s} {name}  {shape}")
-    print()
-    for line in rates_table(costs):
-        print(line)
-    print()
-    print(ASSUMPTIONS)
-    print(RATES_ASSUMPTIONS)
-    for t in targets:
-        if t.kind != "cpu" and t.name in R.CHIP_RATES:
-            print("rates: " + R.rates_for(t.name).summary())
-    compile_times = [c.compile_s for c in costs]
-    if compile_times:
-        print(f"{len(costs)} compiles, median {statistics.median(compile_times):.1f}s, total "
-              f"{time.perf_counter() - t_start:.0f}s")
-    print(verdict(costs))
-    print(verdict_35(costs))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

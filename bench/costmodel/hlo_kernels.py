@@ -267,7 +267,7 @@ def _dot_flops(inst: Instruction, shapes: dict[str, str]) -> int:
 
 def _class(inst: Instruction, shapes: dict[str, str]) -> str:
     """The rate class (bench/rates.py) of a GEMM from its first two operands' types."""
-    from bench.rates import rate_class
+    from bench.costmodel.rates import rate_class
 
     ops = [_element_type(shapes.get(o, "")) for o in inst.operands[:2]]
     return rate_class(*(ops + ["f32"] * (2 - len(ops))))

@@ -31,11 +31,11 @@ from pathlib import Path
 _DUMP = tempfile.mkdtemp(prefix="mxjax_llo_")
 os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") +
                                   f" --xla_jf_dump_static_llo_profile_to={_DUMP}").strip()
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import aot
+from bench.costmodel import aot
 
 aot.use_cpu_host()
 

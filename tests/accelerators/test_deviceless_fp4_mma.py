@@ -25,8 +25,8 @@ import functools
 
 import pytest
 
-from bench import aot
-from bench import hlo_kernels as hk
+from bench.costmodel import aot
+from bench.costmodel import hlo_kernels as hk
 from tests.accelerators.conftest import require
 
 pytestmark = pytest.mark.accelerators

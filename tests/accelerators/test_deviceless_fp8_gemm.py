@@ -24,8 +24,8 @@ import functools
 
 import pytest
 
-from bench import aot
-from bench import hlo_kernels as hk
+from bench.costmodel import aot
+from bench.costmodel import hlo_kernels as hk
 from tests.accelerators.conftest import require
 
 pytestmark = pytest.mark.accelerators
@@ -43,7 +43,7 @@ F8_TARGETS = {"triton": ("fusion",), "cublas": ("__cublas$lt$matmul$f8",)}
 
 @functools.cache
 def _gemms(target: str, program: str, policy: str, path: str):
-    from bench.programs import program as build
+    from bench.costmodel.programs import program as build
 
     fn, args = build(program, policy)
     text = aot.compile_for(fn, args, require(target), PATHS[path]).as_text()

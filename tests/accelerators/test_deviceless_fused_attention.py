@@ -22,7 +22,7 @@ import re
 
 import pytest
 
-from bench import aot
+from bench.costmodel import aot
 from tests.accelerators.conftest import require
 
 pytestmark = pytest.mark.accelerators
@@ -46,7 +46,7 @@ def _config(size: str, impl: str, dtype: str = "bfloat16"):
 @functools.cache
 def _compiled(target: str, size: str, impl: str, dtype: str = "bfloat16"):
     """(optimized HLO text, temp bytes) of the layer's train step compiled for `target`."""
-    from bench import export_shape
+    from bench.costmodel import export_shape
 
     config, seq = _config(size, impl, dtype)
     fn, args = export_shape.layer_train_step(config, None, 1, seq)

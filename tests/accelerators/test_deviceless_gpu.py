@@ -26,7 +26,7 @@ def _big_non_gemm(ks, min_bytes: int) -> int:
 
 
 def test_h200_matmul_bytes_and_passes_per_operand():
-    from bench import hlo_kernels as hk
+    from bench.costmodel import hlo_kernels as hk
 
     bf16, mx = cost("h200", "matmul", "bf16"), cost("h200", "matmul", "mxfp4_all_h16")
     assert mx.bytes <= 3.0 * bf16.bytes, (mx.bytes, bf16.bytes)

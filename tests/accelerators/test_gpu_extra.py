@@ -35,9 +35,9 @@ def test_the_extra_installed_a_pair_that_lowers():
 
 
 def test_triton_backend_puts_every_gemm_of_the_1b_layer_on_fp4_mma_on_b200():
-    from bench import aot
-    from bench import hlo_kernels as hk
-    from bench.programs import program
+    from bench.costmodel import aot
+    from bench.costmodel import hlo_kernels as hk
+    from bench.costmodel.programs import program
 
     fn, args = program("layer", "mxfp4_all_h16@triton", attention_impl="explicit")
     text = aot.compile_for(fn, args, require("b200")).as_text()

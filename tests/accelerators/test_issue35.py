@@ -39,7 +39,7 @@ def _compiled_text(target: str, backend: str) -> str:
     import jax.numpy as jnp
 
     import mxjax
-    from bench import aot
+    from bench.costmodel import aot
 
     pol = _policy(backend)
 
@@ -57,7 +57,7 @@ def _compiled_text(target: str, backend: str) -> str:
 def _caps_for(target: str):
     import jax
 
-    from bench import aot
+    from bench.costmodel import aot
     from mxjax import kernels
 
     with jax.set_mesh(aot._mesh(require(target).name)):
@@ -85,7 +85,7 @@ def test_auto_compiles_to_the_route_of_each_chip(target, route):
     caps = _caps_for(target)
     assert kernels.auto_backend(caps) == route
     assert kernels.auto_choice(caps).evidence
-    from bench import hlo_kernels as hk
+    from bench.costmodel import hlo_kernels as hk
 
     def shape(text):
         return [(k.category, k.target, k.gemm_flops, k.bytes) for k in hk.kernels(text)]
@@ -103,7 +103,7 @@ def test_auto_compiles_to_the_route_of_each_chip(target, route):
 def test_explicit_pallas_fp8_compiles_to_gpu_kernels_for_the_target(target):
     """Compiled for the GPU from this CPU: Triton GEMM kernels with FP8 operands, not the
     interpreter's loops."""
-    from bench import hlo_kernels as hk
+    from bench.costmodel import hlo_kernels as hk
 
     text = _compiled_text(target, "pallas_fp8")
     ks = hk.kernels(text)

@@ -32,15 +32,15 @@ ATTENTION = {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"}
 
 @functools.cache
 def _layer_text(target: str, policy: str) -> str:
-    from bench import aot
-    from bench.programs import program
+    from bench.costmodel import aot
+    from bench.costmodel.programs import program
 
     fn, args = program("layer", policy, attention_impl=FUSED)
     return aot.compile_for(fn, args, require(target)).as_text()
 
 
 def _layer_gemms(target: str, policy: str):
-    from bench import hlo_kernels as hk
+    from bench.costmodel import hlo_kernels as hk
 
     text = _layer_text(target, policy)
     return collections.Counter((how, types) for _, how, types, _ in hk.gemm_operand_types(text)
@@ -64,7 +64,7 @@ def test_xla_fp4_puts_every_quantized_gemm_of_the_layer_on_fp4_mma_on_b200():
 def test_xla_fp4_quantizes_each_operand_once_in_both_directions_on_b200():
     import re
 
-    from bench import hlo_kernels as hk
+    from bench.costmodel import hlo_kernels as hk
 
     text = _layer_text("b200", "mxfp4_all_h16@xla_fp4")
     calls = re.findall(r"%pallas_call[.0-9]* = \(([^)]*)\) custom-call\(([^)]*)\)", text)
@@ -95,7 +95,7 @@ def test_xla_fp4_operand_kernel_for_b200_has_no_spills_and_few_instructions(
     import jax
     import jax.numpy as jnp
 
-    from bench import aot, ptx_cost
+    from bench.costmodel import aot, ptx_cost
     from mxjax import policies
     from mxjax.routes import xla_fp4
 
@@ -161,7 +161,7 @@ def test_a_mosaic_gpu_kernel_lowers_for_b200_without_a_device():
     import jax.numpy as jnp
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from bench import aot
+    from bench.costmodel import aot
 
     def double(x):
         @plgpu.kernel(out_type=jax.ShapeDtypeStruct(x.shape, x.dtype))
@@ -182,8 +182,8 @@ def _train_step_gemms(target: str, policy: str):
     import jax
     import jax.numpy as jnp
 
-    from bench import aot
-    from bench import hlo_kernels as hk
+    from bench.costmodel import aot
+    from bench.costmodel import hlo_kernels as hk
     from train import config as cfgmod
     from train.optimizer import make_optimizer
     from train.plan import build_model_config, resolve_policy

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from bench import accelerator_cost as ac
-from bench import aot
-from bench import hlo_kernels as hk
-from bench import rates as R
+from bench.costmodel import accelerator_cost as ac
+from bench.costmodel import aot
+from bench.costmodel import hlo_kernels as hk
+from bench.costmodel import rates as R
+from bench.costmodel.targets import fp8_layer_verdict
 
 _FMHA_CONFIG = (
     '{"cudnn_fmha_backend_config": {"fmha_scale": 0.08, "intermediate_tensor_shape": '
@@ -103,15 +104,15 @@ def _row(target, policy, rates_s, attention="fused", temp=10**9):
                    gemm_flops=0, compile_s=0.0, rates_s=rates_s, attention=attention)
 
 
-def test_issue35_verdict_reads_the_rows_of_one_run():
+def test_fp8_layer_verdict_reads_the_rows_of_one_run():
     rows = [_row("h200", "bf16", 10.0), _row("h200", "fp8", 7.0),
             _row("h200", "bf16", 20.0, attention="explicit", temp=20 * 10**9),
             _row("b200", "bf16", 10.0), _row("b200", "fp8", 7.5)]
-    text = ac.verdict_35(rows)
+    text = fp8_layer_verdict(rows)
     assert "NOT met" in text
     assert "h200 layer_8b@fused fp8 0.70x (<= 0.75x)" in text.split("MISSED")[0]
     assert "b200 layer_8b@fused fp8 0.75x (<= 0.7x)" in text.split("MISSED")[1]
     assert "fused vs explicit attention 0.50x" in text.split("MISSED")[0]
     assert "not compiled" not in text
-    text = ac.verdict_35(rows[:2])
+    text = fp8_layer_verdict(rows[:2])
     assert "partial" in text and "b200 layer_8b@fused fp8" in text.split("not compiled")[1]

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from bench import export_shape as es
+from bench.costmodel import export_shape as es
 from models.llama import LlamaConfig
 from mxjax import policies
 

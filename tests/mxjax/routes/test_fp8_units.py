@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import mxjax
-from bench import export_shape as es
+from bench.costmodel import export_shape as es
 from mxjax import OperandRecipe, ScaleRule, _bits, gemm, policies, scaling
 from mxjax.dimensions import Dims
 from mxjax.quantization import fake_quantize_with
