@@ -3,7 +3,7 @@
 Compiles `mxjax.routes.in_place.mx_operand_values` (MXFP4 + H16, RNE, FP8 carrier as in
 the 'xla_fp8' route, or bf16) for an H200 without one, with XLA's dumps on, and
 prints per kernel the bytes it moves, the elementwise ops in its HLO
-(`bench.hlo_kernels`) and the PTX instructions its threads execute (straight-line
+(`bench.costmodel.hlo_kernels`) and the PTX instructions its threads execute (straight-line
 kernels: instructions in the entry times launched threads; reductions' loops and
 divergent branches are counted once, so read those as a floor) and the SASS
 instructions ptxas makes of that PTX (counted the same way; what the chip executes:

@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lanes", action="store_true", help="blocks along lanes (dgrad's W)")
     ap.add_argument("--tiles", default="", help="rows x cols list (default: mxjax's tiles)")
     ap.add_argument("--clock-ghz", type=float, default=1.548,
-                    help="v5e clock for us (bench/tpu_kernel_cycles.py calibrates 1.548)")
+                    help="v5e clock for us (bench/costmodel/tpu_kernel_cycles.py calibrates 1.548)")
     args = ap.parse_args(argv)
     from mxjax.routes import in_place_tpu as at
 

@@ -1,4 +1,4 @@
-"""bench/ptx_cost.py's readers on a hand-written dump: launches from the thunk sequence,
+"""bench/costmodel/ptx_cost.py's readers on a hand-written dump: launches from the thunk sequence,
 Triton calls from the HLO, and their matching (kernel name less XLA's ``__N`` suffix,
 grid) to SASS counts; calls that match nothing are reported, not charged. The SASS
 itself comes from ptxas (tests/accelerators/test_issue36.py runs it on a real dump)."""

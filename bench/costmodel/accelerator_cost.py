@@ -56,11 +56,11 @@ RATES_ASSUMPTIONS = (
     f"({', '.join(f'{k}: {v}' for k, v in hk.PALLAS_GEMMS.items())}). Every other kernel, "
     "Pallas quantize kernels included, is charged by its bytes (TPU Pallas kernels: at least "
     "libtpu's static cycles). A GEMM type without units on a chip runs at the next wider "
-    "type's rate (bench/rates.py). '+alu' (GPU) also bounds each kernel by its arithmetic at "
-    "one instruction per f32 lane per clock: fusions by their HLO elementwise ops, Triton "
-    "calls (Pallas kernels) by threads x the SASS instructions ptxas makes of their "
-    "PTX (static counts, bench/ptx_cost.py); '*': Triton calls whose SASS was not found, "
-    "uncharged.")
+    "type's rate (bench/costmodel/rates.py). '+alu' (GPU) also bounds each kernel by its "
+    "arithmetic at one instruction per f32 lane per clock: fusions by their HLO elementwise "
+    "ops, Triton calls (Pallas kernels) by threads x the SASS instructions ptxas makes of "
+    "their PTX (static counts, bench/costmodel/ptx_cost.py); '*': Triton calls whose SASS was "
+    "not found, uncharged.")
 TOP_KERNELS = 40  # kept per program (printed with --top)
 
 
@@ -128,7 +128,7 @@ def rates_roofline(ks: list[hk.Kernel], target: aot.Target,
 
     ``alu_s``: when given, each kernel is also bounded by its arithmetic: a fusion by
     its HLO elementwise ops, a Triton call by ``alu_s[name]`` (its SASS,
-    `bench.ptx_cost.triton_call_seconds`), at one op per f32 lane per clock.
+    `bench.costmodel.ptx_cost.triton_call_seconds`), at one op per f32 lane per clock.
     """
     if target.kind == "cpu":
         return 0.0
@@ -191,7 +191,7 @@ def measure(compiled, target: aot.Target, variant: str, program: str, policy: st
             compile_s: float, dump: Path | None = None, kernel_specs=(),
             kernel_cycles=None, attention: str = "", xla_dump: Path | None = None) -> Cost:
     """One program's row. ``xla_dump``: XLA's dump of a GPU compile (PTX, thunk sequence),
-    from which Triton calls are charged their arithmetic (`bench.ptx_cost`)."""
+    from which Triton calls are charged their arithmetic (`bench.costmodel.ptx_cost`)."""
     text = compiled.as_text()
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
@@ -238,7 +238,8 @@ def measure(compiled, target: aot.Target, variant: str, program: str, policy: st
 
 
 class KernelCycles:
-    """Static cycles of TPU kernel specs, measured in a subprocess (bench/tpu_kernel_cycles.py)."""
+    """Static cycles of TPU kernel specs, measured in a subprocess
+    (bench/costmodel/tpu_kernel_cycles.py)."""
 
     def __init__(self):
         self.cycles: dict[tuple[str, str], int] = {}
@@ -254,7 +255,8 @@ class KernelCycles:
                 [sys.executable, str(Path(tkc.__file__)), target.name],
                 input="[" + ",".join(todo) + "]", capture_output=True, text=True, check=False)
             if proc.returncode:
-                raise RuntimeError(f"bench/tpu_kernel_cycles.py failed: {proc.stderr[-2000:]}")
+                raise RuntimeError(
+                    f"bench/costmodel/tpu_kernel_cycles.py failed: {proc.stderr[-2000:]}")
             result = json.loads(proc.stdout)
             self.clock[target.name] = result["clock_hz"]
             for j, c in zip(todo, result["cycles"]):
@@ -268,8 +270,9 @@ class KernelCycles:
 
 def compile_one(target: aot.Target, variant: str, prog: str, policy: str, args,
                 kernel_cycles: KernelCycles | None = None, attention: str = "") -> Cost:
-    """One compile and its row. ``policy``: a preset name or 'peer:<name>' (bench/peers.py);
-    ``attention``: the layers' LlamaConfig.attention_impl ('' = the config default)."""
+    """One compile and its row. ``policy``: a preset name or 'peer:<name>'
+    (bench/costmodel/peers.py); ``attention``: the layers' LlamaConfig.attention_impl
+    ('' = the config default)."""
     try:
         from mxjax.routes.in_place_tpu import record_kernels
     except ImportError:  # an mxjax without TPU kernels (a before table)

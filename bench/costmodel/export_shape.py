@@ -163,7 +163,7 @@ def layer_train_step(config, policy_name, batch: int, seq: int):
     """(fn, abstract args): loss and grads of one DecoderLayer w.r.t. its params and input.
 
     ``policy_name``: a preset name, None (plain lax.dot_general), or a policy-like object
-    (``.dot_general(key)``, ``.needs_key``: bench/peers.py).
+    (``.dot_general(key)``, ``.needs_key``: bench/costmodel/peers.py).
     """
     from flax import nnx
 

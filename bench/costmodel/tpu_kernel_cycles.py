@@ -7,7 +7,7 @@ programs that flag is impractical here (one op of the emulated GEMMs made it
 run for minutes and grow past 5 GB), so each kernel is compiled on its own, in
 this separate process (the flag is read when libtpu starts):
 
-    python bench/tpu_kernel_cycles.py v5e < specs.json   # prints JSON
+    python bench/costmodel/tpu_kernel_cycles.py v5e < specs.json   # prints JSON
 
 Input: a JSON list of `mxjax.routes.in_place_tpu.KernelSpec` as dicts (the recipe as
 ``{"fmt", "scale_rule", "rounding", "sr_prescale"}``). Output: ``{"cycles":

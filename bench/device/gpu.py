@@ -9,7 +9,7 @@ Usage, from the repository root on the GPU machine:
     # There (carry .whl):
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site:$PWD
-    PYTHONUNBUFFERED=1 python3 bench/gpu.py [--quick] [--budget-s 300] \
+    PYTHONUNBUFFERED=1 python3 bench/device/gpu.py [--quick] [--budget-s 300] \
         [--sections tests,ceilings,layer8b,gemm] [--quick-tests] [--keep-going] \
         [--layer-policies bf16/fused,bf16/explicit,fp8,mxfp4_all_h16,...] \
         [--table-out $OUT/table.txt] [--dump-autotune autotune_h200.pbtxt]
@@ -24,7 +24,7 @@ after every section when --table-out is given it is rewritten there):
      --quick-tests deselects QUICK_TESTS_DESELECT (the slower half of the tests).
      Run in a subprocess before this process touches the GPU (both would preallocate).
   ceilings. Device copy bandwidth (bytes read + written) and bf16 GEMM TFLOP/s at 8192^3.
-  layer8b. One Llama 3.1-8B decoder layer's train step (bench/programs.py's `layer_8b`:
+  layer8b. One Llama 3.1-8B decoder layer's train step (bench/costmodel/programs.py's `layer_8b`:
      loss and gradients w.r.t. the layer's parameters and input, micro-batch 1, seq 8192)
      under each --layer-policies row (POLICY[@BACKEND][/ATTENTION][?]; default LAYER_ROWS:
      bf16 with fused and with explicit attention, fp8, mxfp4_all_h16 with the XLA
@@ -44,7 +44,7 @@ after every section when --table-out is given it is rewritten there):
   train. Tokens/s of a ~1B Llama train step (AdamW) under 'bf16' and 'mxfp4_all_h16', the
      latter with the XLA emulation and with the kernels ('auto' backend).
   calibration. bench/accelerator_cost.py's matmul and 1B decoder-layer programs
-     (bench/programs.py) under 'bf16' and 'mxfp4_all_h16', timed (ms per step). With
+     (bench/costmodel/programs.py) under 'bf16' and 'mxfp4_all_h16', timed (ms per step). With
      --dump-autotune FILE, XLA writes the GEMM autotune results of every compile in this
      run to FILE (xla_gpu_dump_autotune_results_to; .pbtxt text, .pb binary); a deviceless
      compile then picks the same GEMM configs (bench/accelerator_cost.py --autotune-results
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
                 table.print()
                 return 1
     if jax.default_backend() != "gpu" and not args.cpu_smoke:
-        print(f"bench/gpu.py needs a CUDA GPU; jax.default_backend() is "
+        print(f"bench/device/gpu.py needs a CUDA GPU; jax.default_backend() is "
               f"{jax.default_backend()!r} (devices: {jax.devices()}). Run it on the lent H200.",
               file=sys.stderr)
         return 2

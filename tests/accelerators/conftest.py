@@ -1,4 +1,4 @@
-"""Deviceless compiles for GPUs and TPUs (bench/aot.py): shared, cached per session.
+"""Deviceless compiles for GPUs and TPUs (bench/costmodel/aot.py): shared, cached per session.
 
 The tests marked ``accelerators`` need libtpu and the CUDA PJRT plugin (``pip install
 'mxjax[aot-tpu,aot-gpu]'``, ``make test-accelerators``); without them they fail and say

@@ -49,7 +49,7 @@ def test_triton_backend_puts_every_gemm_of_the_1b_layer_on_fp4_mma_on_b200():
         ptx = hk.triton_call_ptx(inst)
         assert b".target sm_100a" in ptx and b".version 8.8" in ptx
         assert re.search(rb"tcgen05\.mma[^;]*kind::mxf4[^;]*block_scale", ptx), ptx[:2000]
-    # The rates roofline charges each at the FP4 rate (bench/hlo_kernels.py).
+    # The rates roofline charges each at the FP4 rate (bench/costmodel/hlo_kernels.py).
     classes = collections.Counter(cls for k in hk.kernels(text) for cls, _ in k.gemms
                                   if k.target in hk.TRITON_CALL_TARGETS)
     assert classes == {"fp4": 21}, classes

@@ -1,4 +1,5 @@
-"""bench/hlo_kernels.py on a hand-written optimized HLO module (no accelerator packages)."""
+"""bench/costmodel/hlo_kernels.py on a hand-written optimized HLO module (no accelerator
+packages)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 targets of the Llama 3.1-8B layer (seq 8192, micro-batch 1) on the rates roofline.
 
 The backend tests compile a small fwd+bwd GEMM under ``mxfp4_all`` with every GEMM's
-backend set, for H200, B200 and v5e (bench/aot.py puts the target's mesh in context).
+backend set, for H200, B200 and v5e (bench/costmodel/aot.py puts the target's mesh in context).
 The 8B-layer targets (one compile each, shared for the session through
 ``conftest.cost``) need the fused attention (``attention_impl="fused"``) and FP8 GEMMs
 in the ``fp8`` preset; until both exist they fail, naming what is missing. The emulated

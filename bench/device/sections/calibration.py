@@ -12,7 +12,8 @@ CALIBRATION_POLICIES = ("bf16", "mxfp4_all_h16")
 
 
 def calibration_section(table: Table, sz: Sizes, deadline: float) -> None:
-    """Times bench/programs.py's matmul and layer steps (the deviceless estimates' programs)."""
+    """Times bench/costmodel/programs.py's matmul and layer steps (the deviceless
+    estimates' programs)."""
     from bench.costmodel import programs
 
     rows = table.section("accelerator_cost programs, measured (calibrates the deviceless "

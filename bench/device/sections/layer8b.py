@@ -182,10 +182,10 @@ def layer8b_section(table: Table, sz: Sizes, deadline: float, rows_spec: list[La
         t = time.perf_counter()
         try:
             fn, abstract, what = _layer_program(row, sz)
-            note = (f"program: {what} (bench/programs.py layer_program); GEMM backend '-': "
-                    "the preset's own; ms: median of the interleaved rounds, one call per row "
-                    "per round; rows marked ? were compiled after the others were timed, then "
-                    "all were timed in further rounds")
+            note = (f"program: {what} (bench/costmodel/programs.py layer_program); GEMM "
+                    "backend '-': the preset's own; ms: median of the interleaved rounds, one "
+                    "call per row per round; rows marked ? were compiled after the others were "
+                    "timed, then all were timed in further rounds")
             program_note[:] = [note]
             sig = _arg_signature(abstract)
             if sig not in args_cache:
