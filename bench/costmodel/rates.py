@@ -1,13 +1,15 @@
-"""Peak rates per chip that bench/accelerator_cost.py's roofline charges kernels at.
+"""Peak rates per chip that the rates roofline (bench/costmodel/accelerator_cost.py) charges
+kernels at, read from the package's data file (``mxjax/measurements.json``, loaded by
+`mxjax.measurements`: each chip's published figures with their source and provenance).
 
-Every figure is a vendor's published dense (no 2:4 sparsity) peak, with its source
-beside it: matrix rates per operand type in FLOP/s, memory bandwidth in bytes/s, and a
-per-kernel launch cost. They are assumptions, not measurements: no chip reaches them,
-and the roofline states that wherever it prints a time. A rate that a chip lacks is
-absent: a GEMM of that operand type runs on the units of the next wider type that the
-chip has (:meth:`ChipRates.rate`; FP8 on an H200 runs FP8, FP4 on an H200 runs at its
-FP8 rate at best and mxjax's Hopper paths upcast to bf16: the roofline charges what
-the compiled program's operand types say).
+Every figure is a vendor's published dense (no 2:4 sparsity) peak: matrix rates per
+operand type in FLOP/s and memory bandwidth in bytes/s; the per-kernel launch cost is
+the file's ``assumption.kernel_launch_s``. They are assumptions, not measurements: no
+chip reaches them, and the roofline states that wherever it prints a time. A rate that a
+chip lacks is absent: a GEMM of that operand type runs on the units of the next wider
+type that the chip has (:meth:`ChipRates.rate`; FP8 on an H200 runs FP8, FP4 on an H200
+runs at its FP8 rate at best and mxjax's Hopper paths upcast to bf16: the roofline
+charges what the compiled program's operand types say).
 
 Rate classes (operand types of one GEMM, both operands; mixed pairs take the wider):
 ``fp4`` (f4e2m1fn), ``fp8`` (any f8 type, block-scaled MXFP8 included), ``int8``,
@@ -24,7 +26,6 @@ import functools
 __all__ = ["CHIP_RATES", "FALLBACK", "LAUNCH_S", "RATE_ORDER", "ChipRates", "rate_class",
            "rates_for"]
 
-LAUNCH_S = 2e-6  # per kernel launch (GPU) or per fusion/custom call (TPU): an assumption
 
 # Rate classes from narrowest to widest.
 RATE_ORDER = ("fp4", "fp8", "int8", "bf16", "tf32", "f32")
@@ -38,6 +39,14 @@ FALLBACK = {
     "tf32": ("tf32", "f32"),
     "f32": ("f32",),
 }
+
+def _launch_s() -> float:
+    from mxjax import measurements
+
+    return measurements.figure("assumption.kernel_launch_s").value("launch")
+
+
+LAUNCH_S = _launch_s()  # per kernel launch (GPU) or per fusion/custom call (TPU)
 
 _CLASS_OF_DTYPE = {
     "f4e2m1fn": "fp4", "f8e4m3fn": "fp8", "f8e5m2": "fp8", "f8e4m3": "fp8", "f8e3m4": "fp8",
@@ -54,7 +63,7 @@ def rate_class(lhs_dtype: str, rhs_dtype: str) -> str:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ChipRates:
-    """One chip's published peaks.
+    """One chip's published peaks (from the data file), with the fallback between classes.
 
     ``matrix_flops``: (rate class, dense FLOP/s) pairs; ``hbm_bytes_per_s``: peak memory
     bandwidth; ``source``: where the figures come from.
@@ -83,55 +92,21 @@ class ChipRates:
                 f"{self.hbm_bytes_per_s / 1e12:.3g} TB/s. Source: {self.source}")
 
 
-_NV_HOPPER_SRC = ("NVIDIA H100/H200 Tensor Core GPU datasheets (SXM, dense = half the "
-                  "'with sparsity' figures): BF16 989 TFLOPS, FP8 1979 TFLOPS, TF32 494.5, "
-                  "INT8 1979 TOPS")
+def _from_data_file() -> dict[str, ChipRates]:
+    from mxjax import measurements
 
-CHIP_RATES: dict[str, ChipRates] = {r.name: r for r in (
-    ChipRates(
-        name="h100", description="NVIDIA H100 SXM 80GB",
-        matrix_flops=(("fp8", 1979e12), ("int8", 1979e12), ("bf16", 989e12),
-                      ("tf32", 494.5e12), ("f32", 67e12)),
-        hbm_bytes_per_s=3.35e12, source=_NV_HOPPER_SRC + "; HBM3 3.35 TB/s"),
-    ChipRates(
-        name="h200", description="NVIDIA H200 SXM 141GB",
-        matrix_flops=(("fp8", 1979e12), ("int8", 1979e12), ("bf16", 989e12),
-                      ("tf32", 494.5e12), ("f32", 67e12)),
-        hbm_bytes_per_s=4.8e12, source=_NV_HOPPER_SRC + "; HBM3e 4.8 TB/s (H200 datasheet)"),
-    ChipRates(
-        name="b200", description="NVIDIA B200 (HGX B200, per GPU)",
-        matrix_flops=(("fp4", 9e15), ("fp8", 4.5e15), ("int8", 4.5e15), ("bf16", 2.25e15),
-                      ("tf32", 1.1e15)),
-        hbm_bytes_per_s=8e12,
-        source=("NVIDIA HGX B200 datasheet, per GPU, dense (half the sparse figures): FP4 "
-                "9 PF, FP8/FP6 4.5 PF, INT8 4.5 POPS, BF16 2.25 PF, TF32 1.1 PF; HBM3e "
-                "8 TB/s")),
-    ChipRates(
-        name="mi355x", description="AMD Instinct MI355X",
-        matrix_flops=(("fp4", 10.1e15), ("fp8", 5.0e15), ("int8", 5.0e15), ("bf16", 2.5e15)),
-        hbm_bytes_per_s=8e12,
-        source=("AMD Instinct MI355X datasheet, dense: MXFP4 10.1 PF, FP8 5.0 PF, BF16 "
-                "2.5 PF; HBM3E 8 TB/s. No deviceless ROCm compile here: listed, not "
-                "charged")),
-    ChipRates(
-        name="v5e", description="Google TPU v5e",
-        matrix_flops=(("int8", 394e12), ("bf16", 197e12), ("tf32", 197e12)),
-        hbm_bytes_per_s=819e9,
-        source=("Google Cloud TPU v5e documentation: 197 TFLOP/s bf16, 394 TOPS int8, "
-                "819 GB/s HBM; no FP8 units (f8 dots run as bf16); f32 dots at DEFAULT "
-                "precision: one bf16 pass (charged as 'tf32' at the bf16 rate)")),
-    ChipRates(
-        name="v6e", description="Google TPU v6e (Trillium)",
-        matrix_flops=(("int8", 1836e12), ("bf16", 918e12), ("tf32", 918e12)),
-        hbm_bytes_per_s=1640e9,
-        source=("Google Cloud TPU v6e documentation: 918 TFLOP/s bf16, 1836 TOPS int8, "
-                "1640 GB/s HBM; f32 at DEFAULT as on v5e")),
-)}
+    return {r.name: ChipRates(name=r.name, description=r.description,
+                              matrix_flops=r.matrix_flops, hbm_bytes_per_s=r.hbm_bytes_per_s,
+                              source=r.source)
+            for r in measurements.all_chip_rates()}
+
+
+CHIP_RATES: dict[str, ChipRates] = _from_data_file()
 
 
 @functools.cache
 def rates_for(target: str) -> ChipRates:
-    """The rates of a bench/aot.py target name ('h200', 'b200', 'v5e', ...)."""
+    """The rates of a bench/costmodel/aot.py target name ('h200', 'b200', 'v5e', ...)."""
     try:
         return CHIP_RATES[target]
     except KeyError:

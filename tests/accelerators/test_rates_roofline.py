@@ -82,6 +82,30 @@ def test_rate_classes_take_the_wider_operand():
         assert chip.source and chip.hbm_bytes_per_s > 0
 
 
+def test_rates_and_tpu_peaks_come_from_the_data_file():
+    """The cost model charges the published figures of mxjax/measurements.json, and its
+    sources carry no peak rate of their own."""
+    import re
+    from pathlib import Path
+
+    from mxjax import measurements
+
+    for chip in measurements.all_chip_rates():
+        assert R.rates_for(chip.name).matrix_flops == chip.matrix_flops
+        assert R.rates_for(chip.name).hbm_bytes_per_s == chip.hbm_bytes_per_s
+    assert R.LAUNCH_S == measurements.figure("assumption.kernel_launch_s").value("launch")
+    for name in ("v5e", "v6e"):
+        published = measurements.chip_rates(name)
+        assert aot.TARGETS[name].bf16_flops_per_s == dict(published.matrix_flops)["bf16"]
+        assert aot.TARGETS[name].hbm_bytes_per_s == published.hbm_bytes_per_s
+    # Rates written as literals (a unit conversion, 1e9 or 1e12, is not one).
+    rate = re.compile(r"\b(?!1e)\d+(?:\.\d+)?e(?:9|1[0-6])\b")
+    costmodel = Path(R.__file__).parent
+    literals = {f.name: rate.findall(f.read_text()) for f in costmodel.glob("*.py")
+                if f.name != "targets.py"}  # targets.py: bounds (temp bytes), not rates
+    assert not {k: v for k, v in literals.items() if v}
+
+
 @pytest.mark.parametrize("target", ["h200", "b200"])
 def test_rates_roofline_sums_max_of_flops_and_bytes_plus_launch(target):
     ks = hk.kernels(HLO)
