@@ -7,8 +7,6 @@ it lowers (a failure is a finding, with its first line), the kernels of the
 optimized program, and which matrix instructions the kernel's PTX holds where
 the PTX is available:
 
-* ``pallas``: ``mxjax.kernels.pallas_gemm`` (Pallas-Triton, codes upcast to bf16 dots);
-* ``pallas_fp8``: ``mxjax.kernels.fp8_gemm`` (E2M1 x 2^d re-encoded exactly as E4M3, FP8 dots);
 * ``triton``: the 'triton' backend's ``tl.dot_scaled`` kernel
   (``mxjax.kernels.triton_dot_scaled``) compiled by Triton for the target's compute
   capability, as jax-triton would (PTX inspected);

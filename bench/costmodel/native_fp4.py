@@ -21,7 +21,7 @@ aot.use_cpu_host()
 import jax
 import jax.numpy as jnp
 
-PATHS = ("pallas", "pallas_fp8", "triton", "triton_jax", "xla_scaled_dot", "xla_scaled_matmul")
+PATHS = ("triton", "triton_jax", "xla_scaled_dot", "xla_scaled_matmul")
 DEFAULT_TARGETS = ("b200", "h200")
 # PTX patterns: (label, regex).
 INSTRUCTIONS = (
@@ -67,14 +67,6 @@ def _packed(m: int, n: int, k: int):
 def _program(path: str, size: int, target: str):
     """(fn, abstract args) of one GEMM along `path`."""
     m = n = k = size
-    if path == "pallas":
-        from mxjax.kernels.pallas_gemm import mxfp4_matmul_pallas
-
-        return (lambda *a: mxfp4_matmul_pallas(*a, m=m, n=n, interpret=False)), _packed(m, n, k)
-    if path == "pallas_fp8":
-        from mxjax.kernels.fp8_gemm import mxfp4_matmul_fp8
-
-        return (lambda *a: mxfp4_matmul_fp8(*a, m=m, n=n, interpret=False)), _packed(m, n, k)
     if path == "triton_jax":
         import jax_triton as jt
 

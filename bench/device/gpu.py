@@ -1,4 +1,4 @@
-"""One script for a lent H200: GPU correctness tests, then the measured tables (< 5.5 min).
+"""One script for a GPU: correctness tests, then the measured tables (< 5.5 min).
 
 Usage, from the repository root on the GPU machine:
 
@@ -38,7 +38,7 @@ after every section when --table-out is given it is rewritten there):
      H16), its fraction of the copy bandwidth, and mxjax.quantize under XLA.
   gemm. MXFP4 GEMM TFLOP/s at 8192^3 and the Llama-3.1-8B projection shapes (8192 tokens)
      for bf16 jnp.dot and each --gemm-backends backend (default 'xla' (the XLA emulation),
-     'pallas', 'pallas_fp8', 'triton' (tl.dot_scaled), 'xla_fp8'); a backend this mxjax
+     'triton' (tl.dot_scaled), 'xla_fp8'); a backend this mxjax
      does not know, or that cannot run here, is an n/a cell. Operands are quantized
      outside the timed region.
   train. Tokens/s of a ~1B Llama train step (AdamW) under 'bf16' and 'mxfp4_all_h16', the
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
                 return 1
     if jax.default_backend() != "gpu" and not args.cpu_smoke:
         print(f"bench/device/gpu.py needs a CUDA GPU; jax.default_backend() is "
-              f"{jax.default_backend()!r} (devices: {jax.devices()}). Run it on the lent H200.",
+              f"{jax.default_backend()!r} (devices: {jax.devices()}). Run it on a GPU machine.",
               file=sys.stderr)
         return 2
     from mxjax.kernels import capabilities

@@ -1,4 +1,4 @@
-"""Issue 35 on deviceless compiles: backends chosen for the chip compiled for, and the
+"""Deviceless compiles: backends chosen for the chip compiled for, and the fp8
 targets of the Llama 3.1-8B layer (seq 8192, micro-batch 1) on the rates roofline.
 
 The backend tests compile a small fwd+bwd GEMM under ``mxfp4_all`` with every GEMM's
@@ -6,7 +6,7 @@ backend set, for H200, B200 and v5e (bench/costmodel/aot.py puts the target's me
 The 8B-layer targets (one compile each, shared for the session through
 ``conftest.cost``) need the fused attention (``attention_impl="fused"``) and FP8 GEMMs
 in the ``fp8`` preset; until both exist they fail, naming what is missing. The emulated
-MXFP4 targets (issue 22, on the 1B layer) stay in test_deviceless_gpu.py and
+MXFP4 targets (on the 1B layer) stay in test_deviceless_gpu.py and
 test_deviceless_tpu.py.
 """
 
@@ -99,24 +99,7 @@ def test_auto_compiles_to_the_route_of_each_chip(target, route):
     assert gemms == want.get(route, gemms)
 
 
-@pytest.mark.parametrize("target", ["h200", "b200"])
-def test_explicit_pallas_fp8_compiles_to_gpu_kernels_for_the_target(target):
-    """Compiled for the GPU from this CPU: Triton GEMM kernels with FP8 operands, not the
-    interpreter's loops."""
-    from bench.costmodel import hlo_kernels as hk
-
-    text = _compiled_text(target, "pallas_fp8")
-    ks = hk.kernels(text)
-    gemms = [k for k in ks if k.gemms and k.target == "__gpu$xla.gpu.triton"]
-    assert len(gemms) == 3, [(k.name, k.target) for k in ks]
-    assert all(k.gemms == (("fp8", 2 * N * N * N),) for k in gemms)
-    assert " while(" not in text
-    assert "f8e4m3fn" in text
-
-
 @pytest.mark.parametrize("target,backend,match", [
-    ("v5e", "pallas", r"fprop: backend 'pallas' cannot run on 'TPU v5 lite'.*not tpu"),
-    ("v5e", "pallas_fp8", r"backend 'pallas_fp8' cannot run on 'TPU v5 lite'"),
     ("h200", "triton", r"backend 'triton' cannot run on 'NVIDIA H200.*jax_triton"),
 ])
 def test_explicit_backend_that_cannot_run_on_the_target_raises_at_lowering(

@@ -1,4 +1,4 @@
-"""FP8 GEMMs on FP8 tensor cores in XLA's optimized GPU programs (issue 35, items 3 and 6).
+"""FP8 GEMMs on FP8 tensor cores in XLA's optimized GPU programs (the ``fp8`` preset at FP8 rate).
 
 Deviceless compiles for H100, H200 and B200 (bench/costmodel/aot.py), under both of XLA's GEMM
 paths: its default Triton GEMM emitter and cuBLAS (``xla_gpu_enable_triton_gemm=false``,

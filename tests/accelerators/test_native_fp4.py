@@ -1,7 +1,6 @@
-"""mxjax's native FP4 GEMM kernels compiled deviceless (bench/native_fp4.py).
+"""mxjax's native FP4 GEMM kernels compiled deviceless (bench/costmodel/native_fp4.py).
 
-The Pallas kernels ('pallas', 'pallas_fp8') lower for a B200 (sm_100a) and an H200
-(sm_90a) to XLA Triton custom calls; the 'triton' backend's ``tl.dot_scaled`` kernel,
+The 'triton' backend's ``tl.dot_scaled`` kernel,
 compiled by Triton for sm_100, is Blackwell's block-scaled FP4 MMA
 (``tcgen05.mma ... kind::mxf4 ... block_scale``) and for sm_90 bf16 ``wgmma`` (Hopper
 has no FP4 units). Triton's AMD backend compiles the same kernel for an MI355X (gfx950)
@@ -13,20 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.accelerators.conftest import require
-
 pytestmark = pytest.mark.accelerators
-
-
-@pytest.mark.parametrize("target", ["b200", "h200"])
-@pytest.mark.parametrize("path", ["pallas", "pallas_fp8"])
-def test_pallas_kernels_lower(target, path):
-    from bench.costmodel import native_fp4
-
-    require(target)
-    r = native_fp4.compile_path(target, path, 1024)
-    assert r.ok, r.error
-    assert "__gpu$xla.gpu.triton" in r.kernels
 
 
 def test_dot_scaled_is_native_block_scaled_mma_on_b200_only():

@@ -17,7 +17,7 @@ GEMM_SHAPES = [  # (name, M, N, K); M = 8192 tokens
     ("8B gate/up", 8192, 14336, 4096),
     ("8B down", 8192, 4096, 14336),
 ]
-GEMM_BACKENDS = "xla,pallas,pallas_fp8,triton,xla_fp8"
+GEMM_BACKENDS = "xla,triton,xla_fp8"
 
 
 def gemm_section(table: Table, sz: Sizes, deadline: float, backends: list[str]) -> None:

@@ -17,14 +17,13 @@ GPU_TEST_FILES = ("tests/mxjax/kernels/test_kernels_gpu.py",
                   "tests/mxjax/routes/test_xla_fp8_gpu.py",
                   "tests/mxjax/routes/test_xla_fp4_gpu.py")
 # --quick-tests deselects these (node-id prefixes; a test added to the files still runs):
-# the fused-quantize kernel tests, the second GEMM shape, the batched Pallas GEMM, the FP8
+# the fused-quantize kernel tests, the second GEMM shape, the FP8
 # tensor-core bound at K = 256 (K = 4096 stays).
 _KERNELS, _FP8, _ATTN, _XLA_FP8, _FP4 = GPU_TEST_FILES
 QUICK_TESTS_DESELECT = (
     f"{_KERNELS}::test_fused_quantize_bit_exact",
     f"{_KERNELS}::test_fused_quantize_stochastic",
     f"{_KERNELS}::test_gemm_backends_within_tolerance[shape1]",
-    f"{_KERNELS}::test_batched_pallas",
     f"{_FP8}::test_tensor_core_gemm_is_within_the_device_bound[256-",
     _FP4,  # the B200 route (on Hopper XLA expands its block-scaled dot to f32)
 )

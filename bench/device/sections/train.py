@@ -49,7 +49,7 @@ def train_section(table: Table, sz: Sizes, deadline: float) -> None:
         return step
 
     h16 = policies.get("mxfp4_all_h16")
-    kernel_backend = "pallas" if sz.tiny_model else resolve_backend("auto")
+    kernel_backend = resolve_backend("auto")
     configs = [("bf16", None, "-"), ("mxfp4_all_h16", h16, "xla")]
     try:
         configs.append(("mxfp4_all_h16", _with_backend(h16, kernel_backend), kernel_backend))

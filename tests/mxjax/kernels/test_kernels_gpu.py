@@ -30,7 +30,7 @@ from tests.mxjax.kernels._kernel_testutil import (
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(jax.default_backend() != "gpu",
-                       reason="needs a CUDA GPU (bench/device/gpu.py runs these on the lent H200)"),
+                       reason="needs a CUDA GPU (bench/device/gpu.py runs these on a GPU)"),
 ]
 
 

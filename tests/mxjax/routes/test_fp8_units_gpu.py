@@ -29,7 +29,7 @@ from tests.mxjax.routes.test_fp8_units import FP8, OPERAND_CASES, check_f8_opera
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(jax.default_backend() != "gpu",
-                       reason="needs a CUDA GPU (bench/device/gpu.py runs these on a lent GPU)"),
+                       reason="needs a CUDA GPU (bench/device/gpu.py runs these on a GPU)"),
 ]
 
 U32 = 2.0 ** -24

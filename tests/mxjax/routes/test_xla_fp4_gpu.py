@@ -25,7 +25,7 @@ from tests.mxjax.routes.test_xla_fp4 import MXFP4, RECIPE, _on_mma, full_window_
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(jax.default_backend() != "gpu",
-                       reason="needs a CUDA GPU (bench/device/gpu.py runs these on a lent GPU)"),
+                       reason="needs a CUDA GPU (bench/device/gpu.py runs these on a GPU)"),
 ]
 
 @pytest.mark.parametrize("k", [256, 4096])

@@ -30,7 +30,7 @@ from tests.mxjax.routes.test_fp8_units_gpu import U32, device_bound
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(jax.default_backend() != "gpu",
-                       reason="needs a CUDA GPU (bench/device/gpu.py runs these on a lent GPU)"),
+                       reason="needs a CUDA GPU (bench/device/gpu.py runs these on a GPU)"),
 ]
 
 RECIPE = dataclasses.replace(policies.get("mxfp4_all_h16").fprop, backend="xla_fp8")
