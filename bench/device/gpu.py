@@ -59,9 +59,9 @@ overruns anyway. Expected on the H200 (estimates from compile counts and devicel
 times, not yet measured): tests ~90 s (--quick-tests ~55 s; pytest's --durations prints
 the slowest), ceilings ~5 s, layer8b ~120-180 s for its six compiles (nvfp4, the last, is
 the one the budget drops first), gemm what is left (each shape ~15 s).
-Targets (issue 7): quantize >= 80% of copy bandwidth; MXFP4 GEMM >= 1.0x bf16 at 8192^3
+Targets: quantize >= 80% of copy bandwidth; MXFP4 GEMM >= 1.0x bf16 at 8192^3
 (1.5x through the FP8 path as the stretch); the 1B step under mxfp4_all_h16 with kernels
-no slower than under bf16; (issue 10) the 1B step under mxfp4_all_h16 with the XLA emulation
+no slower than under bf16; the 1B step under mxfp4_all_h16 with the XLA emulation
 (backend='xla': bf16 operands at DEFAULT on the GPU, docs/NUMERICS.md) at most 1.3x the bf16
 step time (stretch 1.15x): the 'step time vs bf16' column.
 """
