@@ -5,7 +5,7 @@ equal explicit attention's bit for bit (bound: 0). The accelerator branches are 
 by what they lower to (``jax.export`` for 'tpu', 'cuda', 'rocm' from this CPU machine):
 splash attention's Mosaic kernel for TPU, a lowering error naming the setting where no
 kernel can take the inputs. cuDNN's own programs are compiled deviceless in
-tests/accelerators/test_fused_attention.py; the splash kernel's values are checked in
+tests/accelerators/test_deviceless_fused_attention.py; the splash kernel's values are checked in
 Pallas' interpreter (slow) against a float64 numpy reference.
 """
 
