@@ -12,7 +12,6 @@ test_deviceless_tpu.py.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import pytest
@@ -27,10 +26,7 @@ N = 256  # the GEMM's size: small, the backends' choice does not depend on it
 def _policy(backend: str):
     from mxjax import policies
 
-    pol = policies.get("mxfp4_all")
-    return dataclasses.replace(pol, **{
-        g: dataclasses.replace(getattr(pol, g), backend=backend)
-        for g in ("fprop", "dgrad", "wgrad")})
+    return policies.get("mxfp4_all").with_backend(backend)
 
 
 @functools.cache

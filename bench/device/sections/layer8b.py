@@ -85,16 +85,6 @@ def parse_layer_rows(text: str) -> list[LayerRow]:
     return rows
 
 
-def _with_backend(policy, backend: str):
-    """`policy` with every GEMM's backend set (ValueError naming it if mxjax lacks it)."""
-    return dataclasses.replace(
-        policy,
-        fprop=dataclasses.replace(policy.fprop, backend=backend),
-        dgrad=dataclasses.replace(policy.dgrad, backend=backend),
-        wgrad=dataclasses.replace(policy.wgrad, backend=backend),
-    )
-
-
 def _layer_program(row: LayerRow, sz: Sizes):
     """(fn, abstract args, description) of the 8B layer's train step for `row`."""
     from bench.costmodel import programs
@@ -102,7 +92,7 @@ def _layer_program(row: LayerRow, sz: Sizes):
 
     policy = policies.get(row.preset)
     if row.backend is not None:
-        policy = _with_backend(policy, row.backend)
+        policy = policy.with_backend(row.backend)  # ValueError naming an unknown one
     size, seq = sz.layer or (programs.LAYER_PROGRAMS["layer_8b"], programs.LAYER_8B_SEQ)
     fn, args = programs.layer_program(policy, 1, seq, size=size, attention_impl=row.attention)
     return fn, args, f"{size} layer, micro-batch 1 x seq {seq}"

@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 
 from bench.device.harness import SKIPPED, Pace, Sizes, Table, log, short_error, timeit
-from bench.device.sections.layer8b import _with_backend
 
 
 def train_section(table: Table, sz: Sizes, deadline: float) -> None:
@@ -52,7 +51,7 @@ def train_section(table: Table, sz: Sizes, deadline: float) -> None:
     kernel_backend = resolve_backend("auto")
     configs = [("bf16", None, "-"), ("mxfp4_all_h16", h16, "xla")]
     try:
-        configs.append(("mxfp4_all_h16", _with_backend(h16, kernel_backend), kernel_backend))
+        configs.append(("mxfp4_all_h16", h16.with_backend(kernel_backend), kernel_backend))
     except Exception as e:  # noqa: BLE001 - reported in the table
         rows.append(("mxfp4_all_h16", kernel_backend, short_error(e), ""))
     base = None
