@@ -2,14 +2,14 @@
 
 Layers (data flows one way; tests/test_layering.py checks every import):
 
-  formats, layout, dimensions, validation, _platform -> _bits -> elements
-  -> scaling -> operand_recipe -> quantization, rotation -> recipes -> kernels
-  -> gemm -> interceptor
-  -> policies -> diagnostics -> nn -> testing
+  formats, layout, dimensions, validation, _platform, measurements, chips -> _bits
+  -> elements -> scaling -> operand_recipe -> quantization, rotation -> operands
+  -> emulation -> kernels -> routes -> backends -> recipes -> gemm -> interceptor
+  -> policy_type -> presets -> policies -> diagnostics -> nn -> testing
 
 `mxjax.nn` (Flax integration) and `mxjax.kernels` (Pallas/Triton) are imported
-on demand (`import mxjax.nn`, `import mxjax.kernels`); `mxjax.gemm` imports
-the kernels only when a GEMM asks for a kernel backend.
+on demand (`import mxjax.nn`, `import mxjax.kernels`); the routes import the kernels
+only when a GEMM asks for one (`mxjax.backends` chooses the route).
 
 Module layout: the public functions are re-exported here under the names of the
 API (`mxjax.quantize`, `mxjax.hadamard`, `mxjax.dot_general`,
@@ -19,8 +19,9 @@ MXArray, and the recipe forms quantize_with, ...), `mxjax.elements` (element
 grids), `mxjax.scaling` (the scaling schemes), `mxjax.operand_recipe`
 (OperandRecipe), `mxjax.rotation` (hadamard, signs), `mxjax.recipes` (OperandRecipe,
 Hadamard, GemmRecipe), `mxjax.policies` (PrecisionPolicy, presets,
-dot_general), `mxjax.dimensions` (dimension numbers), `mxjax.gemm` (one GEMM
-under a recipe, per platform), `mxjax.interceptor` (the custom-VJP engine),
+dot_general), `mxjax.dimensions` (dimension numbers), `mxjax.backends` (the routes' registry:
+which route runs a GEMM on a chip), `mxjax.gemm` (one GEMM under a recipe),
+`mxjax.interceptor` (the custom-VJP engine),
 `mxjax.diagnostics`
 (GEMM statistics and probes). The old module paths `mxjax.quantize`,
 `mxjax.hadamard`, `mxjax.dot_general`, `mxjax.policy` no longer exist as

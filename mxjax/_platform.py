@@ -55,6 +55,6 @@ def cuda_or_other(*args: Any, cuda: Callable[..., Any], other: Callable[..., Any
     """``cuda(*args)`` when lowered for CUDA, ``other(*args)`` for every other platform.
 
     Inside `per_platform`'s GPU form: what only NVIDIA's compiler gets (the FP8 GEMMs
-    of `mxjax.routes.fp8_units`), ROCm and the rest keep the GPU form.
+    of `mxjax.emulation.fp8_units`), ROCm and the rest keep the GPU form.
     """
     return lax.platform_dependent(*args, cuda=cuda, default=other)

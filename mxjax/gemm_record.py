@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from mxjax import gemm as G
+from mxjax import operands as O
 from mxjax.dimensions import Dims, free_axes
 from mxjax.layout import canonical_dimension_numbers
 from mxjax.recipes import GEMMS, GemmRecipe
@@ -31,7 +32,7 @@ __all__ = ["GemmKeys", "GemmRecord"]
 
 
 class GemmKeys(NamedTuple):
-    """The three keys one GEMM's key splits into (``mxjax.gemm.split_key``).
+    """The three keys one GEMM's key splits into (``mxjax.operands.split_key``).
 
     Each is None when the call has no key; a GEMM uses each only where its
     recipe needs one (STOCHASTIC rounding of that operand, a randomized Hadamard).
@@ -90,7 +91,7 @@ class GemmRecord:
     @property
     def keys(self) -> GemmKeys:
         """The GEMM's key split into (lhs rounding, rhs rounding, Hadamard signs)."""
-        return GemmKeys(*G.split_key(self.key))
+        return GemmKeys(*O.split_key(self.key))
 
     @functools.cached_property
     def operands(self) -> tuple[jax.Array, jax.Array]:
@@ -99,7 +100,7 @@ class GemmRecord:
         ``(a, b)``: ``[batch..., Fa, K]`` and ``[batch..., Fb, K]``, free and
         contracting axes flattened in the order of ``dims``.
         """
-        return G.canonical_operands(self.lhs, self.rhs, self.dims)
+        return O.canonical_operands(self.lhs, self.rhs, self.dims)
 
     @property
     def out_canonical(self) -> jax.Array:
@@ -129,7 +130,7 @@ class GemmRecord:
         reproduces the GEMM's quantized operands bit for bit.
         """
         recipe = self._recipe(recipe)
-        a, b, _, _ = G.quantizer_operands(*self.operands, recipe, self.key)
+        a, b, _, _ = O.quantizer_operands(*self.operands, recipe, self.key)
         return a, b
 
     def hadamard_signs(self, recipe: GemmRecipe | None = None) -> jax.Array | None:
@@ -137,7 +138,7 @@ class GemmRecord:
         recipe = self._recipe(recipe)
         if recipe.hadamard is None:
             return None
-        return G.rotation_signs(recipe.hadamard, self.keys.hadamard)
+        return O.rotation_signs(recipe.hadamard, self.keys.hadamard)
 
     def run(self, recipe: GemmRecipe | None = None) -> jax.Array:
         """f32 ``[batch..., Fa, Fb]``: this GEMM on the same canonical operands and keys.

@@ -46,8 +46,9 @@ from jax.custom_derivatives import SymbolicZero
 from jax.interpreters.ad import JVPTracer
 
 from mxjax.dimensions import Dims, backward_dimension_numbers, normalize_dimension_numbers
-from mxjax.gemm import gemm, has_explicit_axes, split_key
+from mxjax.gemm import gemm, has_explicit_axes
 from mxjax.gemm_record import GemmRecord
+from mxjax.operands import split_key
 from mxjax.quantization import FLOAT_DTYPES
 from mxjax.recipes import GemmRecipe, PolicyRecipes, check_policy_recipes
 

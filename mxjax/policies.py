@@ -71,8 +71,9 @@ import jax
 
 from mxjax import formats as F
 from mxjax import interceptor
+from mxjax.backends import BACKENDS, check_backend_name, route_for
 from mxjax.formats import BF16, FP8_E4M3, FP8_E5M2, MXFP4, MXFP8_E4M3, NVFP4, Rounding, ScaleRule
-from mxjax.recipes import BACKENDS, GEMMS, GemmRecipe, Hadamard, OperandRecipe
+from mxjax.recipes import GEMMS, GemmRecipe, Hadamard, OperandRecipe
 from mxjax.validation import check_keys
 
 __all__ = ["ABLATIONS", "ALIASES", "PRESETS", "PrecisionPolicy", "canonical_name", "dot_general",
@@ -212,18 +213,36 @@ class PrecisionPolicy:
     def with_backend(self, backend: str) -> PrecisionPolicy:
         """A copy whose quantized GEMMs all run on `backend` (pass-through GEMMs unchanged).
 
-        ``backend``: one of ``mxjax.recipes.BACKENDS`` ('auto': the fastest route the chip
-        compiled for has, per ``mxjax.kernels.AUTO_CHOICES``). The copy is named
-        ``'<name>@<backend>'`` (the form `resolve` and `get` accept), or None if this
-        policy has no name.
+        The one way to set a policy's backend (the ``preset@backend`` names, a training
+        config's ``backend`` and ``mxjax.testing.reference_policy`` all call it). A
+        pass-through GEMM runs ``lax.dot_general`` whatever its backend, so it is left
+        as it is. ``backend``: one of ``mxjax.backends.BACKENDS`` ('auto': the fastest
+        route the chip compiled for has, per ``mxjax.backends.AUTO_CHOICES``); another
+        name raises ValueError naming them. The copy is named ``'<name>@<backend>'``
+        (the form `resolve` and `get` accept), or None if this policy has no name.
         """
-        if not isinstance(backend, str) or backend not in BACKENDS:
-            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        check_backend_name(backend)
         gemms = {g: (r if r.is_passthrough else dataclasses.replace(r, backend=backend))
                  for g in GEMMS for r in (getattr(self, g),)}
         base = self.name.split("@", 1)[0] if self.name else None
         return dataclasses.replace(self, name=None if base is None else f"{base}@{backend}",
                                    **gemms)
+
+    def check_backends(self) -> None:
+        """Raises unless every quantized GEMM's backend can run on the chip compiled for
+        (``mxjax.backends.BackendUnavailableError``, a RuntimeError) and implements its
+        formats (ValueError); each message names the GEMM (``policy.fprop.backend: ...``).
+
+        The GEMMs raise the same errors when traced or lowered; this checks them before
+        anything compiles (e.g. a training run's ``--check``).
+        """
+        for gemm, recipe in self.gemms.items():
+            if recipe.is_passthrough:
+                continue
+            try:
+                route_for(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt, where=f"policy.{gemm}")
+            except (RuntimeError, ValueError) as e:
+                raise type(e)(f"policy.{gemm}.backend: {e}") from None
 
     def replace(self, **changes: Any) -> PrecisionPolicy:
         """A copy with some fields replaced, each GEMM in any form the constructor takes.

@@ -28,13 +28,13 @@ import dataclasses
 import operator
 from typing import Any, Protocol
 
+from mxjax.backends import check_backend_name
 from mxjax.formats import Format
 from mxjax.operand_recipe import OperandRecipe
 from mxjax.operand_recipe import check_bool as _check_bool
 from mxjax.rotation import HADAMARD_SIZES
 
 __all__ = [
-    "BACKENDS",
     "GEMMS",
     "HADAMARD_SIZES",
     "GemmRecipe",
@@ -45,15 +45,6 @@ __all__ = [
 
 # GEMM names in the order fprop, dgrad, wgrad (also the order keys are split in).
 GEMMS = ("fprop", "dgrad", "wgrad")
-
-# Where a GEMM runs (the one list; mxjax.kernels re-exports it). 'xla' is the
-# emulation (quantize -> dequantized values -> one XLA dot; docs/NUMERICS.md);
-# 'xla_fp8' the same operands carried exactly in FP8 on XLA's FP8 GEMM
-# (mxjax.routes.xla_fp8; MXFP4 only); 'xla_fp4' MXFP4 re-encoded exactly as NVFP4
-# for XLA's block-scaled dot (cuDNN's FP4 MMA on Blackwell; mxjax.routes.xla_fp4); the
-# others are mxjax.kernels backends; 'auto' picks the best one for the chip compiled for.
-BACKENDS: tuple[str, ...] = ("xla", "xla_fp8", "xla_fp4", "pallas", "pallas_fp8", "triton",
-                             "auto")
 
 
 def _coerce_operand(value: Any, name: str) -> OperandRecipe:
@@ -129,7 +120,7 @@ class GemmRecipe:
       rhs: second operand (W in fprop and dgrad, X in wgrad).
       hadamard: rotation of both operands along the contraction, or None. An int
         h is accepted and becomes ``Hadamard(block_size=h)``.
-      backend: where the GEMM runs; one of ``mxjax.recipes.BACKENDS``.
+      backend: where the GEMM runs; one of ``mxjax.backends.BACKENDS``.
     """
 
     lhs: OperandRecipe | Format | str
@@ -148,8 +139,7 @@ class GemmRecipe:
                 raise TypeError(
                     f"GemmRecipe: hadamard must be a Hadamard, an int or None, got {had!r}")
         object.__setattr__(self, "hadamard", had)
-        if not isinstance(self.backend, str) or self.backend not in BACKENDS:
-            raise ValueError(f"GemmRecipe: backend must be one of {BACKENDS}, got {self.backend!r}")
+        check_backend_name(self.backend, "GemmRecipe: backend")
 
     def replace(self, **changes: Any) -> GemmRecipe:
         """A copy with some fields replaced (validated again; format names are accepted)."""

@@ -80,7 +80,7 @@ def hadamard_bit_view(z: jnp.ndarray, block_size: int, low_bit_axis: int,
         butterflies (``lax.optimization_barrier``) after every this many stages
         (XLA:CPU's form; the values do not depend on it).
       normalize: False leaves out the final multiply by 1/sqrt(h) (the caller applies
-        it: `mxjax.routes.in_place_values.nearest_even_values`' prescale).
+        it: `mxjax.emulation.in_place_values.nearest_even_values`' prescale).
       last_stage: False stops before the last stage (on axis ``low_bit_axis - log2(h)
         + 1``, the highest bit) and leaves out the 1/sqrt(h): `butterfly_stage` on that
         axis completes the unnormalized transform.

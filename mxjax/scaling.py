@@ -192,7 +192,7 @@ class E8M0Blocks:
     def exponents(self, amax_bits, rule, prescale, dtype=jnp.float32) -> E8M0Scales:
         """The blocks' scales from the abs bits (uint32) of their amax, any layout.
 
-        Also the scale rule of mxjax.routes.in_place's in-place forms (blocks anywhere).
+        Also the scale rule of mxjax.emulation.in_place's in-place forms (blocks anywhere).
         """
         s = jnp.minimum(e8m0_exponent(amax_bits, self.element, rule),
                         max_scale_exponent(dtype, self.element, prescale))

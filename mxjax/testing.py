@@ -18,7 +18,6 @@ Gradients are vector-Jacobian products with a fixed pseudo-random cotangent
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,9 +38,9 @@ __all__ = [
 
 
 def reference_policy(policy: PrecisionPolicy | str) -> PrecisionPolicy:
-    """`policy` with every GEMM on the exact XLA reference backend (``backend='xla'``)."""
-    p = policies.get(policy)
-    return p.replace(**{g: dataclasses.replace(r, backend="xla") for g, r in p.gemms.items()})
+    """`policy` with every quantized GEMM on the exact emulation (``backend='xla'``;
+    ``PrecisionPolicy.with_backend``)."""
+    return policies.get(policy).with_backend("xla")
 
 
 def _cotangent(out: Any, seed: int) -> Any:

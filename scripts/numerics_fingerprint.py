@@ -41,9 +41,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mxjax
-from mxjax import gemm as mxgemm
+from mxjax import operands as mxoperands
 from mxjax import policies
 from mxjax.dimensions import normalize_dimension_numbers
+from mxjax.emulation.forms import accelerator_gemm
 from mxjax.formats import FORMATS, Rounding, ScaleRule
 from mxjax.quantization import fake_quantize_parts
 
@@ -206,10 +207,10 @@ def _accelerator_fn(policy, dims):
         for gname, recipe in policy.gemms.items():
             if recipe.is_passthrough:
                 continue
-            a3, b3 = mxgemm.canonical_operands(a, b, nd)
-            a3, b3, k_lhs, k_rhs = mxgemm.quantizer_operands(
+            a3, b3 = mxoperands.canonical_operands(a, b, nd)
+            a3, b3, k_lhs, k_rhs = mxoperands.quantizer_operands(
                 a3, b3, recipe, key if recipe.needs_key else None)
-            out[gname] = mxgemm._accelerator_gemm(a3, b3, recipe, k_lhs, k_rhs)
+            out[gname] = accelerator_gemm(a3, b3, recipe, k_lhs, k_rhs)
         return out
     return f
 

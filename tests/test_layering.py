@@ -38,12 +38,15 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     #    (operand_recipe; mxjax.recipes re-exports it), then quantization; beside the
     #    schemes, MXFP4 values by integer rounding of the bit pattern (e2m1_bits), the
     #    path fake_quantize takes for deterministic MXFP4.
-    #  - the execution routes (mxjax.routes, one module per route) sit above the quantizer
-    #    and the recipes: their own order is LAYERS["mxjax.routes"]; mxjax.kernels calls
-    #    the 'xla_fp8' route for MXArrays, mxjax.gemm chooses among them.
-    #  - kernels sit above recipes (they take the backend names from mxjax.recipes)
-    #    and below mxjax.gemm (one GEMM under a recipe), their only caller, which
-    #    imports them lazily so that `import mxjax` stays free of Pallas.
+    #  - the backends, bottom up: the chip compiled for (chips) and the measurements file
+    #    (measurements) need nothing of mxjax; one GEMM's canonical, rotated operands
+    #    (operands); the emulation and its platform forms (emulation, backend 'xla');
+    #    mxjax's own kernels (kernels: the fused quantizer, the Triton GEMM, the exact
+    #    reference), which the routes import lazily so that `import mxjax` stays free of
+    #    them; one module per route (routes, their own order LAYERS["mxjax.routes"]);
+    #    the registry that chooses among them (backends); then the recipes, which take
+    #    their backend names from the registry, and mxjax.gemm, which runs the chosen
+    #    route. Nothing below the registry knows the backend names.
     #  - the interceptor (the custom_vjp over the three GEMMs) sits above mxjax.gemm and
     #    mxjax.gemm_record (the GemmRecord it hands observers of each GEMM).
     #  - policies sit above the interceptor: PrecisionPolicy.dot_general and
@@ -52,15 +55,18 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     #  - diagnostics sit above the interceptor and plug into it through its one
     #    hook, mxjax.interceptor.observe.
     "mxjax": (
-        ("formats", "layout", "validation", "_platform", "dimensions"),
+        ("formats", "layout", "validation", "_platform", "dimensions", "measurements", "chips"),
         ("_bits",),
         ("elements",),
         ("scaling", "e2m1_bits"),
         ("operand_recipe",),
         ("quantization", "rotation"),
-        ("recipes",),
-        ("routes",),
+        ("operands",),
+        ("emulation",),
         ("kernels",),
+        ("routes",),
+        ("backends",),
+        ("recipes",),
         ("gemm",),
         ("gemm_record",),
         ("interceptor",),
@@ -70,14 +76,21 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("testing",),
     ),
     #  - the emulation's f32 values (in_place_values), its TPU kernel (in_place_tpu), then
-    #    its GPU form and GEMM (in_place); beside it FP8 recipes on FP8 units (fp8_units);
-    #    the MXFP4 routes reuse the emulation's in-place operands: 'xla_fp8' (carried in
-    #    FP8), then 'xla_fp4' (NVFP4, sharing xla_fp8's window and result scaling).
-    "mxjax.routes": (
+    #    its GPU form (in_place); beside it FP8 recipes on FP8 units (fp8_units); the
+    #    emulated GEMM over all of them (forms).
+    "mxjax.emulation": (
         ("in_place_values",),
-        ("in_place_tpu", "xla_fp4_kernel"),  # the Pallas kernels
+        ("in_place_tpu",),
         ("in_place", "fp8_units"),
-        ("xla_fp8",),
+        ("forms",),
+    ),
+    #  - what a route declares (spec); the routes: the emulation ('xla'), 'triton', and
+    #    the MXFP4 routes over the emulation's in-place operands: 'xla_fp8' (carried in
+    #    FP8), then 'xla_fp4' (NVFP4, sharing xla_fp8's window and result scaling; its
+    #    operand kernel below it).
+    "mxjax.routes": (
+        ("spec", "xla_fp4_kernel"),
+        ("xla", "triton", "xla_fp8"),
         ("xla_fp4",),
     ),
     "models": (("sharding",), ("attention",), ("llama",), ("hf_config", "hf_files"), ("hf",)),
@@ -363,7 +376,7 @@ def test_the_checker_refuses_planted_violations(tmp_path, monkeypatch, module, s
 
 
 def test_import_mxjax_loads_neither_flax_nor_the_kernels():
-    # Pallas itself is imported with mxjax (the TPU form's kernel, mxjax.routes.in_place_tpu):
+    # Pallas itself is imported with mxjax (the TPU form's kernel, mxjax.emulation.in_place_tpu):
     # importing it at the first quantized trace would make earlier programs recompile
     # (tests/mxjax/test_import_effects.py). mxjax's own kernels stay out until used.
     code = ("import sys, mxjax\n"

@@ -15,7 +15,24 @@ from mxjax import formats as F
 from mxjax.elements import decode_magnitude
 from mxjax.quantization import MXArray, dequantize
 
-__all__ = ["decode_e2m1", "dequant_split", "e8m0_to_f32", "expand_scales", "mx_dot_reference"]
+__all__ = ["GEMM_TOLERANCE_DOC", "decode_e2m1", "dequant_split", "e8m0_to_f32", "expand_scales",
+           "gemm_error_bound", "mx_dot_reference"]
+
+GEMM_TOLERANCE_DOC = (
+    "|C_kernel - C_ref| <= 2 * K * 2^-24 * (|A| @ |B|) elementwise, where A and B are the "
+    "dequantized operands (exact) and K the contraction length: both are fp32 sums of the "
+    "same exact products in different orders, each within gamma_K = K*2^-24/(1-K*2^-24) "
+    "of the exact sum (standard summation error bound), valid while no partial sum "
+    "overflows or underflows fp32."
+)
+
+
+def gemm_error_bound(abs_product_sum, k: int):
+    """The stated tolerance for two correct MXFP4 GEMMs given sum_k |a_mk b_kn| (f64 array)."""
+    u = 2.0**-24
+    gamma = k * u / (1.0 - k * u)
+    return 2.0 * gamma * abs_product_sum
+
 
 
 def mx_dot_reference(lhs_q: MXArray, rhs_q: MXArray) -> jnp.ndarray:

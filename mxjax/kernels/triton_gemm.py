@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from mxjax.kernels import _common as C
 
 __all__ = ["PTX_VERSION", "LaunchPlan", "available", "jax_triton_mismatch", "launch_plan",
+           "mxfp4_dot_triton",
            "mxfp4_matmul_triton", "unavailable_reason"]
 
 # The PTX ISA version the kernel is written in (Triton's `ptx_version` option, NVIDIA only).
@@ -110,7 +111,7 @@ def launch_plan(
     block_n: int = 128,
     block_k: int = 128,
 ) -> LaunchPlan:
-    """Pads the kernels' layout (see mxfp4_matmul_pallas) to whole tiles for `_kernel()`."""
+    """Pads the kernel's layout (see the module docstring) to whole tiles for `_kernel()`."""
     if b_codes.shape[0] != a_codes.shape[1]:
         raise ValueError(
             f"b_codes: packed K {b_codes.shape[0]} does not match a_codes' {a_codes.shape[1]}"
@@ -149,7 +150,7 @@ def mxfp4_matmul_triton(
     num_warps: int = 8,
     num_stages: int = 3,
 ) -> jnp.ndarray:
-    """f32[m, n] from MXFP4 operands in the kernels' layout (see mxfp4_matmul_pallas)."""
+    """f32[m, n] from MXFP4 operands in the kernel's layout (see the module docstring)."""
     reason = unavailable_reason("gpu")  # the dispatcher checked the target chip
     if reason is not None:
         raise RuntimeError(f"backend 'triton' cannot run: {reason}")
@@ -168,3 +169,11 @@ def mxfp4_matmul_triton(
         **plan.constants,
     )
     return out[:m, :n]
+
+
+def mxfp4_dot_triton(lhs_q, rhs_q, **tiles) -> jnp.ndarray:
+    """f32[M, N] of two 2-D MXFP4 MXArrays (contracting their block axes) by the kernel.
+
+    ``tiles``: block_m / block_n / block_k (and num_warps / num_stages) overrides."""
+    a, sa, b, sb, (m, n, _) = C.canonical_operands(lhs_q, rhs_q)
+    return mxfp4_matmul_triton(a, sa, b, sb, m=m, n=n, **tiles)

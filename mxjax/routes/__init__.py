@@ -1,24 +1,22 @@
-"""The execution routes of a quantized GEMM on accelerators: one module per route.
+"""The routes of a quantized GEMM: one module per backend, each ending with its ``ROUTE``.
 
-`mxjax.gemm` chooses the route, in one place (`mxjax.gemm._backend_fn`, and per lowering
-platform `mxjax.kernels.backends_per_platform`); each route computes the same GEMM (bit
-for bit, or within the bound docs/NUMERICS.md states for it):
+Each module states which formats and chips its route serves, its GEMM, its
+packed-operand dot (if any) and where its evidence is in ``mxjax/measurements.json``
+(`mxjax.routes.spec.Route`). The registry `mxjax.backends` lists them and chooses
+among them, in one place (`mxjax.backends.route_for`). Every route computes the same
+GEMM (bit for bit, or within the bound docs/NUMERICS.md states for it):
 
 ==================  =====================================================================
 module              route
 ==================  =====================================================================
-`in_place_values`   the emulation's f32 MX values from block amaxes (shared by its forms)
-`in_place_tpu`      the emulation's TPU form: the Pallas TPU quantize kernel
-`in_place`          the emulation's GPU form (XLA fusions, operands quantized in place)
-                    and the emulated GEMM on GPUs and TPUs (backend 'xla')
-`fp8_units`         FP8 recipes (per-tensor FP8, MXFP8) on CUDA's FP8 tensor cores
+`spec`              the `Route` record, and the GEMM shared by the in-place routes
+`xla`               backend 'xla': the emulation (`mxjax.emulation`), every chip, format
 `xla_fp8`           backend 'xla_fp8': MXFP4 carried exactly in FP8 on XLA's FP8 GEMM
 `xla_fp4`           backend 'xla_fp4': MXFP4 re-encoded exactly as NVFP4 for XLA's
                     block-scaled dot (cuDNN's FP4 MMA on Blackwell)
 `xla_fp4_kernel`    its operands on GPUs: one Pallas kernel per operand, both directions
                     from one read (loaded on first use)
+`triton`            backend 'triton': Triton's ``tl.dot_scaled`` through jax-triton (the
+                    ``gpu`` extra; its kernel in `mxjax.kernels`, loaded on first use)
 ==================  =====================================================================
-
-The kernel backends ('pallas', 'pallas_fp8', 'triton') are `mxjax.kernels`, loaded on
-first use. The CPU form of the emulation (canonical operands) is `mxjax.gemm`'s.
 """

@@ -43,7 +43,7 @@ fast branch is ``__cudnn$blockScaledDot`` on f4e2m1fn operands; on H200 (no
 block-scaled MMA) XLA expands it into a dequantize and an f32 dot.
 
 **The route** ('xla_fp4', :func:`mx_gemm_fp4`, which `mxjax.gemm` dispatches to): the same
-re-encoding applied to the emulation's in-place operands (`mxjax.routes.in_place`), laid
+re-encoding applied to the emulation's in-place operands (`mxjax.emulation.in_place`), laid
 out ``[B, F, K]`` for the block-scaled dot, with `mxjax.routes.xla_fp8`'s cond; the
 result's factor ``2^(t_a + t_b)`` is applied after the cond, where XLA fuses it into the
 result's consumers. Lowered for a GPU, the operands come from one Pallas kernel each
@@ -61,14 +61,18 @@ import jax.numpy as jnp
 from jax import lax
 
 from mxjax import _bits
+from mxjax.chips import Chip, target_chip
+from mxjax.emulation import in_place
 from mxjax.layout import canonical_dimension_numbers
 from mxjax.quantization import MXArray, dequantize, quantize_with
-from mxjax.routes import in_place, xla_fp8
+from mxjax.routes import xla_fp8
+from mxjax.routes.spec import Route, in_place_route_gemm
 from mxjax.scaling import SR_UNSCALE
 
 __all__ = [
     "E4M3_POW2_RANGE",
     "NVFP4_PRODUCT_EXPONENTS",
+    "ROUTE",
     "e4m3_pow2_bits",
     "fp4_block_scaled_dot",
     "fp4_operand",
@@ -235,7 +239,7 @@ def fp4_block_scaled_dot(a3: jax.Array, b3: jax.Array, recipe, k_lhs, k_rhs) -> 
     return out.reshape(a3.shape[:-2] + (a3.shape[-2], b3.shape[-2]))
 
 
-# The 'xla_fp4' route: the emulation's in-place operands (mxjax.routes.in_place), written as
+# The 'xla_fp4' route: the emulation's in-place operands (mxjax.emulation.in_place), written as
 # NVFP4 for the block-scaled dot.
 
 def _fp4_finish(v, amax_bits, op):
@@ -450,3 +454,44 @@ def _block_shape(view, k_pad):
     shape = list(view.x.shape)
     shape[view.axis] = k_pad // in_place.MX_BLOCK
     return tuple(shape)
+
+
+def _gemm(a, b, *, dims, recipe, key, gemm_name, operand_dtypes=None, out_dtype=None,
+          platform=None) -> jax.Array:
+    del gemm_name
+    route = mx_gemm_fp4
+    if platform == "gpu":
+        # The one-pass operand kernel (mxjax.routes.xla_fp4_kernel). 'xla_fp8' keeps XLA's
+        # two passes: on an H200 a one-pass Pallas kernel for its operands ran 3x (row) to
+        # 10x (column) slower.
+        from mxjax.routes.xla_fp4_kernel import has_e2m1_cvt  # Pallas: on first use
+
+        cc = target_chip("gpu").compute_capability
+        route = functools.partial(route, kernel=True, e2m1_cvt=has_e2m1_cvt(cc))
+    return in_place_route_gemm(route, a, b, dims=dims, recipe=recipe, key=key,
+                               operand_dtypes=operand_dtypes, out_dtype=out_dtype)
+
+
+def _runs_on(chip: Chip) -> str:
+    # XLA's block-scaled dot: cuDNN's FP4 MMA on Blackwell; XLA:CPU expands it (tests).
+    cc = chip.compute_capability
+    if chip.platform == "cpu" or (chip.platform == "gpu" and not chip.is_amd
+                                  and cc is not None and cc >= (10, 0)):
+        return ""
+    kind = chip.device_kind
+    return (f"needs block-scaled FP4 MMA reached by XLA (cuDNN, NVIDIA Blackwell sm_100+); "
+            f"device is {kind or 'unknown'!r}"
+            + (" (an unknown GPU: trace under the target's abstract mesh)"
+               if chip.platform == "gpu" and not kind else ""))
+
+
+ROUTE = Route(
+    name="xla_fp4",
+    summary=("MXFP4 re-encoded exactly as NVFP4 for XLA's block-scaled dot (cuDNN's FP4 MMA "
+             "on Blackwell)"),
+    formats=("mxfp4",),
+    runs_on=_runs_on,
+    gemm=_gemm,
+    packed_dot=None,
+    evidence=("layer_8b.b200.rates_roofline",),
+)

@@ -23,7 +23,7 @@ The codes of elements ``2p`` and ``2p + 1`` form byte ``p`` of a block, stored w
 stride 16 (transposed first along columns: the only layout conversions, PTX: 98
 shared-memory accesses per thread).
 
-**Arithmetic.** The same f32 operations as `mxjax.routes.in_place.mx_operand_values`:
+**Arithmetic.** The same f32 operations as `mxjax.emulation.in_place.mx_operand_values`:
 the signs multiply, the butterfly's first log2(h) - 1 stages (stage t pairs elements ``i``
 and ``i + 2^t`` of an h-group: ``a + b``, ``a - b``), the block amax from ``|a| + |b|`` of
 the last stage's pairs (h <= 32) times 1/sqrt(h), the scale exponent s by the scheme, the

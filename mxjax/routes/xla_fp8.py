@@ -16,7 +16,7 @@ E5M2        ``s_max - 13`` (6 * 2^13 <= 57344) ``s >= s_max - 28``
 so the GEMM of the dequantized operands is ``dot(A8, B8) * 2^(t_a + t_b)``: one FP8
 GEMM whose products are exact, with the two tensor factors applied to its f32 result
 (XLA folds them into the GEMM as it does the ``fp8`` preset's scales). The operands
-are the emulation's in-place operands (`mxjax.routes.in_place.mx_operand_values`: each
+are the emulation's in-place operands (`mxjax.emulation.in_place.mx_operand_values`: each
 operand quantized where it is, in two fusible passes, Hadamard included), cast to
 FP8 instead of bf16 in the second pass: half the bytes the GEMM reads, twice the
 matrix rate.
@@ -46,9 +46,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from mxjax import _bits
+from mxjax.chips import Chip
+from mxjax.emulation import in_place
 from mxjax.formats import E2M1, E4M3, E5M2, ElementFormat
 from mxjax.quantization import dequantize
-from mxjax.routes import in_place
+from mxjax.routes.spec import NO_GPU_TARGET, Route, in_place_route_gemm
 from mxjax.scaling import SR_UNSCALE
 
 __all__ = [
@@ -56,6 +58,7 @@ __all__ = [
     "CARRIER_PRODUCT_EXPONENTS",
     "LHS_CARRIER",
     "RHS_CARRIER",
+    "ROUTE",
     "Carrier",
     "carrier_window",
     "encode_exact",
@@ -172,7 +175,7 @@ def mx_gemm_fp8(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
                 operand_dtypes=None, out_dtype=None) -> jax.Array:
     """``dot_general(a, b, dims)`` under an MXFP4 recipe on FP8 GEMMs: f32, lax's layout.
 
-    Same operands, keys and rotation as `mxjax.routes.in_place.mx_gemm` (form 'gpu'), whose
+    Same operands, keys and rotation as `mxjax.emulation.in_place.mx_gemm` (form 'gpu'), whose
     result it returns when an operand's blocks span more than its carrier's window.
 
     Args:
@@ -250,7 +253,7 @@ def narrow_result_exact(e: jax.Array, k: int, products: tuple[int, int]) -> jax.
 
 
 def mx_dot_fp8(lhs_q, rhs_q) -> jax.Array:
-    """f32 [lhs free, rhs free] (or batched): `mxjax.kernels.mx_dot` of two MXFP4 MXArrays
+    """f32 [lhs free, rhs free] (or batched): `mxjax.backends.mx_dot` of two MXFP4 MXArrays
     by the 'xla_fp8' route (the dot of the dequantized operands at HIGHEST where a block
     is outside its carrier's window)."""
     def operand(q, carrier):
@@ -281,3 +284,38 @@ def mx_dot_fp8(lhs_q, rhs_q) -> jax.Array:
                                preferred_element_type=jnp.float32)
 
     return lax.cond(exact_a & exact_b, fp8, reference, qa, qb, va, vb)
+
+
+def _gemm(a, b, *, dims, recipe, key, gemm_name, operand_dtypes=None, out_dtype=None,
+          platform=None) -> jax.Array:
+    del gemm_name, platform
+    return in_place_route_gemm(mx_gemm_fp8, a, b, dims=dims, recipe=recipe, key=key,
+                               operand_dtypes=operand_dtypes, out_dtype=out_dtype)
+
+
+def _runs_on(chip: Chip) -> str:
+    # XLA's FP8 GEMM: FP8 matrix units on an NVIDIA GPU; XLA:CPU computes f8 dots exactly.
+    if chip.platform == "cpu" or (chip.platform == "gpu" and chip.fp8_units
+                                  and not chip.is_amd):
+        return ""
+    if chip.platform == "gpu" and not chip.device_kind:
+        return NO_GPU_TARGET
+    return (f"needs FP8 matrix units with XLA FP8 GEMMs (NVIDIA sm_89+); device is "
+            f"{chip.device_kind!r}")
+
+
+def _packed_dot(lhs_q, rhs_q, *, platform=None, **tiles) -> jax.Array:
+    del platform, tiles
+    return mx_dot_fp8(lhs_q, rhs_q)
+
+
+ROUTE = Route(
+    name="xla_fp8",
+    summary="MXFP4 carried exactly in FP8 on XLA's FP8 GEMM (Hopper's FP8 tensor cores)",
+    formats=("mxfp4",),
+    runs_on=_runs_on,
+    gemm=_gemm,
+    packed_dot=_packed_dot,
+    evidence=("layer_8b.h200.measured", "layer_8b.h200.rates_roofline",
+              "layer_8b.b200.rates_roofline", "gemm_8192.h200.measured"),
+)

@@ -5,7 +5,7 @@ Asserted for ``mxfp4_all_h16`` against plain bf16 compiled the same way: the byt
 of the fwd+bwd 4096^3 matmul at most 3x and of the 1B decoder layer's train step at
 most 1.4x, its roofline step time at most 1.3x and its peak temp memory at most
 1.25x; per quantized operand at most two passes over operand-sized data before the
-GEMM (the amax reduction and the rounding pass: the GPU form, mxjax/routes/in_place.py),
+GEMM (the amax reduction and the rounding pass: the GPU form, mxjax/emulation/in_place.py),
 bf16 GEMM operands, and the platform branch resolved (no conditional left).
 """
 

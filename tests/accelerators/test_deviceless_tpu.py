@@ -2,7 +2,7 @@
 bytes, optimal seconds and temp memory against bf16's.
 
 The TPU form quantizes each MXFP4 operand in one Pallas Mosaic kernel
-(mxjax/routes/in_place_tpu.py): for the fwd+bwd 4096^3 matmul under ``mxfp4_all_h16``,
+(mxjax/emulation/in_place_tpu.py): for the fwd+bwd 4096^3 matmul under ``mxfp4_all_h16``,
 six kernels and three GEMMs, no ``reverse`` anywhere (the butterflies pair halves of bit axes), no
 conditional left (the platform branch resolved), and XLA's optimal_seconds (plus the
 kernels' static-profile cycles) at most 1.5x bf16's; for the decoder layer's train

@@ -221,7 +221,7 @@ def test_decisions_per_format():
 def test_accelerator_form_computes_the_same_gemm(name, np_rng):
     """`_accelerator_form` (bf16 operands, factors on the result) vs the CPU form, run here.
 
-    MX: operands quantized in place (mxjax.routes.in_place), the same exact products,
+    MX: operands quantized in place (mxjax.emulation.in_place), the same exact products,
     summed in f32; with these magnitudes every partial sum is exact, so the results
     are equal bit for bit. NVFP4/FP8 (canonical operands, `_accelerator_gemm`): the
     tensor scales move from each operand to the result, so the two differ by

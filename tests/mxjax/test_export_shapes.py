@@ -15,7 +15,7 @@ layer are exported under four presets and their StableHLO is read with
   costs at most (reductions + 1) passes before the GEMM reads it;
 * optimization barriers: MXFP4 on GPUs 1, the input of the rounding pass, so that
   XLA recomputes the rotation there instead of materializing the f32 rotated
-  operand between the amax pass and the rounding pass (mxjax/routes/in_place.py), none
+  operand between the amax pass and the rounding pass (mxjax/emulation/in_place.py), none
   on TPUs; NVFP4 3 and FP8 2 at most, the value guards of the per-tensor division (a
   traced tensor-scale divisor; the element divisors depend on the operand so that XLA
   cannot rewrite ``x / d`` as ``x * (1/d)``; docs/NUMERICS.md). The CPU-only barriers (every
@@ -48,7 +48,7 @@ BARRIERS_PER_OPERAND = {
 }
 AMAX_PER_OPERAND = {"mxfp4_all_h16": 1, "mxfp4_all": 1, "nvfp4": 2, "fp8": 1}
 # The quantized dots where they are not bf16 x bf16 -> f32: per-tensor FP8 on CUDA runs
-# on FP8 tensor cores (mxjax/routes/fp8_units.py; tests/mxjax/routes/test_fp8_units.py).
+# on FP8 tensor cores (mxjax/emulation/fp8_units.py; tests/mxjax/routes/test_fp8_units.py).
 # fp8 on CUDA: fprop E4M3 x E4M3, dgrad dY x W (E5M2 x E4M3), wgrad X x dY (E4M3 x E5M2:
 # its operands swapped so that the result comes out in W's layout, mxjax.gemm).
 _QUANTIZED_DOTS = {("fp8", "cuda"): {("f8E4M3FN", "f8E4M3FN", "f32", "HIGHEST"),
@@ -149,10 +149,10 @@ def test_cpu_export_keeps_the_cpu_form():
 
 def test_auto_backend_exported_for_cuda_from_cpu_is_the_xla_emulation():
     """'auto' resolves per lowering platform for the chip compiled for
-    (mxjax.kernels.AUTO_CHOICES): an export for cuda with no GPU target in sight
+    (mxjax.backends.AUTO_CHOICES): an export for cuda with no GPU target in sight
     (an unknown GPU), as for every chip where no kernel is estimated faster, carries
     the XLA emulation in its accelerator form (bf16 at DEFAULT)."""
-    from mxjax.kernels import resolve_backend
+    from mxjax.backends import resolve_backend
 
     assert jax.default_backend() == "cpu"
     assert resolve_backend("auto") == "xla"

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import mxjax
+from mxjax.emulation import in_place, in_place_tpu
 from mxjax.interceptor import dot_general, observe
-from mxjax.routes import in_place, in_place_tpu
 
 DN = (((1,), (0,)), ((), ()))
 
@@ -118,8 +118,8 @@ def test_tpu_form_gemm_with_operand_dtypes_equals_the_cast_gemm(name, np_rng):
     def run(a, b, ab, bb):
         out = []
         for recipe in (policy.fprop, policy.dgrad, policy.wgrad):
-            k_lhs, k_rhs, k_had = mxjax.gemm.split_key(key)
-            signs = None if recipe.hadamard is None else mxjax.gemm.rotation_signs(
+            k_lhs, k_rhs, k_had = mxjax.operands.split_key(key)
+            signs = None if recipe.hadamard is None else mxjax.operands.rotation_signs(
                 recipe.hadamard, k_had)
             args = (dims, recipe, k_lhs, k_rhs, signs)
             out.append((in_place.mx_gemm(a, b, *args, form="tpu", interpret=True,

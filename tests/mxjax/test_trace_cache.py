@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import mxjax
-from mxjax import gemm, quantization
+from mxjax import quantization
+from mxjax.emulation import forms
 
 DIMS = (((1,), (0,)), ((), ()))
 
@@ -24,13 +25,13 @@ def cpu_form_traces(monkeypatch):
     """A list that gets one entry per trace of a GEMM's CPU form."""
     jax.clear_caches()
     calls = []
-    inner = gemm._canonical_cpu_form
+    inner = forms._canonical_cpu_form
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape)
         return inner(*args, **kwargs)
 
-    monkeypatch.setattr(gemm, "_canonical_cpu_form", counted)
+    monkeypatch.setattr(forms, "_canonical_cpu_form", counted)
     yield calls
     jax.clear_caches()  # the cached traces hold the counting wrapper
 

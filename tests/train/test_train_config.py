@@ -262,7 +262,7 @@ def test_policy_backend_that_cannot_run_here_is_a_config_error():
                                           r"on 'cpu'"):
         plan_mod.resolve_policy(d)
     d = policies.to_dict("fp8")
-    d["fprop"]["backend"] = "pallas"
+    d["fprop"]["backend"] = "xla_fp8"
     with pytest.raises(ConfigError, match=r"policy\.fprop\.backend: .*MXFP4 x MXFP4 only"):
         plan_mod.resolve_policy(d)
     d = policies.to_dict("mxfp4_all")

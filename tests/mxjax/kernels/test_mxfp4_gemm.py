@@ -1,9 +1,11 @@
-"""MXFP4 GEMM kernels (Pallas bf16 path and FP8 re-encode path) against the XLA reference.
+"""MXFP4 GEMMs of packed operands (`mxjax.backends.mx_dot`) against the XLA reference: the
+routes with a packed-operand dot that run on CPU ('xla_fp8'; 'triton' runs in
+test_triton_interpret.py).
 
 Stated tolerance (mxjax.kernels.GEMM_TOLERANCE_DOC): |C - C_ref| <= 2*K*2^-24 *
 (|A| @ |B|) with A, B the dequantized operands. Products of dequantized MXFP4
 values are exact in fp32, so two correct GEMMs differ only by fp32 summation
-order. Interpret mode on CPU; all calls jitted; one compile per case.
+order. All calls jitted; one compile per case.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import numpy as np
 import pytest
 
 from mxjax import formats as F
-from mxjax.kernels import gemm_error_bound, mx_dot
+from mxjax.backends import mx_dot
+from mxjax.kernels import gemm_error_bound
 from tests.mxjax.kernels._kernel_testutil import (
     assert_gemm_close,
     dequantize_jit,
@@ -25,7 +28,7 @@ from tests.mxjax.kernels._kernel_testutil import (
     quantize,
 )
 
-KERNELS = ("pallas", "pallas_fp8")
+KERNELS = ("xla_fp8",)
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "tiles"))
@@ -45,11 +48,10 @@ def _operands(rng, m, n, k, lhs_axis, rhs_axis, spread=3.0, specials=False):
 @pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize(("lhs_axis", "rhs_axis"), [(1, 0), (0, 1)])
 def test_layouts_odd_sizes_within_tolerance(np_rng, backend, lhs_axis, rhs_axis):
-    # K = 300: padded to 320 by quantize, several K steps (block_k 64) and 128-chunks.
+    # K = 300: padded to 320 by quantize; odd M and N.
     m, n, k = 37, 45, 300
     lq, rq = _operands(np_rng, m, n, k, lhs_axis, rhs_axis)
-    tiles = (("block_m", 16), ("block_n", 32)) + ((("block_k", 64),) if backend == "pallas" else ())
-    out = _dot(lq, rq, backend, tiles)
+    out = _dot(lq, rq, backend)
     ref = _dot(lq, rq, "xla")
     assert out.shape == (m, n) and out.dtype == jnp.float32
     assert_gemm_close(out, ref, lq, rq, k)
@@ -108,11 +110,11 @@ def test_xla_backend_takes_other_formats(np_rng):
     want = np.asarray(dequantize_jit(lq), np.float64) @ np.asarray(dequantize_jit(rq), np.float64)
     got = np.asarray(mx_dot(lq, rq, backend="xla"), np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    # 'auto' may route formats its kernel lacks to 'xla'; an explicit kernel may not.
+    # 'auto' may route formats its route lacks to 'xla'; an explicit route may not.
     np.testing.assert_array_equal(np.asarray(mx_dot(lq, rq, backend="auto")),
                                   got.astype(np.float32))
     with pytest.raises(ValueError, match="MXFP4 x MXFP4 only"):
-        mx_dot(lq, rq, backend="pallas")
+        mx_dot(lq, rq, backend="xla_fp8")
 
 
 def test_argument_errors():

@@ -30,8 +30,9 @@ import numpy as np
 import pytest
 
 from mxjax import formats as F
+from mxjax.backends import mx_dot
 from mxjax.kernels import _common as C
-from mxjax.kernels import gemm_error_bound, mx_dot
+from mxjax.kernels import gemm_error_bound
 from mxjax.quantization import MXArray
 from tests.mxjax.kernels._kernel_testutil import (
     assert_gemm_close,

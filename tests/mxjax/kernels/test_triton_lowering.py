@@ -1,6 +1,6 @@
 """GPU-free checks that the kernels compile for GPUs.
 
-1. The Pallas kernels lower to Triton IR for an abstract NVIDIA H200 (jax.export
+1. The Pallas quantize kernel lowers to Triton IR for an abstract NVIDIA H200 (jax.export
    with an AbstractDevice; no GPU needed). This catches primitives without a
    Pallas-Triton lowering; Triton's own compiler runs later, inside XLA, on a GPU.
 2. If `triton` is importable (not a CPU dependency), the tl.dot_scaled kernel of
@@ -18,8 +18,6 @@ import jax.numpy as jnp
 import pytest
 
 from mxjax.kernels import QuantSpec, fused_quantize
-from mxjax.kernels.fp8_gemm import mxfp4_matmul_fp8
-from mxjax.kernels.pallas_gemm import mxfp4_matmul_pallas
 from tests.mxjax.kernels._kernel_testutil import BLOCKED_BY_LAX_ROUND
 
 _TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -40,17 +38,6 @@ def _lower_for_h200(fn, *args) -> str:
 
 
 S = jax.ShapeDtypeStruct
-
-
-@pytest.mark.parametrize("kernel", [mxfp4_matmul_pallas, mxfp4_matmul_fp8])
-@pytest.mark.parametrize(("m", "n", "k"), [(256, 256, 512), (8192, 4096, 14336), (300, 200, 700)])
-def test_gemm_kernels_lower_to_triton_for_h200(kernel, m, n, k):
-    # Triton needs power-of-two tensors: odd sizes and K/128 = 112 chunks must still lower.
-    kp = -(-k // 32) * 32
-    args = (S((m, kp // 2), jnp.uint8), S((m, kp // 32), jnp.uint8),
-            S((kp // 2, n), jnp.uint8), S((kp // 32, n), jnp.uint8))
-    text = _lower_for_h200(lambda *a: kernel(*a, m=m, n=n, interpret=False), *args)
-    assert text.count(_TRITON_CALL) == 1
 
 
 @BLOCKED_BY_LAX_ROUND

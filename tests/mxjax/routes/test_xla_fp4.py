@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 import mxjax
-from mxjax import OperandRecipe, gemm
+from mxjax import OperandRecipe
 from mxjax.dimensions import Dims
+from mxjax.emulation import forms
 from mxjax.quantization import MXArray, quantize_with
 from mxjax.recipes import GemmRecipe
 from mxjax.routes import xla_fp4
@@ -215,7 +216,7 @@ def _gemm_operands(shift_a=0.0, shift_b=0.0, k=100):
 
 
 def _emulation(a3, b3, key=None):
-    return np.asarray(jax.jit(lambda a, b: gemm.emulated_gemm(
+    return np.asarray(jax.jit(lambda a, b: forms.emulated_gemm(
         a, b, _DIMS, RECIPE, key, "fprop"))(a3, b3))
 
 
@@ -348,7 +349,8 @@ def test_the_full_window_is_exact_and_on_the_mma_branch():
     ("NVIDIA B200", (10, 0), True), ("NVIDIA GB300", (10, 3), True),
     ("NVIDIA H200", (9, 0), False), ("", None, False), ("AMD Instinct MI355X", None, False)])
 def test_capabilities_of_xla_fp4(kind, cc, ok):
-    from mxjax.kernels import Chip, capabilities_for
+    from mxjax.backends import capabilities_for
+    from mxjax.chips import Chip
 
     caps = capabilities_for(Chip(platform="gpu", device_kind=kind, compute_capability=cc))
     assert caps.can_run("xla_fp4") == ok, caps.reason("xla_fp4")
@@ -359,7 +361,7 @@ def test_capabilities_of_xla_fp4(kind, cc, ok):
 
 def test_mx_dot_refuses_xla_fp4_with_a_reason():
     import mxjax
-    from mxjax.kernels import mx_dot
+    from mxjax.backends import mx_dot
 
     q = mxjax.quantize(jnp.ones((8, 64)), mxjax.MXFP4, axis=1)
     with pytest.raises(ValueError, match="xla_fp4.*GEMM recipe"):

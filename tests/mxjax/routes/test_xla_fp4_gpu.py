@@ -19,7 +19,7 @@ import pytest
 import mxjax
 from mxjax.quantization import quantize_with
 from mxjax.routes import xla_fp4
-from tests.mxjax.routes.test_fp8_units_gpu import U32, device_bound
+from tests.mxjax.emulation.test_fp8_units_gpu import U32, device_bound
 from tests.mxjax.routes.test_xla_fp4 import MXFP4, RECIPE, _on_mma, full_window_operands
 
 pytestmark = [

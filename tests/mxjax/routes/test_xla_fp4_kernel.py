@@ -22,7 +22,8 @@ import pytest
 import mxjax
 from mxjax import OperandRecipe, policies
 from mxjax import formats as F
-from mxjax.routes import in_place, xla_fp4
+from mxjax.emulation import in_place
+from mxjax.routes import xla_fp4
 from mxjax.routes import xla_fp4_kernel as K
 from tests.mxjax.kernels._kernel_testutil import hadamard, hard_matrix, quantize
 
@@ -230,7 +231,7 @@ def test_nearest_even_code_is_e2m1_round_to_nearest_even():
     np.testing.assert_array_equal(got[in_range], want)
     saturated = np.where(y[~in_range] < 0, 15, 7)
     np.testing.assert_array_equal(got[~in_range], saturated)
-    from mxjax.routes.in_place_values import round_nearest_even
+    from mxjax.emulation.in_place_values import round_nearest_even
 
     via_values = jax.jit(lambda v: K._e2m1_code(round_nearest_even(v, F.MXFP4.element)))
     np.testing.assert_array_equal(got, np.asarray(via_values(jnp.asarray(y))))

@@ -21,11 +21,11 @@ import pytest
 
 import mxjax
 from mxjax import policies
+from mxjax.emulation import in_place
 from mxjax.kernels import QuantSpec, fused_quantize
 from mxjax.quantization import fake_quantize_with, quantize_with
-from mxjax.routes import in_place
 from mxjax.routes import xla_fp8 as M
-from tests.mxjax.routes.test_fp8_units_gpu import U32, device_bound
+from tests.mxjax.emulation.test_fp8_units_gpu import U32, device_bound
 
 pytestmark = [
     pytest.mark.gpu,

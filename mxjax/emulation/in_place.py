@@ -24,7 +24,7 @@ program for XLA's GPU and TPU compilers:
   halves share (H200 deviceless, [8192, 14336] bf16 H16 operand to FP8: 2.57 GB moved
   with neither, 1.66 GB with the amax change, 0.77 GB with both);
 * **cheap scaling**: the power-of-two scalings are f32 multiplies
-  (`mxjax.routes.in_place_values`, which says where the values agree); round-to-nearest-
+  (`mxjax.emulation.in_place_values`, which says where the values agree); round-to-nearest-
   even rounds in place (`nearest_even_values`, the TPU kernel's form, the Hadamard's
   1/sqrt(h) in its one multiply).
 
@@ -47,10 +47,10 @@ from jax import lax
 
 from mxjax import _bits
 from mxjax.dimensions import free_axes
+from mxjax.emulation import in_place_tpu
+from mxjax.emulation.in_place_values import nearest_even_values, values_from_amax
 from mxjax.formats import Rounding
 from mxjax.rotation import bit_view, butterfly_stage, hadamard_bit_view
-from mxjax.routes import in_place_tpu
-from mxjax.routes.in_place_values import nearest_even_values, values_from_amax
 from mxjax.scaling import SR_UNSCALE
 
 __all__ = [
@@ -258,7 +258,7 @@ def mx_operand_values_tpu(view: ContractionView, op, *, k_out: int,
                           hadamard_size: int | None, signs: jax.Array | None,
                           key: jax.Array | None, interpret: bool = False,
                           operand_dtype=None) -> jax.Array:
-    """`mx_operand_values` by the TPU kernel (`mxjax.routes.in_place_tpu`), same values.
+    """`mx_operand_values` by the TPU kernel (`mxjax.emulation.in_place_tpu`), same values.
 
     ``operand_dtype``: the values are those of ``view.x.astype(operand_dtype)``; an
     f32 operand cast to bf16 is rounded in the kernel (not materialized), other

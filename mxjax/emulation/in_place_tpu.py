@@ -1,6 +1,6 @@
 """The TPU form of the in-place MX operand: one Mosaic (Pallas TPU) kernel per operand.
 
-XLA's TPU compiler does not fuse the bit view of `mxjax.routes.in_place` (axes of
+XLA's TPU compiler does not fuse the bit view of `mxjax.emulation.in_place` (axes of
 size 2 break its (8, 128) tiling: relayout copies), nor block reductions along
 the lane axis. This kernel reads the operand once and writes its bf16 values
 once, with the MX blocks along the sublane (row) axis of each tile, where the
@@ -8,7 +8,7 @@ Hadamard butterflies are sublane rotations plus selects and the block amax is
 an elementwise max over rows: an operand whose contraction is its minor (lane)
 axis is transposed tile by tile inside the kernel and back.
 
-The values are `mxjax.routes.in_place.mx_operand_values`': the same butterflies on the
+The values are `mxjax.emulation.in_place.mx_operand_values`': the same butterflies on the
 same elements, the same block scales, and the rounding of `values_from_amax` or, for
 round-to-nearest-even, `nearest_even_values` (the same values in fewer operations,
 the rotation's 1/sqrt(h) folded in); see those for what they equal.
@@ -33,8 +33,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mxjax import _bits
+from mxjax.emulation.in_place_values import nearest_even_values, values_from_amax
 from mxjax.formats import Rounding
-from mxjax.routes.in_place_values import nearest_even_values, values_from_amax
 
 __all__ = ["KernelSpec", "mx_values_tpu", "record_kernels", "tiles"]
 
@@ -70,7 +70,7 @@ def record_kernels():
     """Collects the `KernelSpec` of every kernel traced inside (for cost tools, e.g. bench/).
 
     The specs are recorded when a GEMM is traced, and JAX caches the traces of the
-    emulated GEMM (`mxjax.gemm.emulated_gemm`): entering clears JAX's caches
+    emulated GEMM (`mxjax.emulation.forms.emulated_gemm`): entering clears JAX's caches
     (``jax.clear_caches()``), so that every kernel of a program traced inside is
     recorded; a kernel configuration traced again from the cache inside is not
     recorded twice.

@@ -1,4 +1,4 @@
-"""The emulated GEMM's GPU/TPU form (mxjax.routes.in_place), run here on CPU.
+"""The emulated GEMM's GPU/TPU form (mxjax.emulation.in_place), run here on CPU.
 
 * In-place MX operand values equal the numpy reference quantizer (tests/reference.py)
   applied to the rotated operand along its own contraction axis, and equal the CPU
@@ -29,8 +29,8 @@ import pytest
 import mxjax
 from mxjax import rotation
 from mxjax.elements import round_to_value
+from mxjax.emulation import in_place, in_place_values
 from mxjax.quantization import fake_quantize_parts_with
-from mxjax.routes import in_place, in_place_values
 from mxjax.scaling import SR_UNSCALE
 from tests import reference as ref
 
@@ -205,7 +205,7 @@ def test_tpu_kernel_values_equal_the_gpu_form(case, np_rng):
     op = mxjax.OperandRecipe(fmt=mxjax.MXFP4, **kw)
     signs = None if seed is None else mxjax.fixed_signs(seed, h)
     key = jax.random.key(5) if op.needs_key else None
-    from mxjax.routes import in_place_tpu
+    from mxjax.emulation import in_place_tpu
 
     xs = [jnp.asarray(_adversarial(np_rng, shape, ml_dtypes.bfloat16))
           for shape, _, _ in TPU_LAYOUTS]
@@ -225,7 +225,7 @@ def test_tpu_kernel_values_equal_the_gpu_form(case, np_rng):
 
 
 def test_tpu_form_falls_back_when_the_operand_does_not_tile(np_rng):
-    from mxjax.routes import in_place_tpu
+    from mxjax.emulation import in_place_tpu
 
     op = mxjax.OperandRecipe(fmt=mxjax.MXFP4, scale_rule="even")
     x = jnp.asarray(_adversarial(np_rng, (8, 96), ml_dtypes.bfloat16))

@@ -1,4 +1,4 @@
-"""FP8 GEMMs on FP8 tensor cores (mxjax/routes/fp8_units.py), checked on this CPU machine.
+"""FP8 GEMMs on FP8 tensor cores (mxjax/emulation/fp8_units.py), checked on this CPU machine.
 
 * The f8 operands the CUDA form hands to the GEMM are bit-identical to an independent
   numpy / ml_dtypes quantizer (per-tensor FP8: correctly rounded ``x / t`` in f64, then
@@ -23,11 +23,11 @@ import pytest
 
 import mxjax
 from bench.costmodel import export_shape as es
-from mxjax import OperandRecipe, ScaleRule, _bits, gemm, policies, scaling
+from mxjax import OperandRecipe, ScaleRule, _bits, policies, scaling
 from mxjax.dimensions import Dims
+from mxjax.emulation import forms, fp8_units
 from mxjax.quantization import fake_quantize_with
 from mxjax.recipes import GemmRecipe
-from mxjax.routes import fp8_units
 from tests import reference as ref
 
 U32 = 2.0 ** -24  # f32 unit roundoff
@@ -189,8 +189,8 @@ def test_f8_gemm_is_within_the_bound_of_the_emulation(name):
     k = a.shape[-1]
     dims = Dims(((2,), (0,)), ((), ()))
     recipe = policies.get(name).dgrad if name == "fp8" else policies.get(name).fprop
-    f8 = jax.jit(lambda a, b: gemm._cuda_f8_form(a, b, dims, recipe, None, None, None))(a, b)
-    emul = jax.jit(lambda a, b: gemm._canonical_cpu_form(a, b, dims, recipe, None, None, None))(
+    f8 = jax.jit(lambda a, b: forms._cuda_f8_form(a, b, dims, recipe, None, None, None))(a, b)
+    emul = jax.jit(lambda a, b: forms._canonical_cpu_form(a, b, dims, recipe, None, None, None))(
         a, b)
     aq = np.asarray(fake_quantize_with(a.astype(jnp.float32), recipe.lhs, -1))
     bq = np.asarray(fake_quantize_with(b.T, recipe.rhs, -1)).T
@@ -270,7 +270,7 @@ def test_swapped_f8_gemm_is_the_same_gemm(dims, a_shape, b_shape):
     recipe = policies.get("fp8").wgrad
 
     def run(swap):
-        return np.asarray(jax.jit(lambda a, b: gemm._cuda_f8_form(
+        return np.asarray(jax.jit(lambda a, b: forms._cuda_f8_form(
             a, b, dims, recipe, None, None, None, swap=swap))(a, b))
 
     plain, swapped = run(False), run(True)

@@ -24,7 +24,7 @@ import pytest
 import mxjax
 from mxjax import policies
 from mxjax.quantization import fake_quantize_with
-from tests.mxjax.routes.test_fp8_units import FP8, OPERAND_CASES, check_f8_operand_bits
+from tests.mxjax.emulation.test_fp8_units import FP8, OPERAND_CASES, check_f8_operand_bits
 
 pytestmark = [
     pytest.mark.gpu,

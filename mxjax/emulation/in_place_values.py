@@ -2,7 +2,7 @@
 
 `mxjax.scaling.E8M0Blocks` scales by integer ``ldexp`` so that XLA:CPU's
 denormals-are-zero cannot lose a subnormal. On GPUs and TPUs the emulated GEMM
-(`mxjax.routes.in_place`) scales with f32 multiplies by 2^-s and 2^s instead: far
+(`mxjax.emulation.in_place`) scales with f32 multiplies by 2^-s and 2^s instead: far
 fewer operations, which lets XLA fuse the rotation, the amax and the rounding
 into two passes, and the same values wherever f32 arithmetic keeps subnormals
 (GPUs; tested against exact ``ldexp`` in numpy). Where it flushes them (TPUs,
