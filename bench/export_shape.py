@@ -13,7 +13,7 @@ targets before the table's last line.
 Targets: cuda and tpu have zero quantized GEMMs with f32 operands at HIGHEST;
 under the MXFP4 presets at most one optimization_barrier per quantized operand on
 cuda (the GPU form's: XLA recomputes the rotation in the rounding pass instead of
-materializing it, mxjax/routes/in_place.py) and none on tpu (NVFP4/FP8 keep the
+materializing it, mxjax/emulation/in_place.py) and none on tpu (NVFP4/FP8 keep the
 value-guarding barriers of their per-tensor division, see docs/NUMERICS.md).
 CPU keeps f32 HIGHEST with per-stage barriers by design (fastest there,
 bit-identical results).

@@ -39,7 +39,7 @@ from bench.costmodel import tpu_kernel_cycles as tkc  # sets libtpu's profile fl
 
 def _kernel_call(x, *, op, lanes: bool, rows: int, cols: int, fuse: bool,
                  bf16_cast: bool = False):
-    from mxjax.routes import in_place_tpu as at
+    from mxjax.emulation import in_place_tpu as at
 
     if lanes:
         grid, block = (x.shape[0] // cols, x.shape[1] // rows), (cols, rows)
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("--clock-ghz", type=float, default=1.548,
                     help="v5e clock for us (bench/costmodel/tpu_kernel_cycles.py calibrates 1.548)")
     args = ap.parse_args(argv)
-    from mxjax.routes import in_place_tpu as at
+    from mxjax.emulation import in_place_tpu as at
 
     op = policies.get("mxfp4_all_h16").fprop.lhs
     shape = (2048, 8192)

@@ -274,7 +274,7 @@ def compile_one(target: aot.Target, variant: str, prog: str, policy: str, args,
     (bench/costmodel/peers.py); ``attention``: the layers' LlamaConfig.attention_impl
     ('' = the config default)."""
     try:
-        from mxjax.routes.in_place_tpu import record_kernels
+        from mxjax.emulation.in_place_tpu import record_kernels
     except ImportError:  # an mxjax without TPU kernels (a before table)
         record_kernels = functools.partial(contextlib.nullcontext, ())
 

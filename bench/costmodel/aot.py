@@ -173,7 +173,7 @@ def compile_for(fn, args, target: Target | str, compiler_options: dict | None = 
     placed = place(args, target)
     if target.kind != "cpu":
         # The chip compiled for is the context mesh's abstract device: Pallas' GPU lowering
-        # reads its device kind (compute capability), and mxjax.kernels.capabilities()
+        # reads its device kind (compute capability), and mxjax.backends.capabilities()
         # chooses the GEMM backends for it.
         with jax.set_mesh(_mesh(target.name)):
             lowered = jax.jit(fn).trace(*placed).lower()

@@ -9,7 +9,7 @@ this separate process (the flag is read when libtpu starts):
 
     python bench/costmodel/tpu_kernel_cycles.py v5e < specs.json   # prints JSON
 
-Input: a JSON list of `mxjax.routes.in_place_tpu.KernelSpec` as dicts (the recipe as
+Input: a JSON list of `mxjax.emulation.in_place_tpu.KernelSpec` as dicts (the recipe as
 ``{"fmt", "scale_rule", "rounding", "sr_prescale"}``). Output: ``{"cycles":
 [...], "clock_hz": f}``. The clock is calibrated from the profile of a bf16
 4096^3 GEMM: ``clock = published bf16 peak / (GEMM flops / GEMM cycles)`` (a GEMM
@@ -86,7 +86,7 @@ def spec_to_json(spec) -> dict:
 
 def kernel_cycles(spec: dict, target: str) -> int:
     import mxjax
-    from mxjax.routes import in_place_tpu
+    from mxjax.emulation import in_place_tpu
 
     op = mxjax.OperandRecipe(**spec["op"])
     h = spec["hadamard_size"]

@@ -213,7 +213,7 @@ def main(argv=None) -> int:
               f"{jax.default_backend()!r} (devices: {jax.devices()}). Run it on a GPU machine.",
               file=sys.stderr)
         return 2
-    from mxjax.kernels import capabilities
+    from mxjax.backends import capabilities
 
     caps = capabilities()
     log(f"jax {jax.__version__}, {caps}")

@@ -54,10 +54,10 @@ def _caps_for(target: str):
     import jax
 
     from bench.costmodel import aot
-    from mxjax import kernels
+    from mxjax import backends
 
     with jax.set_mesh(aot._mesh(require(target).name)):
-        return kernels.capabilities()
+        return backends.capabilities()
 
 
 @pytest.mark.parametrize("target,kind,cc", [
@@ -76,11 +76,11 @@ def test_auto_compiles_to_the_route_of_each_chip(target, route):
     """AUTO_CHOICES: 'xla_fp8' on H200 (FP8 GEMMs on the exact FP8 carriers), 'xla_fp4' on
     B200 (cuDNN's block-scaled FP4 MMA, operands by the route's Pallas kernel), the
     emulation on v5e; 'auto' compiles to exactly that backend's program."""
-    from mxjax import kernels
+    from mxjax import backends
 
     caps = _caps_for(target)
-    assert kernels.auto_backend(caps) == route
-    assert kernels.auto_choice(caps).evidence
+    assert backends.auto_backend(caps) == route
+    assert backends.auto_choice(caps).evidence
     from bench.costmodel import hlo_kernels as hk
 
     def shape(text):
@@ -100,7 +100,7 @@ def test_auto_compiles_to_the_route_of_each_chip(target, route):
 ])
 def test_explicit_backend_that_cannot_run_on_the_target_raises_at_lowering(
         target, backend, match):
-    from mxjax.kernels import BackendUnavailableError
+    from mxjax.backends import BackendUnavailableError
 
     with pytest.raises(BackendUnavailableError, match=match):
         _compiled_text(target, backend)

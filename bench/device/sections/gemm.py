@@ -22,7 +22,7 @@ GEMM_BACKENDS = "xla,triton,xla_fp8"
 
 def gemm_section(table: Table, sz: Sizes, deadline: float, backends: list[str]) -> None:
     import mxjax
-    from mxjax.kernels import capabilities, mx_dot
+    from mxjax.backends import capabilities, mx_dot
 
     caps = capabilities()
     rows = table.section(

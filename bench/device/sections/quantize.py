@@ -53,8 +53,9 @@ def quantize_section(table: Table, copy_bw: float | None, sz: Sizes, deadline: f
     for name, kw, copies in cases:
         timed(name, functools.partial(fused_quantize, **kw), 2 * r * c + copies * per_copy)
     from mxjax import policies
-    from mxjax.kernels import target_chip
-    from mxjax.routes import in_place, xla_fp4
+    from mxjax.chips import target_chip
+    from mxjax.emulation import in_place
+    from mxjax.routes import xla_fp4
     from mxjax.routes.xla_fp4_kernel import has_e2m1_cvt
 
     op = policies.get("mxfp4_all_h16").fprop.lhs

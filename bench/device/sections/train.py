@@ -17,7 +17,7 @@ def train_section(table: Table, sz: Sizes, deadline: float) -> None:
 
     from models.llama import Llama, LlamaConfig
     from mxjax import policies
-    from mxjax.kernels import resolve_backend
+    from mxjax.backends import resolve_backend
 
     rows = table.section("~1B Llama train step (AdamW), tokens/s",
                          ("policy", "backend", "tokens/s", "vs bf16", "step time vs bf16"))
