@@ -52,7 +52,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     #  - diagnostics sit above the interceptor and plug into it through its one
     #    hook, mxjax.interceptor.observe.
     "mxjax": (
-        ("formats", "layout", "validation", "_platform", "dimensions"),
+        ("formats", "layout", "validation", "_platform", "dimensions", "measurements"),
         ("_bits",),
         ("elements",),
         ("scaling", "e2m1_bits"),
