@@ -80,8 +80,8 @@ def check_backend_name(name, where: str = "backend") -> None:
         return
     if isinstance(name, str) and name in REMOVED_BACKENDS:
         raise ValueError(f"{where}: backend {name!r} was removed ({REMOVED_BACKENDS[name]}; "
-                         f"docs/CHANGELOG.md); use one of {BACKENDS}")
-    raise ValueError(f"{where}: unknown backend {name!r}; expected one of {BACKENDS}")
+                         f"docs/CHANGELOG.md); expected one of {BACKENDS}")
+    raise ValueError(f"{where}: expected one of {BACKENDS}, got {name!r}")
 
 
 

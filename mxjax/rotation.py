@@ -7,11 +7,9 @@ f32 adds and subtracts, the same values bit for bit):
 
 * XLA:CPU: the stages are materialized two at a time (a barrier after every second
   stage). Fused, XLA:CPU recomputes every earlier stage per element; one barrier per
-  stage makes twice the passes over memory. Against the earlier form (a reversal of
-  each pair plus a select, one barrier per stage) the tiny config's train step under
-  `mxfp4_all_h16` went from 1.25-1.50x to 1.12-1.23x of no policy's best step time in
-  three interleaved pairs (bench/train_step.py, 2026-12-03), and its fwd+bwd programs
-  have a third fewer fusions;
+  stage makes twice the passes over memory (the tiny config's train step under
+  `mxfp4_all_h16` is faster this way, bench/train_step.py; the figures are in
+  docs/CHANGELOG.md), and the fwd+bwd programs have a third fewer fusions;
 * GPUs and TPUs: no barrier, so that the compiler fuses all stages with the
   quantizer that follows.
 """

@@ -4,7 +4,8 @@ A tool for restructurings that must not change a single bit: run it before and
 after and diff the output (``python scripts/numerics_fingerprint.py > before.txt``).
 Everything is computed on CPU with fixed seeds:
 
-* for each preset but the ablations (``mxjax.policies.names()``), on several GEMM shapes
+* for each library preset but the study's ablations (``mxjax.policies.names()`` without
+  ``study.policies.ABLATIONS``), on several GEMM shapes
   (2-D, batched, several contracting dims, a non-trailing contraction, K not a
   multiple of 32), f32 and bf16 inputs, well-behaved and adversarial (ties, zeros,
   subnormals, saturation, NaN and Inf rows): the forward values of
@@ -47,6 +48,7 @@ from mxjax.dimensions import normalize_dimension_numbers
 from mxjax.emulation.forms import accelerator_gemm
 from mxjax.formats import FORMATS, Rounding, ScaleRule
 from mxjax.quantization import fake_quantize_parts
+from study.policies import ABLATIONS
 
 jax.config.update("jax_platforms", "cpu")
 
@@ -341,7 +343,7 @@ def _fused_copies(x, spec, key):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", default=",".join(n for n in policies.names()
-                                                 if n not in policies.ABLATIONS),
+                                                 if n not in ABLATIONS),
                    help="comma-separated presets (default: all 12)")
     p.add_argument("--no-eager-quantizer", action="store_true",
                    help="skip the eager quantizer runs (the slowest part)")

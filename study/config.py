@@ -148,7 +148,7 @@ def _file_policy(spec: Any, where: str, custom: dict[str, dict[str, Any]]) -> st
     record = _policy_record(policy, "")
     if policy.name:
         name = policy.name
-    elif (same := next((n for n, build in policies.PRESETS.items() if build() == policy),
+    elif (same := next((n for n, build in study_policies.PRESETS.items() if build() == policy),
                        None)) is not None:
         return same  # an unnamed policy that is a preset runs under the preset's name
     else:
@@ -156,7 +156,7 @@ def _file_policy(spec: Any, where: str, custom: dict[str, dict[str, Any]]) -> st
         name = f"custom-{digest}"
     require("/" not in name and name != "none", f"{where}: a policy name without '/' and other "
             f"than 'none' is needed (it names the runs' files), got {name!r}")
-    if name in policies.PRESETS or name in study_policies.LEGACY or name in policies.ALIASES:
+    if name in study_policies.PRESETS or name in study_policies.LEGACY or name in policies.ALIASES:
         preset = study_policies.get(study_policies.canonical_name(name, stacklevel=4))
         require(preset == policy, f"{where}: the policy named {name!r} differs from the preset "
                 f"of that name; give it another name")

@@ -84,6 +84,13 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("in_place", "fp8_units"),
         ("forms",),
     ),
+    #  - the policy type (policy) above the deprecated names (aliases); the presets and the
+    #    dict form build on the type; the lookup (get, resolve) on all of them.
+    "mxjax.policies": (
+        ("aliases", "policy"),
+        ("presets", "dict_form"),
+        ("lookup",),
+    ),
     #  - what a route declares (spec); the routes: the emulation ('xla'), 'triton', and
     #    the MXFP4 routes over the emulation's in-place operands: 'xla_fp8' (carried in
     #    FP8), then 'xla_fp4' (NVFP4, sharing xla_fp8's window and result scaling; its

@@ -222,8 +222,8 @@ class Config:
         "dict)"})
     backend: str | None = _field(
         None, "the backend every quantized GEMM of every policy this run compiles runs on "
-        "(mxjax.recipes.BACKENDS; auto: the fastest route of the chip compiled for, "
-        "mxjax.kernels.AUTO_CHOICES: FP8 units on Hopper and Blackwell); null: each "
+        "(mxjax.backends.BACKENDS; auto: the fastest route of the chip compiled for, "
+        "mxjax.backends.AUTO_CHOICES: FP8 units on Hopper and Blackwell); null: each "
         "policy's own (the presets': xla, the emulation)")
     jax_cache_dir: str | None = _field(
         None, "persistent JAX compilation cache directory (re-runs, resumes and study runs "
@@ -544,7 +544,7 @@ def check(cfg: Config) -> None:
     if isinstance(cfg.policy, str):
         need(bool(cfg.policy), "policy: empty name (use null for no policy)")
     if cfg.backend is not None:
-        from mxjax.recipes import BACKENDS  # a constant; the config module stays light
+        from mxjax.backends import BACKENDS  # a constant; the config module stays light
 
         need(cfg.backend in BACKENDS,
              f"backend: expected one of {', '.join(BACKENDS)} or null, got {cfg.backend!r}")

@@ -80,7 +80,7 @@ def test_auto_compiles_to_the_route_of_each_chip(target, route):
 
     caps = _caps_for(target)
     assert backends.auto_backend(caps) == route
-    assert backends.auto_choice(caps).evidence
+    assert backends.auto_choice(caps).figures
     from bench.costmodel import hlo_kernels as hk
 
     def shape(text):
@@ -96,6 +96,8 @@ def test_auto_compiles_to_the_route_of_each_chip(target, route):
 
 
 @pytest.mark.parametrize("target,backend,match", [
+    ("v5e", "xla_fp8", r"fprop: backend 'xla_fp8' cannot run on 'TPU v5 lite'.*FP8"),
+    ("v5e", "triton", r"backend 'triton' cannot run on 'TPU v5 lite'.*GPU target"),
     ("h200", "triton", r"backend 'triton' cannot run on 'NVIDIA H200.*jax_triton"),
 ])
 def test_explicit_backend_that_cannot_run_on_the_target_raises_at_lowering(

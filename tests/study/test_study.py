@@ -101,9 +101,14 @@ def test_units_cover_every_run_and_branch_and_group_by_policy(tmp_path):
         assert len({(u.phase, u.width, u.kind, u.policy) for u in group}) == 1
 
 
-def test_ablations_are_library_presets_and_former_names_still_read():
-    assert set(SP.ABLATIONS) <= set(policies.names())
-    assert all(SP.get(n) == policies.get(n) and SP.get(n).name == n for n in SP.ABLATIONS)
+def test_ablations_are_the_studys_and_former_names_still_read():
+    assert set(SP.ABLATIONS) <= set(SP.PRESETS)
+    assert set(SP.ABLATIONS) & set(policies.names()) == {"mxfp4_all_h16_wgrad"}
+    assert all(SP.get(n).name == n for n in SP.ABLATIONS)
+    for name in SP.ABLATION_PRESETS:  # study policies, not library API
+        with pytest.raises(ValueError, match="unknown preset"):
+            policies.get(name)
+        assert SP.get(f"{name}@xla_fp8").name == f"{name}@xla_fp8"
     assert SP.get("none") is None
     for old, new in SP.LEGACY.items():
         with pytest.warns(DeprecationWarning, match=f"study policy '{old}' is now the library "
@@ -116,7 +121,7 @@ def test_ablations_are_library_presets_and_former_names_still_read():
 
 
 def _mine():
-    return {**policies.to_dict("mxfp4_wgrad_only_rht16"), "name": "mine"}
+    return {**policies.to_dict(SP.get("mxfp4_wgrad_only_rht16")), "name": "mine"}
 
 
 @pytest.mark.parametrize("form", ["name", "dict", "policy", "unnamed", "none"])
