@@ -31,7 +31,7 @@ def _rooms() -> list[str]:
             out.append(p.relative_to(ROOT).as_posix())
         if folder == "mxjax":
             out += [p.relative_to(ROOT).as_posix() + "/" for p in base.iterdir()
-                    if (p / "__init__.py").exists()]
+                    if p.is_dir() and any(p.glob("*.py"))]  # namespace packages too
     return sorted(out)
 
 
@@ -111,7 +111,7 @@ def test_every_named_path_exists():
         first = tokens[0] if tokens else ""
         if re.fullmatch(r"mxjax(\.\w+)+", first):
             path = ROOT / first.replace(".", "/")
-            if not (path.with_suffix(".py").exists() or (path / "__init__.py").exists()):
+            if not (path.with_suffix(".py").exists() or any(path.glob("*.py"))):
                 absent.append(first)
     assert not absent, f"docs/LAYOUT.md names rooms that do not exist: {absent}"
 
