@@ -130,3 +130,16 @@ def test_carrier_windows_operand_span_against_the_block_exponents():
     assert int(cw.operand_span(jnp.asarray(x), op, None)) == 1000
     # The windows docs/NUMERICS.md states, from the routes' carriers.
     assert cw.WINDOWS == {"xla_fp8": (28, 14), "xla_fp4": (17, 17)}
+
+
+def test_the_gpu_test_files_exist():
+    """The tests section runs files by path: a moved test file must be followed here."""
+    from pathlib import Path
+
+    from bench.device.sections import gpu_tests
+
+    root = Path(__file__).resolve().parents[1]
+    missing = [f for f in gpu_tests.GPU_TEST_FILES if not (root / f).is_file()]
+    missing += [d for d in gpu_tests.QUICK_TESTS_DESELECT
+                if not (root / d.split("::")[0]).is_file()]
+    assert not missing, missing
