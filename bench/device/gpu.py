@@ -17,7 +17,7 @@ Usage, from the repository root on the GPU machine:
 Sections (--sections picks them, they run in this order; the table is printed last, and
 after every section when --table-out is given it is rewritten there):
   tests. pytest -m gpu tests/mxjax/kernels/test_kernels_gpu.py
-     tests/mxjax/routes/test_fp8_units_gpu.py
+     tests/mxjax/emulation/test_fp8_units_gpu.py
      tests/models/test_fused_attention.py (kernels; FP8 GEMMs on the FP8 tensor cores within
      docs/NUMERICS.md's device bound, printed with -s; cuDNN flash attention against the
      explicit form); a failure stops the run unless --keep-going (then the table says so).

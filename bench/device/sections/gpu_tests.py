@@ -12,7 +12,7 @@ import time
 from bench.device.harness import ROOT, STATE, log
 
 GPU_TEST_FILES = ("tests/mxjax/kernels/test_kernels_gpu.py",
-                  "tests/mxjax/routes/test_fp8_units_gpu.py",
+                  "tests/mxjax/emulation/test_fp8_units_gpu.py",
                   "tests/models/test_fused_attention.py",
                   "tests/mxjax/routes/test_xla_fp8_gpu.py",
                   "tests/mxjax/routes/test_xla_fp4_gpu.py")
