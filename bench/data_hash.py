@@ -19,9 +19,12 @@ import argparse
 import hashlib
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
 from train.data import HASH_CHUNK, file_digest
 

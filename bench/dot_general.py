@@ -9,7 +9,7 @@ hits all of them alike; the table gives medians and ratios to plain.
 
     python bench/dot_general.py [--m 8192 --k 1024 --n 1024 --rounds 7 --warmup 2]
 
-Targets (issue 3): mxfp4_all no slower than scaled_dot_general mxfp4;
+Targets: mxfp4_all no slower than scaled_dot_general mxfp4;
 mxfp4_all_h16 within 1.2x of mxfp4_all.
 """
 

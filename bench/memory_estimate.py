@@ -4,7 +4,7 @@ For a few model shapes, prints the estimate (`train.memory.estimate`) beside
 ``compiled.memory_analysis()`` of the jitted train step (state donated, as the trainer
 runs it): arguments + outputs - aliased + temporaries, and their ratio. The CPU rows compile
 here; ``--target h200`` (or h100, b200) compiles deviceless for that GPU (the CUDA PJRT
-plugin, ``pip install 'mxjax[aot-gpu]'``; see bench/aot.py).
+plugin, ``pip install 'mxjax[aot-gpu]'``; see bench/costmodel/aot.py).
 
     PYTHONPATH=. .venv/bin/python bench/memory_estimate.py
     PYTHONPATH=. .venv-aot/bin/python bench/memory_estimate.py --target h200
@@ -31,12 +31,13 @@ SHAPES = [
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default="cpu", help="cpu, or a GPU of bench/aot.py (h200, ...)")
+    ap.add_argument("--target", default="cpu",
+                    help="cpu, or a GPU of bench/costmodel/aot.py (h200, ...)")
     ap.add_argument("--remat", action="store_true", help="also each shape with remat")
     ap.add_argument("--policy", default=None, help="a precision policy (default: none)")
     ap.add_argument("--shapes", default=None, help="comma-separated shape names (default all)")
     args = ap.parse_args()
-    from bench import aot
+    from bench.costmodel import aot
 
     if args.target != "cpu":
         aot.use_cpu_host()

@@ -1,9 +1,9 @@
 """Cost of the GPU form's quantize passes on one operand, from a deviceless compile.
 
-Compiles `mxjax.routes.in_place.mx_operand_values` (MXFP4 + H16, RNE, FP8 carrier as in
+Compiles `mxjax.emulation.in_place.mx_operand_values` (MXFP4 + H16, RNE, FP8 carrier as in
 the 'xla_fp8' route, or bf16) for an H200 without one, with XLA's dumps on, and
 prints per kernel the bytes it moves, the elementwise ops in its HLO
-(`bench.hlo_kernels`) and the PTX instructions its threads execute (straight-line
+(`bench.costmodel.hlo_kernels`) and the PTX instructions its threads execute (straight-line
 kernels: instructions in the entry times launched threads; reductions' loops and
 divergent branches are counted once, so read those as a floor) and the SASS
 instructions ptxas makes of that PTX (counted the same way; what the chip executes:
@@ -51,17 +51,18 @@ def main(argv=None) -> int:
     dump = Path(tempfile.mkdtemp(prefix="quantize_cost_"))
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_dump_to={dump} --xla_dump_emitter_re=ptx")
-    from bench import aot
+    from bench.costmodel import aot
 
     aot.use_cpu_host()
     import jax
     import jax.numpy as jnp
 
     import mxjax
-    from bench import hlo_kernels as hk
-    from bench.ptx_cost import ptx_kernels, sass_kernels
+    from bench.costmodel import hlo_kernels as hk
+    from bench.costmodel.ptx_cost import ptx_kernels, sass_kernels
     from mxjax import policies
-    from mxjax.routes import in_place, xla_fp4, xla_fp8
+    from mxjax.emulation import in_place
+    from mxjax.routes import xla_fp4, xla_fp8
 
     shape = tuple(int(s) for s in args.shape.split(","))
     op = policies.get("mxfp4_all_h16").fprop.lhs
@@ -69,7 +70,7 @@ def main(argv=None) -> int:
     carrier = xla_fp8.LHS_CARRIER
     e2m1_cvt = False
     if args.kernel and not args.no_e2m1_cvt:
-        from mxjax.kernels import compute_capability_of
+        from mxjax.chips import compute_capability_of
         from mxjax.routes.xla_fp4_kernel import has_e2m1_cvt
 
         e2m1_cvt = has_e2m1_cvt(compute_capability_of(aot.TARGETS[args.target].description))

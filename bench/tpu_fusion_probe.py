@@ -34,12 +34,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from bench import tpu_kernel_cycles as tkc  # sets libtpu's profile flag, the CPU host
+from bench.costmodel import tpu_kernel_cycles as tkc  # sets libtpu's profile flag, the CPU host
 
 
 def _kernel_call(x, *, op, lanes: bool, rows: int, cols: int, fuse: bool,
                  bf16_cast: bool = False):
-    from mxjax.routes import in_place_tpu as at
+    from mxjax.emulation import in_place_tpu as at
 
     if lanes:
         grid, block = (x.shape[0] // cols, x.shape[1] // rows), (cols, rows)
@@ -72,9 +72,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lanes", action="store_true", help="blocks along lanes (dgrad's W)")
     ap.add_argument("--tiles", default="", help="rows x cols list (default: mxjax's tiles)")
     ap.add_argument("--clock-ghz", type=float, default=1.548,
-                    help="v5e clock for us (bench/tpu_kernel_cycles.py calibrates 1.548)")
+                    help="v5e clock for us (bench/costmodel/tpu_kernel_cycles.py calibrates 1.548)")
     args = ap.parse_args(argv)
-    from mxjax.routes import in_place_tpu as at
+    from mxjax.emulation import in_place_tpu as at
 
     op = policies.get("mxfp4_all_h16").fprop.lhs
     shape = (2048, 8192)

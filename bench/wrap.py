@@ -13,7 +13,7 @@ optimized HLO (modulo metadata): then any step-time difference is noise.
 
     python bench/wrap.py [--policy mxfp4_all --dim 256 --layers 4 --batch 256 --rounds 5]
 
-Target (issue 12): compile time within 1.5x, step time within noise.
+Target: compile time within 1.5x, step time within noise.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ attention form, compiled without a device (docs/PERFORMANCE.md, "Attention").
 
 The train step is ``bench/export_shape.layer_train_step`` (loss and gradients w.r.t. the
 layer's parameters and input, no policy, bf16 compute, fp32 parameters, micro-batch 1);
-compiles go through ``bench/aot.py``; bytes and the roofline (GPU targets only) are
+compiles go through ``bench/costmodel/aot.py``; bytes and the roofline (GPU targets only) are
 ``bench/accelerator_cost.measure``'s. Needs the ``aot-tpu``/``aot-gpu`` extras:
 
     .venv-aot/bin/python scripts/attention_cost.py [--targets h200,b200,v5e]
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import aot
+from bench.costmodel import aot
 
 aot.use_cpu_host()
 
@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> None:
 
     import jax
 
-    from bench import export_shape
-    from bench.accelerator_cost import measure
+    from bench.costmodel import export_shape
+    from bench.costmodel.accelerator_cost import measure
     from models.llama import LlamaConfig
 
     for name in args.targets.split(","):

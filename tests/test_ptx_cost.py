@@ -1,13 +1,14 @@
-"""bench/ptx_cost.py's readers on a hand-written dump: launches from the thunk sequence,
-Triton calls from the HLO, and their matching (kernel name less XLA's ``__N`` suffix,
-grid) to SASS counts; calls that match nothing are reported, not charged. The SASS
-itself comes from ptxas (tests/accelerators/test_issue36.py runs it on a real dump)."""
+"""bench/costmodel/ptx_cost.py's readers on a hand-written dump: launches from the thunk
+sequence, Triton calls from the HLO, and their matching (kernel name less XLA's ``__N``
+suffix, grid) to SASS counts; calls that match nothing are reported, not charged. The SASS
+itself comes from ptxas (tests/accelerators/test_mxfp4_on_low_precision_units.py runs it
+on a real dump)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import ptx_cost
+from bench.costmodel import ptx_cost
 
 THUNKS = """\
 001: kCustomKernel [source       | next=002 (1)] mxfp4_operand grid: [4, 2, 1] threads: [256, 1, 1]  shared_memory: 256 bytes

@@ -24,7 +24,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PYTHON_FENCES = ("python", "py", "python3")
 NOT_RUN = re.compile(r"^<!--\s*not-run:\s*(?P<reason>\S.*?)\s*-->$")
 MAX_NOT_RUN = 4
-README_MAX_LINES = 360  # issue 37: a newcomer's guide of about 350 lines; details in docs/
+README_MAX_LINES = 360  # a newcomer's guide of about 350 lines; details in docs/
 
 
 @dataclasses.dataclass(frozen=True)

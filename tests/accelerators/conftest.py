@@ -1,4 +1,4 @@
-"""Deviceless compiles for GPUs and TPUs (bench/aot.py): shared, cached per session.
+"""Deviceless compiles for GPUs and TPUs (bench/costmodel/aot.py): shared, cached per session.
 
 The tests marked ``accelerators`` need libtpu and the CUDA PJRT plugin (``pip install
 'mxjax[aot-tpu,aot-gpu]'``, ``make test-accelerators``); without them they fail and say
@@ -12,7 +12,7 @@ import functools
 
 import pytest
 
-from bench import aot
+from bench.costmodel import aot
 
 aot.use_cpu_host()
 
@@ -33,7 +33,7 @@ _ARGS = argparse.Namespace(matmul_size=4096, batch=1, seq=2048, seq_8b=8192, dum
 
 @functools.cache
 def _kernel_cycles():
-    from bench.accelerator_cost import KernelCycles
+    from bench.costmodel.accelerator_cost import KernelCycles
 
     return KernelCycles()
 
@@ -44,7 +44,7 @@ def cost(target: str, program: str, policy: str, variant: str = "", attention: s
 
     ``attention``: the layers' LlamaConfig.attention_impl ('' = the config's default).
     """
-    from bench.accelerator_cost import compile_one
+    from bench.costmodel.accelerator_cost import compile_one
 
     return compile_one(require(target), variant, program, policy, _ARGS, _kernel_cycles(),
                        attention=attention)
@@ -52,7 +52,7 @@ def cost(target: str, program: str, policy: str, variant: str = "", attention: s
 
 @functools.cache
 def optimized_hlo(target: str, program: str, policy: str) -> str:
-    from bench.programs import program as build
+    from bench.costmodel.programs import program as build
 
     fn, args = build(program, policy)
     return aot.compile_for(fn, args, require(target)).as_text()

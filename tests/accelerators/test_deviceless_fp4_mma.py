@@ -1,6 +1,6 @@
 """MXFP4 on Blackwell's block-scaled FP4 MMA through XLA's NVFP4 dot (mxjax/routes/xla_fp4.py).
 
-Deviceless compiles (bench/aot.py). What XLA does with ``jax.nn.scaled_matmul`` on
+Deviceless compiles (bench/costmodel/aot.py). What XLA does with ``jax.nn.scaled_matmul`` on
 ``float4_e2m1fn`` operands (contraction last on both):
 
 * NVFP4 (``float8_e4m3fn`` scales per 16): on B200, cuDNN's block-scaled MMA
@@ -25,8 +25,8 @@ import functools
 
 import pytest
 
-from bench import aot
-from bench import hlo_kernels as hk
+from bench.costmodel import aot
+from bench.costmodel import hlo_kernels as hk
 from tests.accelerators.conftest import require
 
 pytestmark = pytest.mark.accelerators

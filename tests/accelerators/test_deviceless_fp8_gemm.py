@@ -1,11 +1,11 @@
-"""FP8 GEMMs on FP8 tensor cores in XLA's optimized GPU programs (issue 35, items 3 and 6).
+"""FP8 GEMMs on FP8 tensor cores in XLA's optimized GPU programs (the ``fp8`` preset at FP8 rate).
 
-Deviceless compiles for H100, H200 and B200 (bench/aot.py), under both of XLA's GEMM
+Deviceless compiles for H100, H200 and B200 (bench/costmodel/aot.py), under both of XLA's GEMM
 paths: its default Triton GEMM emitter and cuBLAS (``xla_gpu_enable_triton_gemm=false``,
 bench/accelerator_cost.py's ``cublas`` variant). Asserted:
 
 * ``fp8``: every quantized GEMM (the multiplies under ``jit(emulated_gemm)``) of the
-  fwd+bwd matmul and of the Llama-3.2-1B decoder layer's train step (bench/programs.py)
+  fwd+bwd matmul and of the Llama-3.2-1B decoder layer's train step (bench/costmodel/programs.py)
   reads f8 operands: E4M3 x E4M3 in fprop, E5M2 x E4M3 in dgrad (dY x W) and E4M3 x E5M2
   in wgrad (X x dY: mxjax.gemm swaps the wgrad's operands on CUDA), a Triton f8
   fusion or ``__cublas$lt$matmul$f8``, merged GEMMs (q|k|v, gate|up) included. An f8
@@ -30,8 +30,8 @@ import re
 
 import pytest
 
-from bench import aot
-from bench import hlo_kernels as hk
+from bench.costmodel import aot
+from bench.costmodel import hlo_kernels as hk
 from tests.accelerators.conftest import require
 
 pytestmark = pytest.mark.accelerators
@@ -49,7 +49,7 @@ F8_TARGETS = {"triton": ("fusion",), "cublas": ("__cublas$lt$matmul$f8",)}
 
 @functools.cache
 def _text(target: str, program: str, policy: str, path: str) -> str:
-    from bench.programs import program as build
+    from bench.costmodel.programs import program as build
 
     fn, args = build(program, policy)
     return aot.compile_for(fn, args, require(target), PATHS[path]).as_text()

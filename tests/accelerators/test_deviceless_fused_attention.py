@@ -1,4 +1,4 @@
-"""attention_impl='fused' compiled without a device (issue 35, attention as users train it).
+"""attention_impl='fused' compiled without a device (attention as users train it).
 
 A Llama decoder layer's train step (loss and gradients w.r.t. its parameters and input,
 ``bench/export_shape.layer_train_step``, no policy, bf16 compute, fp32 parameters):
@@ -22,14 +22,14 @@ import re
 
 import pytest
 
-from bench import aot
+from bench.costmodel import aot
 from tests.accelerators.conftest import require
 
 pytestmark = pytest.mark.accelerators
 
 FMHA_FWD = '"__cudnn$fmhaSoftmax"'
 FMHA_BWD = '"__cudnn$fmhaSoftmaxBackward"'
-TEMP_BOUND_8B = 1.5e9  # bytes: the issue's target for the 8B layer at seq 8192 on H200
+TEMP_BOUND_8B = 1.5e9  # bytes: the target for the 8B layer at seq 8192 on H200
 
 
 def _config(size: str, impl: str, dtype: str = "bfloat16"):
@@ -46,7 +46,7 @@ def _config(size: str, impl: str, dtype: str = "bfloat16"):
 @functools.cache
 def _compiled(target: str, size: str, impl: str, dtype: str = "bfloat16"):
     """(optimized HLO text, temp bytes) of the layer's train step compiled for `target`."""
-    from bench import export_shape
+    from bench.costmodel import export_shape
 
     config, seq = _config(size, impl, dtype)
     fn, args = export_shape.layer_train_step(config, None, 1, seq)

@@ -1,4 +1,5 @@
-"""The emulated MXFP4 GEMM compiled for an H200 without one (issue 22's GPU targets).
+"""The emulated MXFP4 GEMM compiled for an H200 without one: its
+bytes, roofline and temp memory against bf16's.
 
 Asserted for ``mxfp4_all_h16`` against plain bf16 compiled the same way: the bytes
 of the fwd+bwd 4096^3 matmul at most 3x and of the 1B decoder layer's train step at
@@ -26,7 +27,7 @@ def _big_non_gemm(ks, min_bytes: int) -> int:
 
 
 def test_h200_matmul_bytes_and_passes_per_operand():
-    from bench import hlo_kernels as hk
+    from bench.costmodel import hlo_kernels as hk
 
     bf16, mx = cost("h200", "matmul", "bf16"), cost("h200", "matmul", "mxfp4_all_h16")
     assert mx.bytes <= 3.0 * bf16.bytes, (mx.bytes, bf16.bytes)

@@ -35,9 +35,9 @@ def test_the_extra_installed_a_pair_that_lowers():
 
 
 def test_triton_backend_puts_every_gemm_of_the_1b_layer_on_fp4_mma_on_b200():
-    from bench import aot
-    from bench import hlo_kernels as hk
-    from bench.programs import program
+    from bench.costmodel import aot
+    from bench.costmodel import hlo_kernels as hk
+    from bench.costmodel.programs import program
 
     fn, args = program("layer", "mxfp4_all_h16@triton", attention_impl="explicit")
     text = aot.compile_for(fn, args, require("b200")).as_text()
@@ -49,7 +49,7 @@ def test_triton_backend_puts_every_gemm_of_the_1b_layer_on_fp4_mma_on_b200():
         ptx = hk.triton_call_ptx(inst)
         assert b".target sm_100a" in ptx and b".version 8.8" in ptx
         assert re.search(rb"tcgen05\.mma[^;]*kind::mxf4[^;]*block_scale", ptx), ptx[:2000]
-    # The rates roofline charges each at the FP4 rate (bench/hlo_kernels.py).
+    # The rates roofline charges each at the FP4 rate (bench/costmodel/hlo_kernels.py).
     classes = collections.Counter(cls for k in hk.kernels(text) for cls, _ in k.gemms
                                   if k.target in hk.TRITON_CALL_TARGETS)
     assert classes == {"fp4": 21}, classes

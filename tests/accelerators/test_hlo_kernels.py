@@ -1,8 +1,9 @@
-"""bench/hlo_kernels.py on a hand-written optimized HLO module (no accelerator packages)."""
+"""bench/costmodel/hlo_kernels.py on a hand-written optimized HLO module (no accelerator
+packages)."""
 
 from __future__ import annotations
 
-from bench import hlo_kernels as hk
+from bench.costmodel import hlo_kernels as hk
 
 _GEMM_CONFIG = ('{"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":'
                 '["1"],"rhs_contracting_dimensions":["0"]}}}')

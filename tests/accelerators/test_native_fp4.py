@@ -1,4 +1,4 @@
-"""mxjax's native FP4 GEMM kernels compiled deviceless (bench/native_fp4.py).
+"""mxjax's native FP4 GEMM kernels compiled deviceless (bench/costmodel/native_fp4.py).
 
 The 'triton' backend's ``tl.dot_scaled`` kernel,
 compiled by Triton for sm_100, is Blackwell's block-scaled FP4 MMA
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.accelerators
 
 
 def test_dot_scaled_is_native_block_scaled_mma_on_b200_only():
-    from bench import native_fp4
+    from bench.costmodel import native_fp4
 
     b200 = native_fp4.count_instructions(native_fp4.triton_ptx("b200", 1024))
     assert b200["tcgen05 block-scaled"] > 0 and b200["kind::mxf4*"] > 0
@@ -25,7 +25,7 @@ def test_dot_scaled_is_native_block_scaled_mma_on_b200_only():
 
 
 def test_dot_scaled_is_scaled_mfma_on_mi355x_only():
-    from bench import native_fp4
+    from bench.costmodel import native_fp4
 
     why = native_fp4.amd_unavailable_reason()
     if why:
@@ -42,7 +42,7 @@ def test_dot_scaled_is_scaled_mfma_on_mi355x_only():
 
 
 def test_count_amd_instructions_reads_formats():
-    from bench import native_fp4
+    from bench.costmodel import native_fp4
 
     asm = ("\tv_mfma_scale_f32_32x32x64_f8f6f4 v[2:17], v[74:77], v[58:61], v[2:17], v54, v53 "
            "op_sel_hi:[0,0,0] cbsz:4 blgp:4\n"

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from bench import accelerator_cost as ac
-from bench import aot
-from bench import hlo_kernels as hk
-from bench import rates as R
+from bench.costmodel import accelerator_cost as ac
+from bench.costmodel import aot
+from bench.costmodel import hlo_kernels as hk
+from bench.costmodel import rates as R
+from bench.costmodel.targets import fp8_layer_verdict
 
 _FMHA_CONFIG = (
     '{"cudnn_fmha_backend_config": {"fmha_scale": 0.08, "intermediate_tensor_shape": '
@@ -81,6 +82,30 @@ def test_rate_classes_take_the_wider_operand():
         assert chip.source and chip.hbm_bytes_per_s > 0
 
 
+def test_rates_and_tpu_peaks_come_from_the_data_file():
+    """The cost model charges the published figures of mxjax/measurements.json, and its
+    sources carry no peak rate of their own."""
+    import re
+    from pathlib import Path
+
+    from mxjax import measurements
+
+    for chip in measurements.all_chip_rates():
+        assert R.rates_for(chip.name).matrix_flops == chip.matrix_flops
+        assert R.rates_for(chip.name).hbm_bytes_per_s == chip.hbm_bytes_per_s
+    assert R.LAUNCH_S == measurements.figure("assumption.kernel_launch_s").value("launch")
+    for name in ("v5e", "v6e"):
+        published = measurements.chip_rates(name)
+        assert aot.TARGETS[name].bf16_flops_per_s == dict(published.matrix_flops)["bf16"]
+        assert aot.TARGETS[name].hbm_bytes_per_s == published.hbm_bytes_per_s
+    # Rates written as literals (a unit conversion, 1e9 or 1e12, is not one).
+    rate = re.compile(r"\b(?!1e)\d+(?:\.\d+)?e(?:9|1[0-6])\b")
+    costmodel = Path(R.__file__).parent
+    literals = {f.name: rate.findall(f.read_text()) for f in costmodel.glob("*.py")
+                if f.name != "targets.py"}  # targets.py: bounds (temp bytes), not rates
+    assert not {k: v for k, v in literals.items() if v}
+
+
 @pytest.mark.parametrize("target", ["h200", "b200"])
 def test_rates_roofline_sums_max_of_flops_and_bytes_plus_launch(target):
     ks = hk.kernels(HLO)
@@ -103,15 +128,15 @@ def _row(target, policy, rates_s, attention="fused", temp=10**9):
                    gemm_flops=0, compile_s=0.0, rates_s=rates_s, attention=attention)
 
 
-def test_issue35_verdict_reads_the_rows_of_one_run():
+def test_fp8_layer_verdict_reads_the_rows_of_one_run():
     rows = [_row("h200", "bf16", 10.0), _row("h200", "fp8", 7.0),
             _row("h200", "bf16", 20.0, attention="explicit", temp=20 * 10**9),
             _row("b200", "bf16", 10.0), _row("b200", "fp8", 7.5)]
-    text = ac.verdict_35(rows)
+    text = fp8_layer_verdict(rows)
     assert "NOT met" in text
     assert "h200 layer_8b@fused fp8 0.70x (<= 0.75x)" in text.split("MISSED")[0]
     assert "b200 layer_8b@fused fp8 0.75x (<= 0.7x)" in text.split("MISSED")[1]
     assert "fused vs explicit attention 0.50x" in text.split("MISSED")[0]
     assert "not compiled" not in text
-    text = ac.verdict_35(rows[:2])
+    text = fp8_layer_verdict(rows[:2])
     assert "partial" in text and "b200 layer_8b@fused fp8" in text.split("not compiled")[1]

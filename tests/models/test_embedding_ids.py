@@ -1,4 +1,4 @@
-"""Token ids outside the vocabulary (issue 13, point 6): a clear error for concrete ids,
+"""Token ids outside the vocabulary: a clear error for concrete ids,
 NaN for that sequence (caught by the non-finite guard) under jit; never another row."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ equal explicit attention's bit for bit (bound: 0). The accelerator branches are 
 by what they lower to (``jax.export`` for 'tpu', 'cuda', 'rocm' from this CPU machine):
 splash attention's Mosaic kernel for TPU, a lowering error naming the setting where no
 kernel can take the inputs. cuDNN's own programs are compiled deviceless in
-tests/accelerators/test_fused_attention.py; the splash kernel's values are checked in
+tests/accelerators/test_deviceless_fused_attention.py; the splash kernel's values are checked in
 Pallas' interpreter (slow) against a float64 numpy reference.
 """
 
@@ -167,7 +167,7 @@ def test_splash_under_a_mesh_runs_per_shard_with_the_same_values():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu",
-                    reason="needs a CUDA GPU (bench/gpu.py runs it on the lent H200)")
+                    reason="needs a CUDA GPU (bench/device/gpu.py runs it on a GPU)")
 def test_cudnn_on_a_gpu_gives_explicit_losses_and_gradients_within_the_bound():
     # bf16 compute, a 1-layer d-256 Llama (8/2 heads, head_dim 32), 2 x 256 tokens. Both
     # forms feed bf16 probabilities to the value GEMM with fp32 accumulation; they differ

@@ -1,4 +1,4 @@
-"""HF config.json fields of the wrong type (issue 24, item 9): a message naming the field and
+"""HF config.json fields of the wrong type: a message naming the field and
 the file, never `invalid literal for int()` or a silent misreading ("false" read as true)."""
 
 from __future__ import annotations

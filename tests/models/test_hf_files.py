@@ -1,4 +1,4 @@
-"""HF checkpoint files (issue 24, items 5 and 6): an export replaces the checkpoint already in
+"""HF checkpoint files: an export replaces the checkpoint already in
 its directory (never leaving stale shards that load_hf would read), a failed write leaves the
 old checkpoint intact, and the Hugging Face hub cache layout loads while real escapes are
 still refused."""

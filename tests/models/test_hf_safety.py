@@ -1,5 +1,5 @@
 """HF import/export on untrusted files: shard names stay inside the directory, weights are
-floating point, and every file error names the file (issue 13, point 2)."""
+floating point, and every file error names the file."""
 
 from __future__ import annotations
 

@@ -228,7 +228,7 @@ def test_load_into_mesh_places_shards(loaded):
 
 
 def test_layout_repr_is_one_short_line(loaded):
-    """Issue 37 item 13: the repr was the whole weight map and metadata (kilobytes)."""
+    """The repr is short: not the whole weight map and metadata (kilobytes)."""
     _, layout = loaded
     r = repr(layout)
     assert "\n" not in r and len(r) < 160, r
@@ -238,7 +238,7 @@ def test_layout_repr_is_one_short_line(loaded):
 
 
 def test_generation_config_kept_on_re_export(loaded, tmp_path):
-    """Issue 37 item 13: import -> export kept config.json but dropped generation_config.json."""
+    """import -> export keeps generation_config.json beside config.json."""
     model, layout = loaded
     with open(os.path.join(FIXTURE, hf.GENERATION_CONFIG_FILE)) as f:
         want = json.load(f)
@@ -260,7 +260,7 @@ def test_generation_config_kept_on_re_export(loaded, tmp_path):
 @pytest.mark.parametrize("preset, kw", [("tiny", {"max_seq_len": 256}), ("tiny", {}),
                                         ("llama3_8b", {}), ("llama3_1b", {})])
 def test_llama3_scaling_below_original_context_exports_coherently(preset, kw):
-    """Issue 37 item 13: the tiny preset (llama3 scaling, original 8192) with max_seq_len 256
+    """The tiny preset (llama3 scaling, original 8192) with max_seq_len 256
     exported max_position_embeddings 256 < 8192, which transformers warns about (it does for
     original >= max_position_embeddings: the 8B preset's 8192 = 8192 too). The exported config
     now states the context the scaling extends to; the RoPE frequencies, which transformers

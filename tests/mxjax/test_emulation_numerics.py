@@ -51,7 +51,7 @@ def _adversarial(rng, shape, exp, amax, dtype=jnp.bfloat16):
 
 
 def _main_xla_gemm(a3, b3, recipe, key):
-    """mxjax's `_xla_gemm` as it was before issue 10 (one barrier per operand pair)."""
+    """mxjax's `_xla_gemm` in its earlier form (one barrier per operand pair)."""
     k_lhs, k_rhs, k_had = jax.random.split(key, 3) if key is not None else (None,) * 3
     had = recipe.hadamard
     if had is not None:
@@ -89,7 +89,7 @@ def _main_gemm(a, b, dims, recipe, key, out_dtype):
 
 
 def _reference_vjp(policy, key, x, w, dims, g):
-    """(y, dx, dw) the pre-issue-10 way (same dimension numbers, keys and casts)."""
+    """(y, dx, dw) the earlier way (same dimension numbers, keys and casts)."""
     kf, kd, kw = jax.random.split(key, 3) if key is not None else (None,) * 3
     dims = dims_mod.Dims(*dims)
     (d_dims, d_perm), (w_dims, w_perm) = dims_mod.backward_dimension_numbers(dims, x.ndim, w.ndim)
@@ -104,7 +104,7 @@ DIMS = (((1,), (0,)), ((), ()))
 
 @functools.cache
 def _vjp_all(names):
-    """One jitted program: {preset: ((y, dx, dw), the same the pre-issue-10 way)}."""
+    """One jitted program: {preset: ((y, dx, dw), the same the earlier way)}."""
     @jax.jit
     def run(x, w, g, key):
         out = {}

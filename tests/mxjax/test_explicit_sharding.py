@@ -1,4 +1,4 @@
-"""Quantized GEMMs under JAX's explicit sharding mode (issue 24 item 2), on 8 fake CPU devices.
+"""Quantized GEMMs under JAX's explicit sharding mode, on 8 fake CPU devices.
 
 ``jax.make_mesh`` makes explicit axes by default in jax 0.12; under ``jax.set_mesh``
 every array's type carries its sharding, and ``lax.dot_general`` decides the result's
@@ -166,7 +166,7 @@ def _run(presets, checks: bool):
 
 
 def test_explicit_sharding_hadamard_and_per_tensor_presets():
-    """The issue's two failures (the rotation's reshape, the backward's sharded contraction),
+    """The two failures seen (the rotation's reshape, the backward's sharded contraction),
     out_sharding and sharded contracting dims as lax.dot_general, the collectives.
     fp8 in the tensor-parallel layout only (its data-parallel layout, a subset: x sharded
     the same way, w replicated, runs in test_explicit_sharding_every_preset, slow); the

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from bench import export_shape as es
+from bench.costmodel import export_shape as es
 from models.llama import LlamaConfig
 from mxjax import policies
 
@@ -48,7 +48,7 @@ BARRIERS_PER_OPERAND = {
 }
 AMAX_PER_OPERAND = {"mxfp4_all_h16": 1, "mxfp4_all": 1, "nvfp4": 2, "fp8": 1}
 # The quantized dots where they are not bf16 x bf16 -> f32: per-tensor FP8 on CUDA runs
-# on FP8 tensor cores (mxjax/emulation/fp8_units.py; tests/mxjax/routes/test_fp8_units.py).
+# on FP8 tensor cores (mxjax/emulation/fp8_units.py; tests/mxjax/emulation/test_fp8_units.py).
 # fp8 on CUDA: fprop E4M3 x E4M3, dgrad dY x W (E5M2 x E4M3), wgrad X x dY (E4M3 x E5M2:
 # its operands swapped so that the result comes out in W's layout, mxjax.gemm).
 _QUANTIZED_DOTS = {("fp8", "cuda"): {("f8E4M3FN", "f8E4M3FN", "f32", "HIGHEST"),

@@ -1,4 +1,4 @@
-"""Issue 13 point 6: the public Hadamard functions accept exactly the documented sizes."""
+"""The public Hadamard functions accept exactly the documented sizes."""
 
 from __future__ import annotations
 

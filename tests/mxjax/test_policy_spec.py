@@ -1,4 +1,4 @@
-"""Issue 37 items 6-8 and 13 (Rule's repr): policies built in Python, preset names that say
+"""Policies built in Python, preset names that say
 what they do, and one policy spec at every entry point (resolve, wrap, Rule; the train
 config and the study are tested in tests/train and tests/study)."""
 
@@ -80,7 +80,7 @@ def test_replace_on_policy_and_every_recipe_type_validates_again():
 
 
 def test_the_scale_rule_default_is_ocp_floor_the_presets_use_even_and_describe_says_which():
-    # The decision (issue 37 item 6): the default stays OCP's FLOOR, as mxjax.quantize's;
+    # The default stays OCP's FLOOR, as mxjax.quantize's;
     # the paper's EVEN must be asked for, and describe() always names the rule.
     assert OperandRecipe(fmt="mxfp4").scale_rule is ScaleRule.FLOOR
     x = jax.random.normal(jax.random.key(0), (4, 64)) * 5

@@ -1,4 +1,4 @@
-"""Issue 13 point 6: the top of the range (finite in, finite out) and sr_prescale validation.
+"""The top of the range (finite in, finite out) and sr_prescale validation.
 
 Bit-exact against tests/reference.py, which finds the largest allowed scale exponent
 by search (`top_scale_exponent`) where mxjax uses a closed form.
@@ -36,7 +36,7 @@ def _top_binade(dt) -> np.ndarray:
     x[1] = np.linspace(half, top, 64)
     x[2] = -np.linspace(half * 1.74, top, 64)
     x[3, :32] = top
-    x[3, 32:] = half * 1.75  # 3e38 in f32, 57344 in f16: the issue's probes
+    x[3, 32:] = half * 1.75  # 3e38 in f32, 57344 in f16: the probes
     return x.astype(dt)
 
 

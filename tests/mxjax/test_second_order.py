@@ -1,4 +1,4 @@
-"""Second-order and forward-mode differentiation through mxjax.dot_general (issue 13).
+"""Second-order and forward-mode differentiation through mxjax.dot_general.
 
 The defined meaning (docs/NUMERICS.md, "Second-order derivatives"): first-order
 gradients are the policy's quantized dgrad/wgrad; differentiating a quantized GEMM

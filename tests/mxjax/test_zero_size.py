@@ -1,4 +1,4 @@
-"""Zero-size inputs (issue 24 item 11): every format and preset returns the empty result.
+"""Zero-size inputs: every format and preset returns the empty result.
 
 ``lax.dot_general`` returns an empty (or, for an empty contraction, all-zero) result;
 so must the quantizer for every format, and ``mxjax.dot_general`` and its gradient

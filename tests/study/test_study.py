@@ -50,7 +50,7 @@ def test_shipped_study_configs_load():
     assert len(tiny.seeds) >= 4 and tiny.eval_sequences * 128 >= 65536
     assert set(SP.RUNGS) <= set(tiny.rungs) and set(SP.RUNGS) <= set(gpu.rungs)
     assert tiny.scale.widths and gpu.workers == 1
-    # the GPU study: fp8 baseline and MXFP4 rungs on the chip's units (issue 36)
+    # the GPU study: fp8 baseline and MXFP4 rungs on the chip's units
     assert SC.run_config(gpu, gpu.width).backend == "auto"
     assert SC.run_config(tiny, tiny.width).backend is None
 
@@ -126,7 +126,7 @@ def _mine():
 
 @pytest.mark.parametrize("form", ["name", "dict", "policy", "unnamed", "none"])
 def test_study_policy_lists_take_every_form_resolve_takes(tmp_path, form):
-    # issue 37 item 8: "rungs[1]: expected a string, got dict" before.
+    # A rung given as a mapping is read, not "rungs[1]: expected a string, got dict".
     spec = {"name": "mxfp4_all_h16", "dict": _mine(), "none": None,
             "policy": policies.from_dict(_mine()),
             "unnamed": policies.get("mxfp4_all_h16").replace(fprop=None)}[form]
@@ -300,7 +300,7 @@ def test_report_end_to_end_on_a_tiny_study(tmp_path, data_cache, capsys):
                             branch={"points": [4], "late_from": 5, "steps": 2,
                                     "exact_steps": 4, "exact_eval_every": 2}))
     rep = runner.run_study(cfg, verbose=True)
-    # issue 37 item 5: each compilation is announced and timed; the estimate leaves it out
+    # Each compilation is announced and timed; the estimate leaves it out
     err = capsys.readouterr().err.splitlines()
     for policy in ("none", "fp8"):
         i = next(i for i, ln in enumerate(err)

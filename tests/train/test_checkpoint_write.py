@@ -1,4 +1,4 @@
-"""A checkpoint that cannot be written (issue 24 item 3): one CheckpointWriteError naming the
+"""A checkpoint that cannot be written: one CheckpointWriteError naming the
 OS error and the newest complete checkpoint, for synchronous and asynchronous saves, and the
 checkpoints written before stay intact.
 

@@ -1,4 +1,4 @@
-"""What a newcomer hit on the command line (issue 37 items 4, 5, 10, 11, 13): --quiet is
+"""What a newcomer hit on the command line: --quiet is
 quiet; the compile is announced and timed; the ETA counts steps only; summary.json after a
 resume holds the whole run and each segment; `train.data prepare` on a cache it cannot write
 is exit 6; --check refuses an --out that is a file; ``--set train.steps=1e3`` is 1000."""

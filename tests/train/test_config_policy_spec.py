@@ -1,4 +1,4 @@
-"""The train config's ``policy:`` takes what ``mxjax.policies.resolve`` takes (issue 37 item 8)."""
+"""The train config's ``policy:`` takes what ``mxjax.policies.resolve`` takes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Runs <-> Hugging Face (issue 37, items 2 and 3): ``python -m train export-hf``,
+"""Runs <-> Hugging Face: ``python -m train export-hf``,
 ``model.init_from`` and ``python -m train mlperf-check`` on a trained run.
 
 One 2-layer run of one step (checkpointed) is shared by the module: it is exported; the

@@ -1,4 +1,4 @@
-"""The memory estimate (train/memory.py, issue 37 item 1): against XLA's buffer assignment
+"""The memory estimate (train/memory.py): against XLA's buffer assignment
 on CPU, in --check (parameter count, estimate, exit 2 with what would fit), and an out of
 memory at run time (exit 9, one message, the last checkpoint intact and resumable)."""
 

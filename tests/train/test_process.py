@@ -1,6 +1,5 @@
 """train.process: --distributed without a cluster, or with a peer that never comes, ends with a
-message saying what was awaited and exit code 8, not a ValueError or a C++ abort after 300 s
-(issue 24 items 9 and 10)."""
+message saying what was awaited and exit code 8, not a ValueError or a C++ abort after 300 s."""
 
 from __future__ import annotations
 

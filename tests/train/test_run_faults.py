@@ -1,4 +1,4 @@
-"""A run's faults end in a message, and nothing is lost (issue 24 items 4 and 9): with
+"""A run's faults end in a message, and nothing is lost: with
 checkpoints off a run never overwrites another run's outputs; a damaged batch mid-run saves
 the last good step, stops with status data_error, and the same command resumes once the data
 is fixed; damaged prepared data and a file in place of checkpoints/ are exit codes 7 and 5,

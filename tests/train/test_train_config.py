@@ -178,7 +178,7 @@ def test_mlperf_config_is_the_real_setting():
 
     cfg = C.load(ROOT / "configs" / "llama3_8b_mlperf.yaml")
     assert cfg.data.seq_len == 8192
-    assert cfg.backend == "auto"  # the chip's FP8/FP4 units (issue 36)
+    assert cfg.backend == "auto"  # the chip's FP8/FP4 units
     assert cfg.data.tokenizer.endswith("tokenizer.json")
     assert any("c4-train." in s and "-of-01024.json.gz" in s for s in cfg.data.sources)
     assert cfg.data.val_sources
@@ -230,13 +230,13 @@ def test_fp32_master_weights_with_bf16_compute(tmp_path, cache):
                                  "optim.clip_norm"])
 @pytest.mark.parametrize("text", [".inf", "-.inf", ".nan", "inf", "nan"])
 def test_non_finite_numbers_are_refused_naming_the_key(key, text):
-    # issue 24 item 8: optim.lr=.inf passed --check
+    # optim.lr=.inf fails --check
     with pytest.raises(ConfigError, match=rf"{key}: expected a finite number, got"):
         C.load(None, [f"{key}={text}"])
 
 
 def test_tilde_paths_are_expanded(tmp_path, monkeypatch):
-    # issue 24 item 7: out_dir=~/runs/x made a directory literally named '~'
+    # out_dir=~/runs/x expands ~, not a directory literally named '~'
     monkeypatch.setenv("HOME", str(tmp_path))
     cfg = C.load(None, ["out_dir=~/runs/x", "jax_cache_dir=~/jax", "data.cache_dir=~/dc",
                         "data.tokenizer=~/tok.json", "data.sources=[~/a.txt, 'embedded:austen']",
@@ -253,7 +253,7 @@ def test_tilde_paths_are_expanded(tmp_path, monkeypatch):
 
 
 def test_policy_backend_that_cannot_run_here_is_a_config_error():
-    # issue 24 item 8: backend: triton on CPU passed --check, then crashed at trace time
+    # backend: triton on CPU fails --check, not at trace time
     from mxjax import policies
 
     d = policies.to_dict("mxfp4_all")

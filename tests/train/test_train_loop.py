@@ -257,7 +257,7 @@ def test_tiny_config_runs_under_its_policy(tmp_path):
 
 
 def test_copied_run_directory_reports_its_own_paths(base, tmp_path, cache):
-    # issue 24 item 12: a finished run copied elsewhere printed the paths it was written with
+    # A finished run copied elsewhere prints its own paths, not those it was written with
     dst, cfg2 = _copy_run(base[0], tmp_path, cache)
     s = loop.run(cfg2, verbose=False)
     assert s.status == "completed" and s.resumed_from == 12

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import mxjax
-from bench import export_shape as es
+from bench.costmodel import export_shape as es
 from mxjax import OperandRecipe, ScaleRule, _bits, policies, scaling
 from mxjax.dimensions import Dims
 from mxjax.emulation import forms, fp8_units

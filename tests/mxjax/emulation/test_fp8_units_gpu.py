@@ -1,4 +1,5 @@
-"""FP8 GEMMs on a CUDA GPU's FP8 tensor cores: what only a device can check. Run by bench/gpu.py.
+"""FP8 GEMMs on a CUDA GPU's FP8 tensor cores: what only a device can check. Run by
+bench/device/gpu.py.
 
 * The f8 operands the GPU form computes (the accelerator branch of the per-tensor
   division, f32 subnormals kept by the GPU) are the numpy / ml_dtypes reference bits.
@@ -34,7 +35,7 @@ from tests.mxjax.emulation.test_fp8_units import FP8, OPERAND_CASES, check_f8_op
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(jax.default_backend() != "gpu",
-                       reason="needs a CUDA GPU (bench/gpu.py runs these on a lent GPU)"),
+                       reason="needs a CUDA GPU (bench/device/gpu.py runs these on a GPU)"),
 ]
 
 U32 = 2.0 ** -24

@@ -1,5 +1,5 @@
 """The fused quantize kernel bounds the scale by the input dtype like mxjax.quantize
-(issue 13: finite in, finite out at the top of the range)."""
+(finite in, finite out at the top of the range)."""
 
 from __future__ import annotations
 

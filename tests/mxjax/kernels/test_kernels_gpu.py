@@ -1,4 +1,4 @@
-"""Kernel correctness on a CUDA GPU (compiled, not interpreted). Run by bench/gpu.py.
+"""Kernel correctness on a CUDA GPU (compiled, not interpreted). Run by bench/device/gpu.py.
 
 Same contracts as the interpret-mode tests: fused quantize bit-identical to
 mxjax.quantize (on the same GPU), the packed-operand GEMMs of the routes that run here
@@ -31,7 +31,7 @@ from tests.mxjax.kernels._kernel_testutil import (
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(jax.default_backend() != "gpu",
-                       reason="needs a CUDA GPU (bench/gpu.py runs these on the lent H200)"),
+                       reason="needs a CUDA GPU (bench/device/gpu.py runs these on a GPU)"),
 ]
 
 

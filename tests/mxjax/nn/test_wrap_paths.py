@@ -1,4 +1,4 @@
-"""mxjax.nn.wrap on models it did not write: issue 23's cases, paths that JAX's caches cannot
+"""mxjax.nn.wrap on models it did not write: paths that JAX's caches cannot
 change, bridge modules, and nothing changed on the user's objects."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _no_mxjax(program: str) -> None:
     assert not [n for n in names if "mxjax" in n], "mxjax's scopes in a plain program"
 
 
-# ----------------------------------------------------------------------------- issue 23, case 1
+# ------------------------------------------------------ a module reached by two paths
 def _nn_jit_model():
     class M(nn.Module):
         @functools.partial(nn.jit, static_argnames=("self",))
@@ -490,7 +490,7 @@ def test_when_no_rule_matches_wrap_warns_once_with_rules_and_paths():
 
 
 def test_a_rule_matching_nothing_warns_once_even_when_others_matched():
-    # issue 37 item 9: a typo in one rule's path was silent when another rule matched.
+    # A typo in one rule's path is reported even when another rule matched.
     m = _LM()
     v = m.init(jax.random.key(0), TOKENS)
     wrapped = mnn.wrap(m, [mnn.Rule(path="dwon", policy=None),  # typo for 'down'

@@ -7,7 +7,7 @@ call into a dequantize and an f32 GEMM. Asserted: the branch taken is the MMA, a
 GEMM is within docs/NUMERICS.md's device bound of the exact product of the quantized
 operands, ``|C - A_q B_q| <= b (|A_q| |B_q|)`` (``b``: test_fp8_units_gpu's ``device_bound``)
 (a flushed subnormal scale would zero whole rows, far outside it). The measured ratio
-is printed. Not yet in bench/gpu.py's list.
+is printed. Not yet in bench/device/gpu.py's list.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from tests.mxjax.routes.test_xla_fp4 import MXFP4, RECIPE, _on_mma, full_window_
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(jax.default_backend() != "gpu",
-                       reason="needs a CUDA GPU (bench/gpu.py runs these on a lent GPU)"),
+                       reason="needs a CUDA GPU (bench/device/gpu.py runs these on a GPU)"),
 ]
 
 @pytest.mark.parametrize("k", [256, 4096])

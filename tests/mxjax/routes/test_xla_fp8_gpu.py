@@ -1,4 +1,4 @@
-"""The 'xla_fp8' backend on a CUDA GPU: what only a device checks. Run by bench/gpu.py.
+"""The 'xla_fp8' backend on a CUDA GPU: what only a device checks. Run by bench/device/gpu.py.
 
 * The one-pass Pallas quantizer, compiled by Triton for the GPU, writes mxjax.quantize's
   codes and scale bytes (value_dtype=float32: the GEMMs' f32 canonical values), row-wise
@@ -30,7 +30,7 @@ from tests.mxjax.emulation.test_fp8_units_gpu import U32, device_bound
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(jax.default_backend() != "gpu",
-                       reason="needs a CUDA GPU (bench/gpu.py runs these on a lent GPU)"),
+                       reason="needs a CUDA GPU (bench/device/gpu.py runs these on a GPU)"),
 ]
 
 RECIPE = dataclasses.replace(policies.get("mxfp4_all_h16").fprop, backend="xla_fp8")

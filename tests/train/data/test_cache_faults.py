@@ -1,4 +1,4 @@
-"""The prepared-data cache under faults (issue 24 items 9 and 12): a cache that cannot be
+"""The prepared-data cache under faults: a cache that cannot be
 written is an OSError naming data.cache_dir, with nothing half-written left; a killed
 preparation's temporary directory is removed by the next one; a damaged token stream is
 named in the error."""

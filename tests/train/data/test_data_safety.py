@@ -1,5 +1,4 @@
-"""Prepared-data cache keyed by whole file content; bad sources named before BPE training
-(issue 13, point 4)."""
+"""Prepared-data cache keyed by whole file content; bad sources named before BPE training."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ def _spec(tmp_path, sources, **kw) -> DataSection:
 
 
 def test_cache_key_covers_bytes_past_the_first_mib(tmp_path):
-    # The issue's probe: 40 bytes changed at offset 2,000,000 of a 2.4 MB source, same size.
+    # The probe: 40 bytes changed at offset 2,000,000 of a 2.4 MB source, same size.
     src = tmp_path / "big.txt"
     rng = np.random.default_rng(0)
     words = rng.integers(ord("a"), ord("z") + 1, size=2_400_000, dtype=np.uint8)

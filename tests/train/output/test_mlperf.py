@@ -154,7 +154,7 @@ def test_bad_precision_inputs():
 
 
 def test_check_run_log_picks_the_rules(tmp_path, mlperf_cfg):
-    """Issue 37 item 3: configs/tiny.yaml logs submission_benchmark 'tiny', for which the
+    """configs/tiny.yaml logs submission_benchmark 'tiny', for which the
     checker has no rules file (its command line stops with FileNotFoundError
     .../closed_tiny.yaml). `check_run_log` checks such a log as llama31_8b: the structure
     must pass, that benchmark's own rules are listed apart. A llama31_8b log is checked as

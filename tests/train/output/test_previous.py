@@ -1,5 +1,5 @@
 """train.output.previous: a run without checkpoints never overwrites another run's outputs
-(issue 24 item 4), and a copied run directory reports its own paths (item 12)."""
+and a copied run directory reports its own paths."""
 
 from __future__ import annotations
 

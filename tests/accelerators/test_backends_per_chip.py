@@ -1,18 +1,17 @@
-"""Issue 35 on deviceless compiles: backends chosen for the chip compiled for, and the
+"""Deviceless compiles: backends chosen for the chip compiled for, and the fp8
 targets of the Llama 3.1-8B layer (seq 8192, micro-batch 1) on the rates roofline.
 
 The backend tests compile a small fwd+bwd GEMM under ``mxfp4_all`` with every GEMM's
-backend set, for H200, B200 and v5e (bench/aot.py puts the target's mesh in context).
+backend set, for H200, B200 and v5e (bench/costmodel/aot.py puts the target's mesh in context).
 The 8B-layer targets (one compile each, shared for the session through
 ``conftest.cost``) need the fused attention (``attention_impl="fused"``) and FP8 GEMMs
 in the ``fp8`` preset; until both exist they fail, naming what is missing. The emulated
-MXFP4 targets (issue 22, on the 1B layer) stay in test_deviceless_gpu.py and
+MXFP4 targets (on the 1B layer) stay in test_deviceless_gpu.py and
 test_deviceless_tpu.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import pytest
@@ -27,10 +26,7 @@ N = 256  # the GEMM's size: small, the backends' choice does not depend on it
 def _policy(backend: str):
     from mxjax import policies
 
-    pol = policies.get("mxfp4_all")
-    return dataclasses.replace(pol, **{
-        g: dataclasses.replace(getattr(pol, g), backend=backend)
-        for g in ("fprop", "dgrad", "wgrad")})
+    return policies.get("mxfp4_all").with_backend(backend)
 
 
 @functools.cache
@@ -39,7 +35,7 @@ def _compiled_text(target: str, backend: str) -> str:
     import jax.numpy as jnp
 
     import mxjax
-    from bench import aot
+    from bench.costmodel import aot
 
     pol = _policy(backend)
 
@@ -57,7 +53,7 @@ def _compiled_text(target: str, backend: str) -> str:
 def _caps_for(target: str):
     import jax
 
-    from bench import aot
+    from bench.costmodel import aot
     from mxjax import backends
 
     with jax.set_mesh(aot._mesh(require(target).name)):
@@ -85,7 +81,7 @@ def test_auto_compiles_to_the_route_of_each_chip(target, route):
     caps = _caps_for(target)
     assert backends.auto_backend(caps) == route
     assert backends.auto_choice(caps).figures
-    from bench import hlo_kernels as hk
+    from bench.costmodel import hlo_kernels as hk
 
     def shape(text):
         return [(k.category, k.target, k.gemm_flops, k.bytes) for k in hk.kernels(text)]

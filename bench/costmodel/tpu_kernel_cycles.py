@@ -7,9 +7,9 @@ programs that flag is impractical here (one op of the emulated GEMMs made it
 run for minutes and grow past 5 GB), so each kernel is compiled on its own, in
 this separate process (the flag is read when libtpu starts):
 
-    python bench/tpu_kernel_cycles.py v5e < specs.json   # prints JSON
+    python bench/costmodel/tpu_kernel_cycles.py v5e < specs.json   # prints JSON
 
-Input: a JSON list of `mxjax.routes.in_place_tpu.KernelSpec` as dicts (the recipe as
+Input: a JSON list of `mxjax.emulation.in_place_tpu.KernelSpec` as dicts (the recipe as
 ``{"fmt", "scale_rule", "rounding", "sr_prescale"}``). Output: ``{"cycles":
 [...], "clock_hz": f}``. The clock is calibrated from the profile of a bf16
 4096^3 GEMM: ``clock = published bf16 peak / (GEMM flops / GEMM cycles)`` (a GEMM
@@ -31,11 +31,11 @@ from pathlib import Path
 _DUMP = tempfile.mkdtemp(prefix="mxjax_llo_")
 os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") +
                                   f" --xla_jf_dump_static_llo_profile_to={_DUMP}").strip()
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import aot
+from bench.costmodel import aot
 
 aot.use_cpu_host()
 
@@ -86,7 +86,7 @@ def spec_to_json(spec) -> dict:
 
 def kernel_cycles(spec: dict, target: str) -> int:
     import mxjax
-    from mxjax.routes import in_place_tpu
+    from mxjax.emulation import in_place_tpu
 
     op = mxjax.OperandRecipe(**spec["op"])
     h = spec["hadamard_size"]

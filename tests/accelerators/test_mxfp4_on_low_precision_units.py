@@ -1,4 +1,4 @@
-"""Issue 36 on deviceless compiles: MXFP4 GEMMs on the FP8 and FP4 matrix units.
+"""Deviceless compiles: MXFP4 GEMMs on the FP8 and FP4 matrix units.
 
 * ``xla_fp8``: every quantized GEMM of the Llama 3.2-1B decoder layer (fused attention)
   under ``mxfp4_all_h16`` is an FP8 GEMM of the exact carriers (E5M2 x E4M3) on H200 and
@@ -32,15 +32,15 @@ ATTENTION = {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"}
 
 @functools.cache
 def _layer_text(target: str, policy: str) -> str:
-    from bench import aot
-    from bench.programs import program
+    from bench.costmodel import aot
+    from bench.costmodel.programs import program
 
     fn, args = program("layer", policy, attention_impl=FUSED)
     return aot.compile_for(fn, args, require(target)).as_text()
 
 
 def _layer_gemms(target: str, policy: str):
-    from bench import hlo_kernels as hk
+    from bench.costmodel import hlo_kernels as hk
 
     text = _layer_text(target, policy)
     return collections.Counter((how, types) for _, how, types, _ in hk.gemm_operand_types(text)
@@ -64,7 +64,7 @@ def test_xla_fp4_puts_every_quantized_gemm_of_the_layer_on_fp4_mma_on_b200():
 def test_xla_fp4_quantizes_each_operand_once_in_both_directions_on_b200():
     import re
 
-    from bench import hlo_kernels as hk
+    from bench.costmodel import hlo_kernels as hk
 
     text = _layer_text("b200", "mxfp4_all_h16@xla_fp4")
     calls = re.findall(r"%pallas_call[.0-9]* = \(([^)]*)\) custom-call\(([^)]*)\)", text)
@@ -95,7 +95,7 @@ def test_xla_fp4_operand_kernel_for_b200_has_no_spills_and_few_instructions(
     import jax
     import jax.numpy as jnp
 
-    from bench import aot, ptx_cost
+    from bench.costmodel import aot, ptx_cost
     from mxjax import policies
     from mxjax.routes import xla_fp4
 
@@ -124,8 +124,8 @@ def test_xla_fp4_operand_kernel_for_b200_has_no_spills_and_few_instructions(
 
 @pytest.mark.parametrize("target,routes", [("h200", ("xla_fp8",)),
                                            ("b200", ("xla_fp8", "xla_fp4"))])
-def test_mxfp4_routes_on_the_8b_layer_against_the_issue_targets(target, routes):
-    """The issue's targets on its rates roofline (kernels charged by bytes and GEMM
+def test_mxfp4_routes_on_the_8b_layer_meet_their_targets(target, routes):
+    """The targets on the rates roofline (kernels charged by bytes and GEMM
     flops); printed beside them the '+alu' estimate, which also charges each kernel its
     arithmetic (the quantize kernel's SASS): on B200 the fp8 target holds there too."""
     row = functools.partial(cost, target, "layer_8b", attention=FUSED)
@@ -137,7 +137,7 @@ def test_mxfp4_routes_on_the_8b_layer_against_the_issue_targets(target, routes):
               f"{t / fp8.rates_s:.3f}x fp8; +alu {c.rates_alu_s * 1e3:.2f} ms = "
               f"{c.rates_alu_s / bf16.rates_alu_s:.3f}x bf16, "
               f"{c.rates_alu_s / fp8.rates_alu_s:.3f}x fp8; emulation "
-              f"{emulated.rates_s / bf16.rates_s:.2f}x bf16 (issue 36 targets: H200 <= 0.95x "
+              f"{emulated.rates_s / bf16.rates_s:.2f}x bf16 (targets: H200 <= 0.95x "
               f"bf16, B200 <= 0.6x bf16 and <= 0.83x fp8)")
         assert c.alu_unmatched == 0, c.alu_unmatched
         if route == "xla_fp8":
@@ -161,7 +161,7 @@ def test_a_mosaic_gpu_kernel_lowers_for_b200_without_a_device():
     import jax.numpy as jnp
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from bench import aot
+    from bench.costmodel import aot
 
     def double(x):
         @plgpu.kernel(out_type=jax.ShapeDtypeStruct(x.shape, x.dtype))
@@ -182,8 +182,8 @@ def _train_step_gemms(target: str, policy: str):
     import jax
     import jax.numpy as jnp
 
-    from bench import aot
-    from bench import hlo_kernels as hk
+    from bench.costmodel import aot
+    from bench.costmodel import hlo_kernels as hk
     from train import config as cfgmod
     from train.optimizer import make_optimizer
     from train.plan import build_model_config, resolve_policy
@@ -211,7 +211,7 @@ def _train_step_gemms(target: str, policy: str):
 
 @pytest.mark.parametrize("target", ["h200", "b200"])
 def test_train_config_backend_auto_runs_fp8_and_mxfp4_rungs_on_low_precision_units(target):
-    """Issue 36, point 5: ``backend: auto`` and no other change puts the study's fp8
+    """``backend: auto`` and no other change puts the study's fp8
     baseline (per-tensor FP8 GEMMs) on the chip's FP8 units and its MXFP4 rungs on the
     H200's FP8 units (the 'xla_fp8' route) and the B200's FP4 MMA ('xla_fp4'); the
     unquantized GEMMs (attention, the head) stay bf16/f32."""

@@ -1,8 +1,8 @@
-"""The two programs bench/accelerator_cost.py compiles (and bench/gpu.py times on a device).
+"""The two programs bench/accelerator_cost.py compiles (and bench/device/gpu.py times on a device).
 
 * ``matmul``: value_and_grad of ``mean((x @ w)^2)`` for bf16 ``x, w [n, n]`` through
   ``mxjax.dot_general`` under a policy (fprop, dgrad and wgrad GEMMs);
-* ``layer``: the Llama-3.2-1B decoder layer's train step of ``bench/export_shape.py``
+* ``layer``: the Llama-3.2-1B decoder layer's train step of `bench.costmodel.export_shape`
   (loss and gradients w.r.t. the layer's parameters and input);
 * ``layer_8b``: the same for one Llama 3.1-8B decoder layer, at the paper's sequence
   (8192 unless ``seq`` is given), micro-batch 1;
@@ -28,17 +28,24 @@ LAYER_8B_SEQ = 8192  # MLPerf Llama 3.1-8B's sequence length
 EXTRA_PROGRAMS = ("layer_8b", "wrapped_mlp")
 
 
-def matmul_program(policy_name: str, n: int = 4096):
-    """(fn, abstract args): value_and_grad of mean((x @ w)^2) for bf16 x, w [n, n] (and a key)."""
-    import mxjax
+def _resolve(policy):
+    """A preset name's PrecisionPolicy; a policy or a peer (policy-like) as given."""
     from mxjax import policies
 
-    policy = policies.get(policy_name)
+    return policies.get(policy) if isinstance(policy, str) else policy
+
+
+def matmul_program(policy_name, n: int = 4096):
+    """(fn, abstract args): value_and_grad of mean((x @ w)^2) for bf16 x, w [n, n] (and a key).
+
+    ``policy_name``: a preset name, or an object with ``needs_key`` and
+    ``dot_general(key)`` (a PrecisionPolicy, a peer of bench/costmodel/peers.py)."""
+    policy = _resolve(policy_name)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype) if policy.needs_key else None
 
     def step(x, w, k):
         def loss(x, w):
-            y = mxjax.dot_general(x, w, (((1,), (0,)), ((), ())), policy=policy, key=k)
+            y = policy.dot_general(key=k)(x, w, (((1,), (0,)), ((), ())))
             return jnp.mean(jnp.square(y.astype(jnp.float32)))
 
         return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
@@ -49,14 +56,14 @@ def matmul_program(policy_name: str, n: int = 4096):
 
 def layer_program(policy_name: str, batch: int = 1, seq: int = 2048, *, size: str = "llama3_1b",
                   attention_impl: str | None = None):
-    """(fn, abstract args): bench/export_shape.py's decoder-layer train step.
+    """(fn, abstract args): `bench.costmodel.export_shape`'s decoder-layer train step.
 
-    ``policy_name``: a preset name, or a PrecisionPolicy (bench/gpu.py's layer rows with
+    ``policy_name``: a preset name, or a PrecisionPolicy (bench/device/gpu.py's layer rows with
     every GEMM's backend set); ``size``: the LlamaConfig preset ('llama3_1b',
     'llama3_8b'; 'tiny' for CPU smoke runs); ``attention_impl``: the config's attention
     implementation (None: the config's default).
     """
-    from bench import export_shape
+    from bench.costmodel import export_shape
     from models.llama import LlamaConfig
 
     extra = {} if attention_impl is None else {"attention_impl": attention_impl}
@@ -105,17 +112,18 @@ def program(name: str, policy: str, *, matmul_size: int = 4096, batch: int = 1,
             seq: int = 2048, seq_8b: int = LAYER_8B_SEQ,
             attention_impl: str | None = None) -> tuple:
     """(fn, abstract args) of program `name` (one of PROGRAMS or EXTRA_PROGRAMS) under
-    `policy` (a preset name, or a peer of bench/peers.py: 'peer:<name>').
+    `policy` (a preset name, or a peer of bench/costmodel/peers.py: 'peer:<name>').
 
     ``seq`` is the 1B layer's and the MLP's sequence, ``seq_8b`` the 8B layer's;
     ``attention_impl`` (None: the LlamaConfig default) applies to both layers.
     """
     if policy.startswith("peer:"):
-        from bench import peers
+        from bench.costmodel import peers
 
-        return peers.program(name, policy.removeprefix("peer:"), matmul_size=matmul_size,
-                             batch=batch, seq=seq_8b if name == "layer_8b" else seq,
-                             attention_impl=attention_impl)
+        if name == "wrapped_mlp":
+            raise ValueError(f"program: {name!r} has no peer form; expected 'matmul' or one "
+                             f"of {tuple(LAYER_PROGRAMS)}")
+        policy = peers.get(policy.removeprefix("peer:"))
     if name == "matmul":
         return matmul_program(policy, matmul_size)
     if name in LAYER_PROGRAMS:

@@ -4,7 +4,7 @@
 ``jax.jit(fn)`` for a target that need not be present: TPUs through libtpu's
 topology descriptions (``pip install 'mxjax[aot-tpu]'``), NVIDIA GPUs through
 the CUDA PJRT plugin with one of XLA's GPU target specs (``GpuTargetConfigProto``
-text, copied into ``bench/gpu_targets/`` from openxla/xla; ``pip install
+text, copied into ``bench/costmodel/gpu_targets/`` from openxla/xla; ``pip install
 'mxjax[aot-gpu]'``), and this machine's CPU. Every argument is placed on a
 one-device mesh of the target. The compiled program gives the optimized HLO
 (``as_text()``), ``memory_analysis()`` and, on TPU, ``cost_analysis()``.
@@ -32,7 +32,7 @@ class Target:
     """A compile target and the peak rates its roofline assumes.
 
     ``kind``: 'gpu', 'tpu' or 'cpu'. ``topology``: the TPU topology name or the GPU
-    spec file (in ``bench/gpu_targets``). ``hbm_bytes_per_s`` / ``bf16_flops_per_s``:
+    spec file (in ``bench/costmodel/gpu_targets``). ``hbm_bytes_per_s`` / ``bf16_flops_per_s``:
     peak memory bandwidth and dense bf16 matrix rate (GPU: read from the spec; TPU:
     the published figures). ``alu_ops_per_s``: f32 vector ALU issue rate (one
     elementwise op per lane per clock).
@@ -84,17 +84,25 @@ def _gpu(name: str, spec: str, description: str) -> Target:
                   hbm_bytes_per_s=bw, bf16_flops_per_s=bf16, alu_ops_per_s=alu)
 
 
+def _tpu(name: str, description: str) -> Target:
+    """A TPU target at its published peaks (Google Cloud's per-chip figures, from
+    ``mxjax/measurements.json``)."""
+    from mxjax import measurements
+
+    rates = measurements.chip_rates(name)
+    return Target(name=name, kind="tpu", topology=f"{name}:1x1", description=description,
+                  hbm_bytes_per_s=rates.hbm_bytes_per_s,
+                  bf16_flops_per_s=dict(rates.matrix_flops)["bf16"])
+
+
 @functools.cache
 def _targets() -> dict[str, Target]:
     return {
         "h100": _gpu("h100", "h100_sxm.txtpb", "NVIDIA H100 SXM 80GB (sm_90a)"),
         "h200": _gpu("h200", "h200.txtpb", "NVIDIA H200 141GB (sm_90a)"),
         "b200": _gpu("b200", "b200.txtpb", "NVIDIA B200 (sm_100a, native FP4)"),
-        # TPU peaks: Google Cloud's published per-chip figures.
-        "v5e": Target(name="v5e", kind="tpu", topology="v5e:1x1", description="TPU v5e",
-                      hbm_bytes_per_s=819e9, bf16_flops_per_s=197e12),
-        "v6e": Target(name="v6e", kind="tpu", topology="v6e:1x1", description="TPU v6e",
-                      hbm_bytes_per_s=1640e9, bf16_flops_per_s=918e12),
+        "v5e": _tpu("v5e", "TPU v5e"),
+        "v6e": _tpu("v6e", "TPU v6e"),
         "cpu": Target(name="cpu", kind="cpu", topology="", description="this machine's CPU"),
     }
 
@@ -165,7 +173,7 @@ def compile_for(fn, args, target: Target | str, compiler_options: dict | None = 
     placed = place(args, target)
     if target.kind != "cpu":
         # The chip compiled for is the context mesh's abstract device: Pallas' GPU lowering
-        # reads its device kind (compute capability), and mxjax.kernels.capabilities()
+        # reads its device kind (compute capability), and mxjax.backends.capabilities()
         # chooses the GEMM backends for it.
         with jax.set_mesh(_mesh(target.name)):
             lowered = jax.jit(fn).trace(*placed).lower()

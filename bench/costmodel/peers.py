@@ -1,4 +1,4 @@
-"""Other projects' low-precision GEMMs, run in bench/programs.py's programs beside mxjax.
+"""Other projects' low-precision GEMMs, run in bench/costmodel/programs.py's programs beside mxjax.
 
 A peer is an object with ``.dot_general(key=None)`` (a callable with ``lax.dot_general``'s
 signature) and ``needs_key = False``: what models/llama.py and the matmul program take
@@ -27,7 +27,7 @@ import importlib.util
 import jax
 import jax.numpy as jnp
 
-__all__ = ["PEERS", "Peer", "get", "program", "unavailable_reason"]
+__all__ = ["PEERS", "Peer", "get", "unavailable_reason"]
 
 PEERS = ("flax_fp8", "jax_mxfp8", "jax_nvfp4", "jax_mxfp4", "qwix_fp8")
 
@@ -107,32 +107,3 @@ def _qwix_fp8(lhs, rhs, dimension_numbers, precision=None, preferred_element_typ
         dlhs_grad_qtype=jnp.float8_e5m2, drhs_grad_qtype=jnp.float8_e5m2)
     out = dot_general_qt.dot_general_qt(lhs, rhs, dimension_numbers, config)
     return out if preferred_element_type is None else out.astype(preferred_element_type)
-
-
-def program(name: str, peer: str, *, matmul_size: int = 4096, batch: int = 1, seq: int = 2048,
-            attention_impl: str | None = None):
-    """(fn, abstract args) of bench/programs.py's program `name` with a peer's GEMMs."""
-    from bench import export_shape
-    from bench.programs import LAYER_PROGRAMS
-    from models.llama import LlamaConfig
-
-    pol = get(peer)
-    if name == "matmul":
-        def step(x, w, k):
-            del k
-
-            def loss(x, w):
-                y = pol.dot_general()(x, w, (((1,), (0,)), ((), ())))
-                return jnp.mean(jnp.square(y.astype(jnp.float32)))
-
-            return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
-
-        a = jax.ShapeDtypeStruct((matmul_size, matmul_size), jnp.bfloat16)
-        return step, (a, a, None)
-    if name in LAYER_PROGRAMS:
-        extra = {} if attention_impl is None else {"attention_impl": attention_impl}
-        config = getattr(LlamaConfig, LAYER_PROGRAMS[name])(
-            n_layers=1, dtype="bfloat16", param_dtype="float32", **extra)
-        return export_shape.layer_train_step(config, pol, batch, seq)
-    raise ValueError(f"program: {name!r} has no peer form; expected 'matmul' or one of "
-                     f"{tuple(LAYER_PROGRAMS)}")

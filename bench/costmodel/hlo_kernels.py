@@ -231,7 +231,7 @@ class Kernel:
     alu_ops: int
     shape: str
     fusion_kind: str = ""  # kLoop, kInput, kOutput, kCustom (fusions only)
-    # (rate class, flops) of every GEMM inside (bench/rates.py's classes: the operand
+    # (rate class, flops) of every GEMM inside (bench/costmodel/rates.py's classes: the operand
     # types); their flops sum to gemm_flops.
     gemms: tuple[tuple[str, int], ...] = ()
     # A custom call's operand shapes; for a fusion around a custom call (XLA fused its
@@ -266,8 +266,8 @@ def _dot_flops(inst: Instruction, shapes: dict[str, str]) -> int:
 
 
 def _class(inst: Instruction, shapes: dict[str, str]) -> str:
-    """The rate class (bench/rates.py) of a GEMM from its first two operands' types."""
-    from bench.rates import rate_class
+    """The rate class (bench/costmodel/rates.py) of a GEMM from its first two operands' types."""
+    from bench.costmodel.rates import rate_class
 
     ops = [_element_type(shapes.get(o, "")) for o in inst.operands[:2]]
     return rate_class(*(ops + ["f32"] * (2 - len(ops))))
