@@ -18,13 +18,7 @@ value-guarding barriers of their per-tensor division, see docs/NUMERICS.md).
 CPU keeps f32 HIGHEST with per-stage barriers by design (fastest there,
 bit-identical results).
 
-A dot counts as a GEMM of the interceptor when its source location chain
-reaches ``mxjax/gemm.py`` or ``mxjax/interceptor.py`` (``mxjax/dot_general.py``
-before the module split):
-backward GEMMs carry the location of the custom_vjp call, not of the code
-inside it, so this is what identifies them in any version of the code. Under
-a policy that quantizes all three GEMMs (every policy here but ``bf16``)
-those are the quantized GEMMs.
+Which dots count as the interceptor's GEMMs: `bench.costmodel.export_shape`.
 """
 
 from __future__ import annotations
