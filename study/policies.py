@@ -171,7 +171,7 @@ ABLATIONS: tuple[str, ...] = (
     "mxfp4_wgrad_only_x_h16", "passthrough_wgrad_h16",
 )
 
-# The study's former names of its ablations -> the library presets they became.
+# The study's former names of its ablations -> their names now (study presets).
 LEGACY: Mapping[str, str] = types.MappingProxyType({
     "h16_fprop_only": "mxfp4_all_h16_fprop",
     "h16_dgrad_only": "mxfp4_all_h16_dgrad",
@@ -188,10 +188,10 @@ LEGACY: Mapping[str, str] = types.MappingProxyType({
 
 
 def canonical_name(name: str, *, stacklevel: int = 2) -> str:
-    """`name`, or the library preset a former study name or deprecated preset name became
-    (with a DeprecationWarning naming it); other names unchanged."""
+    """`name`, or the name a former study name or deprecated preset name became (with a
+    DeprecationWarning naming it); other names unchanged."""
     if name in LEGACY:
-        warnings.warn(f"study policy {name!r} is now the library preset {LEGACY[name]!r}; "
+        warnings.warn(f"study policy {name!r} is now {LEGACY[name]!r}; "
                       "use that name", DeprecationWarning, stacklevel=stacklevel + 1)
         return LEGACY[name]
     return presets.canonical_name(name, stacklevel=stacklevel + 1)

@@ -51,7 +51,9 @@ AMAX_PER_OPERAND = {"mxfp4_all_h16": 1, "mxfp4_all": 1, "nvfp4": 2, "fp8": 1}
 # on FP8 tensor cores (mxjax/emulation/fp8_units.py; tests/mxjax/emulation/test_fp8_units.py).
 # fp8 on CUDA: fprop E4M3 x E4M3, dgrad dY x W (E5M2 x E4M3), wgrad X x dY (E4M3 x E5M2:
 # its operands swapped so that the result comes out in W's layout, mxjax.gemm).
-_QUANTIZED_DOTS = {("fp8", "cuda"): {("f8E4M3FN", "f8E4M3FN", "f32", "HIGHEST"),
+# fp8's forward GEMM (E4M3 x E4M3) at DEFAULT: cuBLAS's fast accumulation; the backward
+# GEMMs at HIGHEST: promoted accumulation (docs/NUMERICS.md, "Accumulation per GEMM").
+_QUANTIZED_DOTS = {("fp8", "cuda"): {("f8E4M3FN", "f8E4M3FN", "f32", "DEFAULT"),
                                      ("f8E5M2", "f8E4M3FN", "f32", "HIGHEST"),
                                      ("f8E4M3FN", "f8E5M2", "f32", "HIGHEST")}}
 

@@ -83,6 +83,10 @@ from train.data.records import (  # noqa: F401 (re-exported: the stream's public
 from train.data.sources import DataError, resolve_sources
 from train.data.tokenizer import TextTokenizer, TokenizerError, load_hf
 
+# grain's `min_shm_size` above which arrays go through shared memory: larger than any chunk.
+_NO_SHARED_MEMORY = 1 << 62
+
+
 CHUNK_DOCS = 64  # documents per tokenized chunk (part of the data order: in the fingerprint)
 STATE_VERSION = 1
 
@@ -161,6 +165,11 @@ class StreamSpec:
         it = it.map(gp.Tokenize(tokenizer=self.tokenizer, eos_token=self.eos_token,
                                 add_bos=self.add_bos))
         if self.workers:
+            # Chunks reach the trainer pickled, never in shared memory: a chunk is a few
+            # token arrays (copying them costs nothing beside tokenizing), and a segment in
+            # flight when the trainer stops (Ctrl-C, preemption) would outlive it, leaked.
+            it = gp.grain.experimental.WithOptionsIterDataset(
+                it, gp.grain.experimental.DatasetOptions(min_shm_size=_NO_SHARED_MEMORY))
             it = it.mp_prefetch(gp.grain.MultiprocessingOptions(num_workers=self.workers),
                                 worker_init_fn=functools.partial(gp.worker_init,
                                                                  parent_pid=os.getpid()))

@@ -334,3 +334,23 @@ def test_ctrl_c_reaches_no_worker(shards):
     assert "closed" in out, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     assert "leaked shared_memory" not in err, err[-3000:]
+
+
+def test_worker_chunks_never_travel_in_shared_memory(shards):
+    """A chunk in a shared-memory segment when the trainer stops outlives it (the leaked
+    shared_memory warning of a Ctrl-C under load): chunks cross from the workers pickled."""
+    def segments() -> set[str]:
+        return {p.name for p in Path("/dev/shm").glob("psm_*")}
+
+    before = segments()
+    spec = stream.StreamSpec(files=tuple(_good(shards)), seed=0, seq_len=T,
+                             tokenizer=str(shards["tokenizer"]), workers=1)
+    loader = stream.StreamLoader(spec, global_batch=2)
+    try:
+        seen: set[str] = set()
+        for step in range(20):
+            loader.batch(step)
+            seen |= segments() - before
+    finally:
+        loader.close()
+    assert not seen, f"chunks passed through shared memory: {sorted(seen)[:3]}"
