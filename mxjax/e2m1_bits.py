@@ -20,7 +20,11 @@ subnormal; this module rounds x where it is instead, as an integer:
 * saturation is a min on the bits (magnitudes order like their bit patterns).
 
 Integer operations only: the same values on every platform, whatever it does
-with subnormals, and about half the operations of the generic path on XLA:CPU.
+with subnormals, and about half the operations of the generic path on XLA:CPU. This is
+the library's second round to nearest even, kept because the first
+(`mxjax.elements.nearest_even_value`, an f32 addition) cannot round an x that is itself
+an f32 subnormal where arithmetic flushes subnormals (XLA:CPU), and this path must be
+exact there; tests/mxjax/test_nearest_even.py holds the two to each other and to ml_dtypes.
 Deterministic roundings only (stochastic rounding draws against the scaled
 element, `mxjax.elements`); tested bit for bit against the generic path.
 """

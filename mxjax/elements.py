@@ -16,14 +16,86 @@ __all__ = [
     "decode_magnitude",
     "e8m0_exponent",
     "encode",
+    "nearest_even_code",
+    "nearest_even_value",
     "round_to_grid",
     "round_to_value",
     "signed_value",
 ]
 
+_EXP_MASK = 0x7F800000
+
+
+def _nearest_even_addend(bits, elem: ElementFormat, s):
+    """int32 bits of C = 2^(E - mbits + 23), E = clip(floor(log2|y|), emin + s, emax + s).
+
+    The grid step at |y| on `elem`'s grid scaled by 2^s is q = 2^(E - mbits), so C = q *
+    2^23 > |y| (below saturation) and the f32 sum ``|y| + C`` rounds |y| to a multiple of
+    q, ties to even: the sum's last significand bit is worth q. C's exponent field is y's
+    plus 23 - mbits, clipped (int32: Mosaic has signed max/min only); the lower bound never
+    below the field of 2^-127 (an f32 subnormal |y|, field 0, rounds as at E = -127).
+    """
+    offset = 23 - elem.mbits
+    if isinstance(s, int):
+        lo = (max(s + elem.emin + 127, 0) + offset) << 23
+    else:
+        lo = (jnp.maximum(s + (elem.emin + 127), 0) + offset) << 23
+    hi = (s + (elem.emax + 127 + offset)) << 23
+    field = (bits & _EXP_MASK).astype(jnp.int32) + (offset << 23)
+    return jnp.clip(field, lo, hi)
+
+
+def nearest_even_value(y: jnp.ndarray, elem: ElementFormat, s=0) -> jnp.ndarray:
+    """`y` rounded to nearest, ties to even, on `elem`'s grid scaled by 2^s, saturated.
+
+    The one round-to-nearest-even of the library's f32 forms: the f32 addition ``(|y| +
+    C) - C`` rounds (`_nearest_even_addend`; the subtraction is exact), then a min
+    saturates at max_normal * 2^s and y's sign is put back (-0 stays -0). Exact for |y|
+    zero or a normal f32; a subnormal |y| is exact too where f32 arithmetic keeps
+    subnormals, and on the grid at s = 0 rounds to zero either way. NaN stays NaN.
+
+    Args:
+      y: f32 array.
+      elem: element format.
+      s: int32 scale exponents broadcastable to y (one per block), or a Python int; C must
+        stay a normal f32: s <= 104 - emax + mbits.
+    Returns:
+      f32 like y.
+    """
+    bits = _bits.f32_bits(y)
+    a = bits & _bits.ABS_MASK
+    c = _bits.bits_f32(_nearest_even_addend(bits, elem, s).astype(jnp.uint32))
+    if isinstance(s, int):
+        saturated = jnp.float32(elem.max_normal * 2.0**s)
+    else:
+        frac = round((elem.max_mantissa - 1.0) * 2**23)
+        saturated = _bits.bits_f32(((s + (elem.emax + 127)) << 23) | frac)
+    mag = jnp.minimum((_bits.bits_f32(a) + c) - c, saturated)
+    return _bits.bits_f32(_bits.f32_bits(mag) | (bits ^ a))
+
+
+def nearest_even_code(y: jnp.ndarray, elem: ElementFormat) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """`round_to_grid(y, elem, NEAREST_EVEN)`: (sign uint32 0/1, magnitude code int32).
+
+    The same f32 addition as `nearest_even_value` (s = 0), read as an integer: the sum's
+    bits less C's are the number n of grid steps q (the bits of non-negative floats are
+    ordered as their values), and the code is ``n + ((E - emin) << mbits)`` (n counts
+    the implicit leading one of a normal), capped at max_code. Past the top, Inf and NaN
+    included, n is larger still and the code max_code all the same.
+    """
+    bits = _bits.f32_bits(y)
+    a = bits & _bits.ABS_MASK
+    c = _nearest_even_addend(bits, elem, 0)
+    total = _bits.bits_f32(a) + _bits.bits_f32(c.astype(jnp.uint32))
+    n = _bits.f32_bits(total).astype(jnp.int32) - c
+    # C's bits shifted by 23 - mbits are E's biased field << mbits (its low bits are 0).
+    code = n + (c >> (23 - elem.mbits)) - ((elem.emin + 150 - elem.mbits) << elem.mbits)
+    return bits >> 31, jnp.minimum(code, elem.max_code)
+
 
 def _round_integer(y, elem: ElementFormat, mode: Rounding, u):
-    """(sign bits uint32, unsaturated integer multiple n f32, exponent E int32) of y."""
+    """(sign bits uint32, unsaturated integer multiple n f32, exponent E int32) of y, for
+    the roundings but to nearest even (`nearest_even_code`, `nearest_even_value`)."""
     bits = _bits.f32_bits(y)
     a = _bits.bits_f32(bits & _bits.ABS_MASK)
     e = ((bits >> 23) & 0xFF).astype(jnp.int32) - 127
@@ -32,10 +104,7 @@ def _round_integer(y, elem: ElementFormat, mode: Rounding, u):
     # floor/compare forms only (t >= 0): lax.round has no Pallas-Triton lowering.
     fl = jnp.floor(t)
     fr = t - fl  # exact
-    if mode is Rounding.NEAREST_EVEN:
-        odd = (fl - 2.0 * jnp.floor(fl * 0.5)) == 1.0
-        n = fl + ((fr > 0.5) | ((fr == 0.5) & odd)).astype(jnp.float32)
-    elif mode is Rounding.NEAREST_AWAY:
+    if mode is Rounding.NEAREST_AWAY:
         n = fl + (fr >= 0.5).astype(jnp.float32)
     elif mode is Rounding.TOWARD_ZERO:
         n = fl
@@ -62,6 +131,8 @@ def round_to_grid(
     Returns:
       (sign uint32 0/1, magnitude code int32 in [0, elem.max_code]).
     """
+    if mode is Rounding.NEAREST_EVEN:
+        return nearest_even_code(y, elem)
     sign_bits, n, big_e = _round_integer(y, elem, mode, u)
     # Saturate before the int conversion (huge t for values far above max).
     n = jnp.minimum(n, float(2 ** (elem.mbits + 2)))
@@ -73,6 +144,8 @@ def round_to_value(
     y: jnp.ndarray, elem: ElementFormat, mode: Rounding, u: jnp.ndarray | None = None
 ) -> jnp.ndarray:
     """Like `round_to_grid`, but returns the signed f32 grid value (no codes)."""
+    if mode is Rounding.NEAREST_EVEN:
+        return nearest_even_value(y, elem)
     sign_bits, n, big_e = _round_integer(y, elem, mode, u)
     mag = jnp.minimum(n * _bits.pow2(big_e - elem.mbits), jnp.float32(elem.max_normal))
     return _bits.bits_f32(_bits.f32_bits(mag) | sign_bits)

@@ -17,36 +17,16 @@ import jax
 import jax.numpy as jnp
 
 from mxjax import _bits
-from mxjax.elements import round_to_value
-from mxjax.formats import ElementFormat, Rounding
+from mxjax.elements import nearest_even_value, round_to_value
+from mxjax.formats import Rounding
 from mxjax.scaling import SR_PRESCALE
 
-__all__ = ["nearest_even_values", "round_nearest_even", "values_from_amax"]
+__all__ = ["nearest_even_values", "values_from_amax"]
 
 _MIN_NORMAL = 2.0 ** -126
 # Blocks with a scale exponent above this are rounded at 2^-_BIG_SHIFT times their
 # size (`nearest_even_values`' constant C would overflow f32 above about 2^104).
 _BIG_SHIFT = 64
-_EXP_MASK = 0x7F800000
-
-
-def round_nearest_even(y: jax.Array, elem: ElementFormat) -> jax.Array:
-    """`round_to_value(y, elem, NEAREST_EVEN)` in fewer operations, the same values.
-
-    For |y| finite and zero or at least 2^-126 (smaller values round to zero here
-    too): with E = clip(floor(log2|y|), emin, emax) the grid step is q = 2^(E -
-    mbits), and ``(|y| + C) - C`` with C = q * 2^23 is |y| rounded to a multiple of
-    q, ties to even, by the f32 addition itself (|y| < C, so the sum's last
-    significand bit is worth q; the subtraction is exact). Then saturated to
-    max_normal; the sign is y's (-0 stays -0). Non-finite y gives NaN (no trap).
-    """
-    bits = _bits.f32_bits(y)
-    a = _bits.bits_f32(bits & _bits.ABS_MASK)
-    e = ((bits >> 23) & 0xFF).astype(jnp.int32) - 127
-    big_e = jnp.clip(e, elem.emin, elem.emax)
-    c = _bits.bits_f32(((big_e - elem.mbits + 23 + 127) << 23).astype(jnp.uint32))
-    mag = jnp.minimum((a + c) - c, jnp.float32(elem.max_normal))
-    return _bits.bits_f32(_bits.f32_bits(mag) | ((bits >> 31) << 31))
 
 
 def values_from_amax(r: jax.Array, amax_bits: jax.Array, op, u: jax.Array | None) -> jax.Array:
@@ -74,8 +54,6 @@ def values_from_amax(r: jax.Array, amax_bits: jax.Array, op, u: jax.Array | None
         tiny = jnp.abs(y) < jnp.float32(_MIN_NORMAL)
         y = jnp.where(tiny | nonfinite, jnp.copysign(jnp.float32(0.0), y), y)
         q = round_to_value(y, elem, op.rounding, u)
-    elif op.rounding is Rounding.NEAREST_EVEN:
-        q = round_nearest_even(y, elem)
     else:
         q = round_to_value(y, elem, op.rounding, None)
     # q * 2^s: exact wherever representable (q has at most 4 significant bits); 2^-127
@@ -90,15 +68,11 @@ def nearest_even_values(x: jax.Array, amax_bits: jax.Array, op, *,
     """`values_from_amax(x * prescale, amax_bits, op, None)` for round-to-nearest-even.
 
     The same values in fewer elementwise operations (the TPU kernel's form): x is
-    rounded where it is, not scaled by 2^-s and back. The grid step at ``|y| = |x *
-    prescale|`` in a block of scale 2^s is 2^(E - mbits) with E = clip(floor(log2
-    |y|), emin + s, emax + s), so with C = 2^(E - mbits + 23) ``(|y| + C) - C`` is |y|
-    rounded to the grid, ties to even, by the f32 addition itself; then saturated at
-    max_normal * 2^s and given y's sign. E's bounds and the saturation are per block
-    (computed once per block, not per element), C's exponent field is a clip of y's.
-    C stays a normal f32 for s <= 104 - emax + mbits; blocks of a larger scale are
-    rounded at 2^-64 times their size and multiplied back (exact: powers of two, the
-    results normal).
+    rounded where it is, on the grid scaled by 2^s (`mxjax.elements.nearest_even_value`),
+    not scaled by 2^-s and back; E's bounds and the saturation are per block (computed
+    once per block, not per element). C stays a normal f32 for s <= 104 - emax + mbits;
+    blocks of a larger scale are rounded at 2^-64 times their size and multiplied back
+    (exact: powers of two, the results normal).
 
     ``prescale``: a positive factor applied to x first (the Hadamard's 1/sqrt(h), in
     the same multiply); ``amax_bits`` must be the abs bits of the block amax of ``x *
@@ -109,24 +83,9 @@ def nearest_even_values(x: jax.Array, amax_bits: jax.Array, op, *,
     if op.rounding is not Rounding.NEAREST_EVEN or op.sr_prescale:
         raise ValueError(f"op: expected round-to-nearest-even without the SR pre-scale, "
                          f"got {op!r}")
-    elem = op.fmt.element
     s, nonfinite = op.scheme.exponents(amax_bits, op.scale_rule, op.sr_prescale)
     shift = jnp.where(s > _BIG_SHIFT, _BIG_SHIFT, 0)
     s_in = s - shift  # the scale exponent the block is rounded at, in [-127, 64]
     factor = _bits.pow2(-shift) * jnp.float32(prescale)
-    # C's exponent field is E's plus 23 - mbits. E's bounds, offset so, as int32 (Mosaic
-    # has signed max/min only); the lower one never below the field of 2^-127 (an f32
-    # subnormal y, field 0, rounds at 2^(-127 - mbits) as at E = -127).
-    offset = 23 - elem.mbits
-    lo = (jnp.maximum(s_in + (elem.emin + 127), 0) + offset) << 23
-    hi = (s_in + (elem.emax + 127 + offset)) << 23
-    frac = round((elem.max_mantissa - 1.0) * 2**23)
-    saturated = _bits.bits_f32(((s_in + (elem.emax + 127)) << 23) | frac)
-    b = _bits.f32_bits(x * factor)
-    a = b & _bits.ABS_MASK
-    field = (b & _EXP_MASK).astype(jnp.int32) + (offset << 23)
-    c = _bits.bits_f32(jnp.clip(field, lo, hi))
-    mag = jnp.minimum((_bits.bits_f32(a) + c) - c, saturated)
-    v = _bits.bits_f32(_bits.f32_bits(mag) | (b ^ a))  # y's sign
-    v = v * _bits.pow2(shift)
+    v = nearest_even_value(x * factor, op.fmt.element, s_in) * _bits.pow2(shift)
     return jnp.where(nonfinite, jnp.float32(jnp.nan), v)

@@ -49,9 +49,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from mxjax import _bits
+from mxjax import _bits, elements
 from mxjax.elements import round_to_value
-from mxjax.formats import Rounding
+from mxjax.formats import E2M1, Rounding
 
 __all__ = ["NONFINITE_SENTINEL", "TILE", "has_e2m1_cvt", "mxfp4_operand", "mxfp4_operand_pair",
            "nearest_even_code", "quantize_slices", "takes_kernel"]
@@ -100,23 +100,10 @@ def _e2m1_code(q):
 
 def nearest_even_code(y):
     """The E2M1 code (int32, sign in bit 3) of f32 ``y`` rounded to nearest, ties to
-    even, on the E2M1 grid and saturated: ``_e2m1_code(round_nearest_even(y, E2M1))``
-    in fewer operations (any y but NaN, whose code is never read).
-
-    With E = clip(floor(log2|y|), 0, 2), the f32 sum ``|y| + 2^(E + 22)`` rounds |y| to
-    k steps of the grid's 2^(E - 1) (ties to even) and holds k in its significand: k is
-    the sum's bits less the addend's (the bits of non-negative floats are ordered as
-    their values). The code is ``2E + k`` (k in {0, ..., 4}; k = 2 is the binade's
-    start), capped at 7 (6.0). Past 2^24, Inf included, the sum's exponent grows, k is
-    larger still and the code 7 all the same.
-    """
-    bits = _bits.f32_bits(y)
-    mag = bits & _bits.ABS_MASK
-    biased = jnp.clip(mag >> 23, 127, 129)  # E + 127
-    addend = (biased + 22) << 23
-    k = _bits.f32_bits(_bits.bits_f32(mag) + _bits.bits_f32(addend)) - addend
-    code = jnp.minimum(k + 2 * biased - 254, 7).astype(jnp.int32)
-    return code | ((bits >> 28) & 8).astype(jnp.int32)
+    even, on the E2M1 grid and saturated (`mxjax.elements.nearest_even_code`: integer
+    operations on one f32 sum; any y but NaN, whose code is never read)."""
+    sign, code = elements.nearest_even_code(y, E2M1)
+    return code | (sign << 3).astype(jnp.int32)
 
 
 def _cvt_e2m1x2(even, odd):
