@@ -108,30 +108,6 @@ def test_layer8b_optional_row_is_compiled_after_the_first_rounds():
     assert got["fused"]["vs bf16/fused"] == " 1.00x"
 
 
-# --- bench/carrier_windows.py: the span each route's carrier must hold --------------------
-
-
-def test_carrier_windows_operand_span_against_the_block_exponents():
-    import jax.numpy as jnp
-    import numpy as np
-
-    import mxjax
-    from bench import carrier_windows as cw
-    from mxjax.operand_recipe import OperandRecipe
-
-    op = OperandRecipe(fmt=mxjax.MXFP4)
-    x = np.zeros((2, 96), np.float32)
-    x[0, :32] = 1.0           # block exponent floor(log2 1) - 2 = -2
-    x[0, 32:64] = 2.0**10     # 8
-    x[1, :32] = 2.0**-20      # -22; the other blocks are zero: not live
-    assert int(cw.operand_span(jnp.asarray(x), op, None)) == 8 - (-22)
-    assert int(cw.operand_span(jnp.zeros((2, 64)), op, None)) == -1
-    x[1, 70] = np.nan
-    assert int(cw.operand_span(jnp.asarray(x), op, None)) == 1000
-    # The windows docs/NUMERICS.md states, from the routes' carriers.
-    assert cw.WINDOWS == {"xla_fp8": (28, 14), "xla_fp4": (17, 17)}
-
-
 def test_the_gpu_test_files_exist():
     """The tests section runs files by path: a moved test file must be followed here."""
     from pathlib import Path

@@ -12,7 +12,10 @@ Modules, lowest first (none imports one further down this list):
 * ``programs``: the programs the bench compiles and times (matmul, 1B and 8B layers, MLP);
 * ``accelerator_cost``: one compile's row (`Cost`): kernels, bytes, the rooflines;
 * ``targets``: the ratio bounds against bf16 and the verdicts that check them;
-* ``native_fp4``: the native MXFP4 GEMM paths compiled for GPUs, and their instructions.
+* ``native_fp4``: the native MXFP4 GEMM paths compiled for GPUs, and their instructions;
+* ``quantize_cost``: one operand's GPU quantize passes: bytes, PTX and SASS per kernel;
+* ``tpu_fusion``: a TPU kernel's static cycles with and without the input fusion of its
+  convert.
 
 The scripts in bench/ print what these compute; tests import them directly.
 """

@@ -1,4 +1,4 @@
-"""bench/tpu_fusion_probe.py: the kernel with and without XLA's input fusion of its convert.
+"""bench.costmodel.tpu_fusion: the kernel with and without XLA's input fusion of its convert.
 
 Run in a subprocess (libtpu reads the profile flag when it starts). For blocks along
 lanes the fused kernel is one op and cheaper than the separate convert plus kernel
@@ -7,7 +7,7 @@ lanes the fused kernel is one op and cheaper than the separate convert plus kern
 
 from __future__ import annotations
 
-import re
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -18,21 +18,22 @@ from tests.accelerators.conftest import require
 
 pytestmark = pytest.mark.accelerators
 
-_ROW = re.compile(r"^lanes \S+ (.+?)\s+total\s+([\d.]+) us  \((.*)\)$")
+ROOT = Path(__file__).resolve().parents[2]
+_ROWS = """
+import json
+from bench.costmodel import tpu_fusion
+rows = tpu_fusion.fusion_rows(lanes=True)
+print(json.dumps({r.form: [r.total_us, sorted(r.op_us)] for r in rows}))
+"""
 
 
 def test_probe_lanes_fusion_is_one_op_and_saves_the_convert():
     require("v5e")
-    probe = Path(__file__).resolve().parents[2] / "bench" / "tpu_fusion_probe.py"
-    proc = subprocess.run([sys.executable, str(probe), "--lanes"], capture_output=True,
-                          text=True, check=False, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", _ROWS], capture_output=True, text=True,
+                          check=False, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {}
-    for line in proc.stdout.splitlines():
-        m = _ROW.match(line)
-        if m:
-            rows[m.group(1)] = (float(m.group(2)), m.group(3).split(", "))
-    assert set(rows) == {"bf16 in", "convert + kernel", "convert fused", "f32 in"}, proc.stdout
+    rows = json.loads(proc.stdout.splitlines()[-1])
+    assert set(rows) == {"bf16 in", "convert + kernel", "convert fused", "f32 in"}, rows
     assert all(total > 0 for total, _ in rows.values())
     separate_s, separate_ops = rows["convert + kernel"]
     fused_s, fused_ops = rows["convert fused"]
