@@ -71,6 +71,21 @@ def test_gpu_kernels_without_the_hlo_are_classed_by_name():
     assert by_name["MemcpyH2D"] == "copy"  # another module's: counted without hlo_module
 
 
+def test_a_kernel_without_its_hlo_op_is_found_by_the_fusions_name():
+    # Inside a CUDA graph a kernel may carry only its name: XLA's fusion name, '.' -> '_'.
+    events = [{"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "pid": 2, "tid": 7, "name": "thread_name",
+               "args": {"name": "Stream #7(Compute)"}},
+              {"ph": "X", "pid": 2, "tid": 7, "ts": 0.0, "dur": 5.0, "name": "gemm_fusion_dot_4"},
+              {"ph": "X", "pid": 2, "tid": 7, "ts": 9.0, "dur": 2.0, "name": "input_fusion_1",
+               "args": {"hlo_op": "%input_fusion.1"}}]
+    classes = {"gemm_fusion_dot.4": "gemm e4m3xe4m3", "input_fusion.1": "fusion/quantize"}
+    got = {k.name: (k.hlo_op, k.kernel_class) for k in
+           T.kernel_times({"traceEvents": events}, classes)}
+    assert got == {"gemm_fusion_dot_4": ("", "gemm e4m3xe4m3"),
+                   "input_fusion_1": ("input_fusion.1", "fusion/quantize")}
+
+
 def test_a_log_dir_finds_the_newest_runs_trace(tmp_path):
     for run, payload in (("2026_01_01_00_00_00", b"old"), ("2026_01_02_00_00_00", None)):
         d = tmp_path / "plugins" / "profile" / run

@@ -38,10 +38,10 @@ import tempfile
 import threading
 from pathlib import Path
 
-# Before jax starts: this process leaves room on the GPU for the tests' subprocess.
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
 if __package__ in (None, ""):  # run as a script: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    if "--tests" in sys.argv:  # before jax starts: leave the tests' subprocess room
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
 
 import jax
 

@@ -189,16 +189,20 @@ def kernel_times(trace: Mapping, classes: Mapping[str, str] | None = None, *,
                          "with events and no XLA:CPU op (args.hlo_op) on a /host: thread. "
                          "Run the profiled function (and block_until_ready) inside "
                          "jax.profiler.trace, after a warm-up call that compiles it")
-    classes = classes or {}
+    classes = dict(classes or {})
+    # XLA names a fusion's kernel after the instruction, '.' made '_' ('fusion.3' ->
+    # 'fusion_3'): a kernel inside a CUDA graph may carry no hlo_op, only that name.
+    by_kernel_name = {op.replace(".", "_"): cls for op, cls in classes.items()}
     totals: dict[tuple[str, str], list] = {}
     for e in kernels:
-        op = str(e.get("args", {}).get("hlo_op", ""))
+        op = str(e.get("args", {}).get("hlo_op", "")).lstrip("%")
         key = (str(e.get("name", "")), op)
         acc = totals.setdefault(key, [0, 0.0])
         acc[0] += 1
         acc[1] += float(e["dur"])
     out = [KernelTime(name=name, hlo_op=op,
-                      kernel_class=classes.get(op) or classes.get(name) or _class_by_name(name),
+                      kernel_class=(classes.get(op) or classes.get(name)
+                                    or by_kernel_name.get(name) or _class_by_name(name)),
                       count=n, total_us=us)
            for (name, op), (n, us) in totals.items()]
     return sorted(out, key=lambda k: (-k.total_us, k.name))
