@@ -131,6 +131,11 @@ def test_dry_run_writes_a_schema_valid_measurement_file(tmp_path, capsys):
     assert out.rstrip().endswith("=" * 100)  # the table is printed last
 
 
+def test_the_bf16_baseline_is_added_when_not_asked_for():
+    _, rows = profile._args(["--policies", "fp8"])
+    assert [r.label for r in rows] == ["bf16/fused", "fp8/fused"]
+
+
 @pytest.mark.slow
 def test_dry_run_of_every_default_policy(tmp_path):
     doc = _dry_run(tmp_path, profile.POLICIES)

@@ -50,13 +50,13 @@ from bench.device.harness import ROOT, STATE, Table, elapsed, log, short_error
 from bench.device.sections.device_rates import device_rates_section
 from bench.device.sections.gemm_rates import gemm_rates_section
 from bench.device.sections.gpu_tests import run_gpu_tests
-from bench.device.sections.layer8b import parse_layer_rows
+from bench.device.sections.layer8b import LayerRow, parse_layer_rows
 from bench.device.sections.layer_profile import PROFILED_CALLS, layer_profile_section
 
 POLICIES = "bf16,fp8,mxfp4_all_h16@auto,nvfp4@auto,mxfp8@auto"
 OUT_DIR = ROOT / "bench" / "costmodel" / "calibration"
 # Shares of the measuring budget (what is left when a section starts, over the shares left).
-SHARES = {"gemms": 35, "rates": 3, "layers": 42, "profile": 20}
+SHARES = {"gemms": 30, "rates": 3, "layers": 50, "profile": 17}
 TESTS_MEM_FRACTION = "0.4"
 
 
@@ -69,8 +69,8 @@ def _args(argv):
                     help="write, print and exit (3) at this many seconds even mid-compile "
                          "(default: budget + tests budget + 30)")
     ap.add_argument("--policies", default=POLICIES,
-                    help=f"layer rows, POLICY[@BACKEND][/ATTENTION], comma-separated; a bf16 "
-                         f"row is the baseline (default {POLICIES})")
+                    help=f"layer rows, POLICY[@BACKEND][/ATTENTION], comma-separated; the "
+                         f"bf16 row, the baseline, is added if missing (default {POLICIES})")
     ap.add_argument("--tests", action="store_true", help="run the -m gpu tests last")
     ap.add_argument("--tests-budget-s", type=float, default=150.0,
                     help="the tests' time limit (default 150)")
@@ -88,6 +88,8 @@ def _args(argv):
         rows = parse_layer_rows(args.policies)
     except ValueError as e:
         ap.error(str(e).replace("--layer-policies", "--policies"))
+    if not any(r.is_baseline for r in rows):  # every ratio is to bf16, timed alongside
+        rows.insert(0, LayerRow(policy="bf16", backend=None, attention="fused"))
     if args.budget_s <= 0 or args.tests_budget_s <= 0:
         ap.error("--budget-s and --tests-budget-s: expected a positive number of seconds")
     if args.tag and not args.tag.replace("_", "").replace(".", "").isalnum():
