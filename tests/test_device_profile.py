@@ -100,6 +100,7 @@ def test_without_a_gpu_it_says_so_and_how_to_check(capsys):
     (["--policies", "bogus"], "--policies: 'bogus': unknown policy"),
     (["--budget-s", "0"], "--budget-s and --tests-budget-s"),
     (["--tag", "a/b"], "--tag"),
+    (["--sections", "gemms,bogus"], "--sections: expected a comma-separated subset"),
 ])
 def test_bad_arguments_name_the_option(capsys, argv, match):
     with pytest.raises(SystemExit) as e:
@@ -108,10 +109,13 @@ def test_bad_arguments_name_the_option(capsys, argv, match):
     assert match in capsys.readouterr().err
 
 
-def _dry_run(tmp_path, policies: str) -> dict:
+def _dry_run(tmp_path, policies: str, sections: str = "gemms,rates,layers",
+             budget_s: int = 20) -> dict:
     # The watchdog (os._exit) must not fire inside pytest: a hard limit far away.
-    code = profile.main(["--dry-run", "--tests", "--budget-s", "20", "--hard-limit-s", "3000",
-                         "--policies", policies, "--out-dir", str(tmp_path), "--tag", "dry"])
+    code = profile.main(["--dry-run", "--tests", "--budget-s", str(budget_s),
+                         "--hard-limit-s", str(budget_s + 3000),
+                         "--policies", policies, "--sections", sections, "--out-dir",
+                         str(tmp_path), "--tag", "dry"])
     assert code == 0
     (path,) = tmp_path.glob("cpu-*-dry.json")
     doc = json.loads(path.read_text())
@@ -136,9 +140,14 @@ def test_the_bf16_baseline_is_added_when_not_asked_for():
     assert [r.label for r in rows] == ["bf16/fused", "fp8/fused"]
 
 
+def test_sections_run_in_their_order_whatever_the_option_says():
+    args, _ = profile._args(["--sections", "layers,gemms"])
+    assert args.sections == ("gemms", "layers")
+
+
 @pytest.mark.slow
 def test_dry_run_of_every_default_policy(tmp_path):
-    doc = _dry_run(tmp_path, profile.POLICIES)
+    doc = _dry_run(tmp_path, profile.POLICIES, "layers", budget_s=3000)
     assert [r["policy"] for r in doc["layers"]] == [
         "bf16/fused", "fp8/fused", "mxfp4_all_h16@auto/fused", "nvfp4@auto/fused",
         "mxfp8@auto/fused"]

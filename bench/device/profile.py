@@ -21,6 +21,7 @@ unused passes on; a row that cannot finish by its deadline is 'skipped (time bud
 4. with --tests: the -m gpu tests (bench/device/sections/gpu_tests.py) within
    --tests-budget-s, in a subprocess that gets part of the GPU's memory.
 
+--sections picks among 1-3 (e.g. 'layers' alone to measure the layer again after a fix).
 It writes the measurement file for the calibrated cost model (schema 1,
 bench/device/measurements_file.py) to --out-dir as <chip>-<date>[-<tag>].json after every
 section, and prints a short table last. A watchdog writes the file, prints the table and
@@ -56,6 +57,7 @@ from bench.device.sections.layer_profile import PROFILED_CALLS, layer_profile_se
 POLICIES = "bf16,fp8,mxfp4_all_h16@auto,nvfp4@auto,mxfp8@auto"
 OUT_DIR = ROOT / "bench" / "costmodel" / "calibration"
 # Shares of the measuring budget (what is left when a section starts, over the shares left).
+SECTIONS = ("gemms", "rates", "layers")
 SHARES = {"gemms": 30, "rates": 3, "layers": 50, "profile": 17}
 TESTS_MEM_FRACTION = "0.4"
 
@@ -71,6 +73,9 @@ def _args(argv):
     ap.add_argument("--policies", default=POLICIES,
                     help=f"layer rows, POLICY[@BACKEND][/ATTENTION], comma-separated; the "
                          f"bf16 row, the baseline, is added if missing (default {POLICIES})")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma-separated, run in this order: {','.join(SECTIONS)} (default "
+                         "all; e.g. 'layers' to measure the layer again after a fix)")
     ap.add_argument("--tests", action="store_true", help="run the -m gpu tests last")
     ap.add_argument("--tests-budget-s", type=float, default=150.0,
                     help="the tests' time limit (default 150)")
@@ -88,6 +93,11 @@ def _args(argv):
         rows = parse_layer_rows(args.policies)
     except ValueError as e:
         ap.error(str(e).replace("--layer-policies", "--policies"))
+    chosen = [t.strip() for t in args.sections.split(",") if t.strip()]
+    if not chosen or set(chosen) - set(SECTIONS):
+        ap.error(f"--sections: expected a comma-separated subset of {','.join(SECTIONS)}, got "
+                 f"{args.sections!r}")
+    args.sections = tuple(x for x in SECTIONS if x in chosen)
     if not any(r.is_baseline for r in rows):  # every ratio is to bf16, timed alongside
         rows.insert(0, LayerRow(policy="bf16", backend=None, attention="fused"))
     if args.budget_s <= 0 or args.tests_budget_s <= 0:
@@ -182,7 +192,8 @@ def main(argv=None) -> int:
 
 def _measure(args, rows, run: Run, table: Table, info: list, cc) -> int:
     """The sections in order, the file saved after each; the exit code."""
-    pending = dict(SHARES)
+    pending = {k: v for k, v in SHARES.items()
+               if k in args.sections or (k == "profile" and "layers" in args.sections)}
 
     def deadline(name: str) -> float:
         share = pending[name] / sum(pending.values())
@@ -223,7 +234,8 @@ def _measure(args, rows, run: Run, table: Table, info: list, cc) -> int:
         info.append(("kernels", f"count and total_us over {PROFILED_CALLS} profiled calls"))
 
     for name, fn in (("gemms", gemms), ("rates", rates), ("layers", layers)):
-        section(name, fn)
+        if name in args.sections:
+            section(name, fn)
     if not args.tests:
         return 0
     if args.dry_run:
