@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: test test-slow test-triton test-accelerators test-gpu-extra test-latest lock bench train ladder lint clean-venv
+.PHONY: test test-slow test-triton test-accelerators test-gpu-extra test-latest lock bench bench-gpu train ladder lint clean-venv
 
 # Python >= 3.12: python3.12 on PATH, else pyenv's 3.12, else a clear error. Prints the
 # interpreter's path; `$(call make_venv,DIR)` creates a venv with it.
@@ -93,6 +93,14 @@ test-gpu-extra: $(GPU_EXTRA_STAMP)
 bench: $(STAMP)
 	@for b in bench/quantize.py bench/dot_general.py bench/model.py bench/train_step.py; do \
 	  if [ -f $$b ]; then echo "== $$b"; $(PY) $$b || exit 1; fi; done
+
+# On a GPU machine (no venv: the machine's python3 and its jax): the device profile in one
+# command, GPU tests last, the measurement file in bench/costmodel/calibration/
+# (bench/README.md, "On a GPU"). GPU_PY=... picks another interpreter; BENCH_GPU_ARGS adds options.
+GPU_PY ?= python3
+BENCH_GPU_ARGS ?=
+bench-gpu:
+	PYTHONUNBUFFERED=1 $(GPU_PY) bench/device/profile.py --tests $(BENCH_GPU_ARGS)
 
 # Pretrain the tiny Llama on the bundled corpus under the paper's recipe (configs/tiny.yaml).
 TRAIN_ARGS ?=

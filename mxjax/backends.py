@@ -305,7 +305,8 @@ def run_gemm(a: jax.Array, b: jax.Array, *, dims, recipe, key, gemm_name: str,
 
     Same operands, keys and rotation on every route. ``dims``: the GEMM's `Dims`;
     ``key``: the GEMM's key (None unless the recipe needs one); ``gemm_name``: 'fprop',
-    'dgrad' or 'wgrad' (for error messages); ``operand_dtypes``: the GEMM is that of the
+    'dgrad' or 'wgrad' (error messages name it, and a route may choose by it: 'xla_fp8'
+    asks for fast accumulation in fprop only); ``operand_dtypes``: the GEMM is that of the
     operands cast to these (or None); ``out_dtype``: the result's dtype (None: f32).
     Returns ``[batch..., Fa, Fb]`` (free axes flattened). Where every platform resolves
     to the emulation it runs alone; otherwise each platform gets its route's GEMM, or an

@@ -39,6 +39,7 @@ NVFP4 instead (E2M1 elements, E4M3 scales per 16) for XLA's block-scaled dot.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -296,9 +297,18 @@ def mx_dot_fp8(lhs_q, rhs_q) -> jax.Array:
 
 def _gemm(a, b, *, dims, recipe, key, gemm_name, operand_dtypes=None, out_dtype=None,
           platform=None) -> jax.Array:
-    del gemm_name, platform
-    return in_place_route_gemm(mx_gemm_fp8, a, b, dims=dims, recipe=recipe, key=key,
+    del platform
+    # The GEMM's name picks its accumulation: fast in fprop, promoted in dgrad and wgrad.
+    route = functools.partial(mx_gemm_fp8, gemm_name=_accumulation_name(gemm_name))
+    return in_place_route_gemm(route, a, b, dims=dims, recipe=recipe, key=key,
                                operand_dtypes=operand_dtypes, out_dtype=out_dtype)
+
+
+def _accumulation_name(gemm_name: str | None) -> str | None:
+    """`f8_accumulation`'s name of a GEMM: 'fprop', 'dgrad' or 'wgrad', else None (a GEMM
+    outside a policy's three, e.g. `mxjax.gemm`'s default 'gemm': promoted accumulation,
+    the carriers' rule)."""
+    return gemm_name if gemm_name in f8_accumulation.GEMM_NAMES else None
 
 
 def _runs_on(chip: Chip) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 
 import chex
 import jax
@@ -270,6 +271,43 @@ def test_backend_through_the_policy_fwd_and_bwd_equals_the_emulation_on_cpu(back
 
     chex.assert_trees_all_equal(grads(policies.get(f"mxfp4_all_h16@{backend}")),
                                 grads(policies.get("mxfp4_all_h16")))
+
+
+# A carriers' dot; StableHLO omits the precision attribute where it is DEFAULT.
+_F8_DOT = re.compile(r"stablehlo\.dot_general [^:]*?(?:precision = \[(\w+), \w+\] )?: "
+                     r"\(tensor<\w+xf8E5M2>, tensor<\w+xf8E4M3FN>\) -> tensor<(\w+)x\w+>")
+
+
+def test_accumulation_per_gemm_in_the_program_exported_for_an_h200():
+    """The policy's GEMM names reach the route: fprop's carriers' dot at precision DEFAULT
+    (cuBLASLt fast accumulation), dgrad's and wgrad's at HIGHEST (promoted), as fp8's
+    (mxjax.emulation.f8_accumulation). Exported for CUDA from this CPU, the target an H200."""
+    from bench.costmodel import export_shape as es
+
+    policy = policies.get("mxfp4_all_h16@xla_fp8")
+
+    def train(x, w):
+        def loss(x, w):
+            y = mxjax.dot_general(x, w, (((1,), (0,)), ((), ())), policy=policy)
+            return jnp.sum(jnp.square(y.astype(jnp.float32)))
+        return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
+                                      platform="cuda")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
+    args = (jax.ShapeDtypeStruct((64, 96), jnp.bfloat16),
+            jax.ShapeDtypeStruct((96, 80), jnp.bfloat16))
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = es.export_text(train, args, "cuda")
+    # The result's shape names the GEMM: fprop [64, 80], dgrad [64, 96], wgrad [80, 96].
+    found = {shape: precision or "DEFAULT" for precision, shape in _F8_DOT.findall(text)}
+    assert found == {"64x80": "DEFAULT", "64x96": "HIGHEST", "80x96": "HIGHEST"}, found
+
+
+def test_a_gemm_outside_a_policys_three_gets_promoted_accumulation():
+    assert M._accumulation_name("fprop") == "fprop"
+    assert M._accumulation_name("wgrad") == "wgrad"
+    assert M._accumulation_name("gemm") is None  # mxjax.gemm's default name
 
 
 def test_rejects_other_formats():
