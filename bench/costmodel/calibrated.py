@@ -31,6 +31,7 @@ H200's fractions of its own published peaks (`CalibratedRates.basis` says so).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gzip
 import json
 import math
@@ -42,7 +43,7 @@ from bench.costmodel import rates as R
 
 __all__ = ["KERNEL_CLASSES", "CalibratedRates", "Counts", "TritonKernel", "derive",
            "kernel_class", "kernel_seconds", "load_counts", "occupancy", "program_seconds",
-           "seconds_by_class"]
+           "rates_for", "seconds_by_class"]
 
 COMPILED_DIR = cal.CALIBRATION_DIR / "compiled"
 # The ceilings section's copy (bench/device/gpu.py, full sizes): x + 1 on f32[2^28], bytes
@@ -375,3 +376,9 @@ def derive(chip: str = "h200", directory: Path = cal.CALIBRATION_DIR) -> Calibra
         launch_s=launch, host_s=host, limits=chip_limits,
         basis=f"{chip}: not measured; the H200's fractions of each published peak applied "
               f"to the {chip}'s. " + basis)
+
+
+@functools.cache
+def rates_for(chip: str) -> CalibratedRates:
+    """`derive`'s rates of ``chip`` from the committed files (cached)."""
+    return derive(chip)

@@ -104,7 +104,8 @@ def compile_program(checkout: Path, python: str, program: str, target: str, dump
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(checkout), extra_path)
                                                           if p))
         proc = subprocess.run([python, "-c", _COMPILE, program, target, out.name, str(dump)],
-                              cwd=checkout, env=env, capture_output=True, text=True)
+                              check=False, cwd=checkout, env=env, capture_output=True,
+                              text=True)
         if proc.returncode:
             raise SystemExit(f"{program}: the compile in {checkout} failed:\n"
                              f"{proc.stderr[-3000:]}")

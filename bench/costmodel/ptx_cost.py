@@ -22,8 +22,8 @@ import re
 import subprocess
 from pathlib import Path
 
-__all__ = ["TRITON_CALL", "KernelResources", "dump_options", "launches", "ptx_kernels",
-           "ptxas_resources", "sass_kernels", "triton_call_seconds"]
+__all__ = ["TRITON_CALL", "KernelResources", "dump_options", "launches", "parse_ptxas_info",
+           "ptx_kernels", "ptxas_resources", "sass_kernels", "triton_call_seconds"]
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 _LAUNCH_RE = re.compile(
