@@ -299,8 +299,7 @@ XLA_QUANTIZE_ROW = "xla two-pass row, bf16[8192,14336] H16 -> fp8"
 
 
 def _solve(f, lo: float, hi: float) -> float:
-    """The root of an increasing-then-decreasing-free monotone f on [lo, hi] (bisection in
-    log space)."""
+    """The root of a decreasing f on [lo, hi] (bisection in log space)."""
     for _ in range(200):
         mid = math.sqrt(lo * hi)
         if f(mid) > 0:
@@ -311,9 +310,10 @@ def _solve(f, lo: float, hi: float) -> float:
 
 
 def derive(chip: str = "h200", directory: Path = cal.CALIBRATION_DIR) -> CalibratedRates:
-    """The calibrated rates of ``chip``: derived from the H200's measurement files and their
-    compiled microbenchmarks; for another chip, the H200's fractions of its published peaks
-    applied to the chip's."""
+    """The calibrated rates of ``chip``: derived from the H200's measurement files of
+    2026-12-04 (runs a and b, the only device runs so far) and their compiled
+    microbenchmarks; for another chip, the H200's fractions of its published peaks applied
+    to the chip's. A new run's file is read once its rows are named here."""
     runs = {r.path.stem: r for r in cal.for_chip("h200", directory)}
     first = runs["h200-2026-12-04-a"]
     second = runs["h200-2026-12-04-b"]
