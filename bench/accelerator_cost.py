@@ -34,10 +34,10 @@ if not os.environ.get("PYTHONPATH") and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # with PYTHONPATH set, that checkout's mxjax (a before table)
 
 from bench.costmodel import accelerator_cost as ac
-from bench.costmodel import aot
+from bench.costmodel import aot, calibrated
 from bench.costmodel import rates as R
 from bench.costmodel.programs import EXTRA_PROGRAMS, LAYER_8B_SEQ, PROGRAMS
-from bench.costmodel.targets import emulation_verdict, fp8_layer_verdict
+from bench.costmodel.targets import calibrated_verdict, emulation_verdict, fp8_layer_verdict
 
 aot.use_cpu_host()  # before jax picks its platform
 
@@ -119,6 +119,37 @@ def rates_table(costs: list[ac.Cost]) -> list[str]:
                          str(c.n_kernels), _gb(c.bytes)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines.append(f"## rates roofline: {row_target}, {prog}")
+        for j, r in enumerate(rows):
+            lines.append("  " + "  ".join(x.ljust(w) for x, w in zip(r, widths)))
+            if j == 0:
+                lines.append("  " + "  ".join("-" * w for w in widths))
+    return lines
+
+
+def calibrated_table(costs: list[ac.Cost]) -> list[str]:
+    """One block per (chip, program) the calibrated model charged: its ms and ratio to bf16
+    beside the peak roofline's (an upper bound on speed), then where the time goes per
+    kernel class."""
+    lines: list[str] = []
+    groups: dict[tuple[str, str], list[ac.Cost]] = {}
+    for c in costs:
+        if c.calibrated_s:
+            groups.setdefault((c.row_target, c.row_program), []).append(c)
+    for (row_target, prog), group in groups.items():
+        base = next((c for c in group if c.policy == "bf16"), None)
+        classes = [k for k in calibrated.KERNEL_CLASSES
+                   if any(k == cls for c in group for cls, _, _ in c.calibrated_by_class)]
+        header = ("policy", "calibrated ms", "x bf16", "peak roofline ms", "x bf16") + tuple(
+            f"{k} ms (n)" for k in classes)
+        rows = [header]
+        for c in group:
+            by = {cls: (n, t) for cls, n, t in c.calibrated_by_class}
+            rows.append((c.policy, _ms(c.calibrated_s), _ratio(c.calibrated_s,
+                                                                base and base.calibrated_s),
+                         _ms(c.rates_s), _ratio(c.rates_s, base and base.rates_s)) + tuple(
+                f"{by[k][1] * 1e3:.2f} ({by[k][0]})" if k in by else "-" for k in classes))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        lines.append(f"## calibrated model: {row_target}, {prog}")
         for j, r in enumerate(rows):
             lines.append("  " + "  ".join(x.ljust(w) for x, w in zip(r, widths)))
             if j == 0:
@@ -234,6 +265,11 @@ def main(argv=None) -> int:
     for line in rates_table(costs):
         print(line)
     print()
+    for line in calibrated_table(costs):
+        print(line)
+    for chip in sorted({c.target for c in costs if c.calibrated_s}):
+        print(f"calibrated rates, {chip}: {calibrated.rates_for(chip).basis}")
+    print()
     print(ac.ASSUMPTIONS)
     print(ac.RATES_ASSUMPTIONS)
     for t in targets:
@@ -245,6 +281,7 @@ def main(argv=None) -> int:
               f"{time.perf_counter() - t_start:.0f}s")
     print(emulation_verdict(costs))
     print(fp8_layer_verdict(costs))
+    print(calibrated_verdict(costs))
     return 0
 
 

@@ -118,12 +118,13 @@ AUTO_CHOICES: tuple[AutoChoice, ...] = (
     # Blackwell: 'xla_fp4' (cuDNN's FP4 MMA in every GEMM) estimated fastest, ahead of
     # 'xla_fp8', 'triton' and the emulation.
     AutoChoice(platform="gpu", min_compute_capability=(10, 0), backend="xla_fp4",
-               evidence=("layer_8b.b200.rates_roofline",
+               evidence=("layer_8b.b200.calibrated", "layer_8b.b200.rates_roofline",
                          "layer_8b.b200.triton_rates_roofline")),
     # Hopper: 'xla_fp8' (MXFP4 carried exactly in FP8) faster than the emulation, measured
     # and estimated.
     AutoChoice(platform="gpu", min_compute_capability=(9, 0), backend="xla_fp8",
-               evidence=("layer_8b.h200.rates_roofline", "layer_8b.h200.measured")),
+               evidence=("layer_8b.h200.calibrated", "layer_8b.h200.measured",
+                         "layer_8b.h200.rates_roofline")),
     AutoChoice(platform="gpu", backend="xla", evidence=("auto.gpu.other",)),
     AutoChoice(platform="tpu", backend="xla", evidence=("auto.tpu",)),
     AutoChoice(platform="cpu", backend="xla", evidence=("auto.cpu",)),

@@ -13,7 +13,7 @@ PAGE = Path(__file__).resolve().parents[1] / "docs" / "PERFORMANCE.md"
 # The data file's figures that the page quotes.
 QUOTED = ("layer_8b.h200.measured", "layer_8b.h200.rates_roofline",
           "layer_8b.b200.rates_roofline", "layer_8b.b200.triton_rates_roofline",
-          "gemm_8192.h200.measured")
+          "gemm_8192.h200.measured", "layer_8b.h200.calibrated", "layer_8b.b200.calibrated")
 
 
 @pytest.mark.parametrize("key", QUOTED)

@@ -66,3 +66,32 @@ def test_a_program_without_triton_calls_reads_nothing(tmp_path):
 def test_dump_options_name_the_folder_and_the_ptx_emitter(tmp_path):
     assert ptx_cost.dump_options(tmp_path) == {"xla_dump_to": str(tmp_path),
                                                "xla_dump_emitter_re": "ptx"}
+
+
+def test_sass_lines_past_64_kb_are_counted(tmp_path, monkeypatch):
+    """cuobjdump writes 5 hex digits of address past 0xffff: those instructions count too."""
+    sass = ("        Function : k\n"
+            "        /*fff0*/                   IMAD R1, R2, R3, R4 ;\n"
+            "        /*10000*/                   EXIT ;\n"
+            "        /*10010*/                   BRA 0x10010 ;\n")
+
+    def run(cmd, **kw):
+        class Done:
+            stdout = sass
+        return Done()
+
+    monkeypatch.setattr(ptx_cost.subprocess, "run", run)
+    monkeypatch.setattr(ptx_cost, "_nvidia_tool", lambda name: tmp_path / name)
+    assert ptx_cost._sass_counts(tmp_path / "k.cubin") == {"k": 3}
+
+
+def test_ptxas_info_gives_registers_and_spills_per_kernel():
+    info = """ptxas info    : Compiling entry function 'a' for 'sm_90a'
+ptxas info    : Function properties for a
+    800 bytes stack frame, 936 bytes spill stores, 1140 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 800 bytes cumulative stack size
+ptxas info    : Function properties for b
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 32 registers
+"""
+    assert ptx_cost.parse_ptxas_info(info) == {"a": (255, 936, 1140), "b": (32, 0, 0)}

@@ -6,6 +6,9 @@ Modules, lowest first (none imports one further down this list):
 * ``rates``: each chip's rates per GEMM operand class, HBM bandwidth and launch cost;
 * ``hlo_kernels``: the kernels of an optimized HLO module, read from its text;
 * ``ptx_cost``: threads and instructions of Triton kernels, from an XLA dump;
+* ``calibration``: a device run's measurement file (``calibration/<chip>-<date>.json``), checked;
+* ``calibrated``: the calibrated model, each kernel at a rate measured on a chip;
+* ``calibration_compile``: compiles of the code a device run ran, for the calibrated model;
 * ``tpu_kernel_cycles``: static cycles of mxjax's TPU kernels (run as a subprocess);
 * ``export_shape``: a decoder layer's train step, and its quantized GEMMs in StableHLO;
 * ``peers``: other projects' low-precision GEMMs as policy-like objects;

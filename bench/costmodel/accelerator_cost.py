@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.costmodel import aot, ptx_cost
+from bench.costmodel import aot, calibrated, ptx_cost
 from bench.costmodel import hlo_kernels as hk
 from bench.costmodel import rates as R
 from bench.costmodel.programs import LAYER_8B_SEQ, program
@@ -84,6 +84,10 @@ class Cost:
     alu_unmatched: int = 0  # Triton calls whose SASS was not found: no arithmetic charged
     flops_by_class: tuple[tuple[str, int], ...] = ()  # GEMM flops per rate class
     attention: str = ""  # the LlamaConfig attention_impl asked for ('' = its default)
+    # The calibrated model (bench/costmodel/calibrated.py; GPUs with published rates): device
+    # seconds, and per kernel class (class, kernels, seconds).
+    calibrated_s: float = 0.0
+    calibrated_by_class: tuple[tuple[str, int, float], ...] = ()
     compile_s: float
     top: tuple[tuple[str, str, float, int, str], ...] = ()  # (name, category, s, bytes, shape)
 
@@ -205,8 +209,15 @@ def measure(compiled, target: aot.Target, variant: str, program: str, policy: st
         kernel_s = _tpu_kernel_seconds(ks, kernel_specs, cycles_of, clock)
     plain, with_alu = roofline(ks, target, kernel_s)
     alu_s, unmatched = {}, []
+    calibrated_s, by_class = 0.0, ()
     if target.kind == "gpu" and xla_dump is not None:
         alu_s, unmatched = ptx_cost.triton_call_seconds(text, xla_dump, target.alu_ops_per_s)
+        if target.name in R.CHIP_RATES:
+            rates = calibrated.rates_for(target.name)
+            counts = calibrated.counts_from_dump(text, xla_dump)
+            calibrated_s = calibrated.program_seconds(ks, counts, rates)
+            by_class = tuple((c, n, t) for c, (n, t) in
+                             calibrated.seconds_by_class(ks, counts, rates).items() if n)
     top = ()
     if target.kind != "cpu":  # the slowest kernels under the rates roofline
         timed = sorted(((k.name, k.category, rates_roofline([k], target, kernel_s) - R.LAUNCH_S,
@@ -234,7 +245,7 @@ def measure(compiled, target: aot.Target, variant: str, program: str, policy: st
                 compile_s=compile_s, top=top, rates_s=rates_roofline(ks, target, kernel_s),
                 rates_alu_s=rates_roofline(ks, target, kernel_s, alu_s),
                 alu_unmatched=len(unmatched), flops_by_class=flops_by_class(ks),
-                attention=attention)
+                attention=attention, calibrated_s=calibrated_s, calibrated_by_class=by_class)
 
 
 class KernelCycles:

@@ -17,17 +17,22 @@ per clock, the arithmetic bound the rates roofline's bytes do not see.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
 import subprocess
 from pathlib import Path
 
-__all__ = ["TRITON_CALL", "dump_options", "launches", "ptx_kernels", "sass_kernels",
-           "triton_call_seconds"]
+__all__ = ["TRITON_CALL", "KernelResources", "dump_options", "launches", "parse_ptxas_info",
+           "ptx_kernels", "ptxas_resources", "sass_kernels", "triton_call_seconds"]
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 _LAUNCH_RE = re.compile(
     r"\] (\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]")
-_SASS_LINE = re.compile(r"\s*/\*[0-9a-f]{4}\*/\s+\S")
+# An instruction line of cuobjdump's SASS: its address (4 hex digits, more past 64 KB).
+_SASS_LINE = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+\S")
+_PTXAS_FUNCTION = re.compile(r"Function properties for (\w+)")
+_PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
 
 
 def dump_options(dump: Path | str) -> dict[str, str]:
@@ -107,6 +112,51 @@ def sass_kernels(dump: Path, prefixes: tuple[str, ...] | None = None) -> dict[st
         subprocess.run([str(ptxas), f"-arch={arch[1]}", str(f), "-o", str(cubin)],
                        check=True, capture_output=True)
         out.update(_sass_counts(cubin))
+    return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelResources:
+    """What ptxas made of one kernel: registers per thread, local-memory spill bytes per
+    thread (stores, loads) and SASS instructions (static)."""
+
+    registers: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    sass: int
+
+
+def parse_ptxas_info(text: str) -> dict[str, tuple[int, int, int]]:
+    """kernel -> (registers, spill store bytes, spill load bytes) from ``ptxas -v`` output."""
+    out, name, spills = {}, None, (0, 0)
+    for line in text.splitlines():
+        if m := _PTXAS_FUNCTION.search(line):
+            name, spills = m[1], (0, 0)
+        elif (m := _PTXAS_SPILLS.search(line)) and name:
+            spills = (int(m[1]), int(m[2]))
+        elif (m := _PTXAS_REGISTERS.search(line)) and name:
+            out[name] = (int(m[1]),) + spills
+    return out
+
+
+def ptxas_resources(dump: Path, prefixes: tuple[str, ...]) -> dict[str, KernelResources]:
+    """kernel name -> its registers, spills and SASS count, for the dumped PTX modules with an
+    entry named by one of ``prefixes`` (Triton kernels: XLA's own fusions are not read),
+    assembled as in `sass_kernels` with ``ptxas -v``."""
+    ptxas = _nvidia_tool("ptxas-blackwell")
+    out = {}
+    for f in sorted(dump.glob("*.ptx")):
+        text = f.read_text()
+        arch = re.search(r"^\.target (\w+)", text, re.MULTILINE)
+        if arch is None or not any(f".entry {p}" in text for p in prefixes):
+            continue
+        cubin = f.with_suffix(".sass.cubin")
+        info = subprocess.run([str(ptxas), "-v", f"-arch={arch[1]}", str(f), "-o", str(cubin)],
+                              check=True, capture_output=True, text=True)
+        sass = _sass_counts(cubin)
+        for name, (regs, stores, loads) in parse_ptxas_info(info.stdout + info.stderr).items():
+            out[name] = KernelResources(registers=regs, spill_store_bytes=stores,
+                                        spill_load_bytes=loads, sass=sass.get(name, 0))
     return out
 
 

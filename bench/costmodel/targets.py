@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from bench.costmodel.accelerator_cost import Cost
 
-__all__ = ["EMULATION_BOUNDS", "FP8_LAYER_BOUNDS", "FUSED_ATTENTION_BOUND", "VERDICT_POLICY",
-           "emulation_verdict", "fp8_layer_verdict", "ratios"]
+__all__ = ["CALIBRATED_BOUNDS", "EMULATION_BOUNDS", "FP8_LAYER_BOUNDS", "FUSED_ATTENTION_BOUND",
+           "VERDICT_POLICY", "calibrated_ratios", "calibrated_verdict", "emulation_verdict",
+           "fp8_layer_verdict", "ratios"]
 
 # The emulated mxfp4_all_h16 vs bf16: (target, program, metric) -> max ratio.
 EMULATION_BOUNDS = {
@@ -26,6 +27,15 @@ VERDICT_POLICY = "mxfp4_all_h16"
 FP8_LAYER_BOUNDS = {
     ("h200", "layer_8b", "fp8"): 0.75,
     ("b200", "layer_8b", "fp8"): 0.70,
+}
+# Issue 47, on the calibrated model (bench/costmodel/calibrated.py), the 8B layer at seq 8192
+# with fused attention: (target, program, policy, baseline policy) -> max ratio.
+CALIBRATED_BOUNDS = {
+    ("h200", "layer_8b", "fp8", "bf16"): 0.8,
+    ("h200", "layer_8b", "mxfp4_all_h16@auto", "bf16"): 0.95,
+    ("b200", "layer_8b", "fp8", "bf16"): 0.7,
+    ("b200", "layer_8b", "mxfp4_all_h16@auto", "bf16"): 0.65,
+    ("b200", "layer_8b", "mxfp4_all_h16@auto", "fp8"): 0.85,
 }
 # bf16 8B layer with fused attention vs the explicit-attention layer (rates roofline), and
 # its temp memory, on H200.
@@ -103,3 +113,34 @@ def emulation_verdict(costs: list[Cost], policy: str = VERDICT_POLICY) -> str:
         parts.append(f"not compiled in this run: {', '.join(absent)}")
     status = "all met" if not missed and not absent else "NOT met" if missed else "partial"
     return f"verdict ({policy} vs bf16, emulation targets): {status}. " + ". ".join(parts)
+
+
+def calibrated_ratios(costs: list[Cost]) -> list[tuple[tuple[str, str, str, str], float, float
+                                                      | None]]:
+    """Per CALIBRATED_BOUNDS entry: (key, bound, calibrated ratio or None when the run did not
+    compile both rows with the same attention)."""
+    out = []
+    for key, bound in CALIBRATED_BOUNDS.items():
+        target, prog, policy, base = key
+        rows = [c for c in costs if (c.target, c.program) == (target, prog) and c.calibrated_s]
+        pair = next(((c, b) for c in rows if c.policy == policy for b in rows
+                     if b.policy == base and b.attention == c.attention
+                     and b.variant == c.variant), None)
+        out.append((key, bound, pair[0].calibrated_s / pair[1].calibrated_s if pair else None))
+    return out
+
+
+def calibrated_verdict(costs: list[Cost]) -> str:
+    """Issue 47's targets on the calibrated model: met, missed, or not compiled in this run."""
+    met, missed, absent = [], [], []
+    for (target, prog, policy, base), bound, r in calibrated_ratios(costs):
+        label = f"{target} {prog} {policy} vs {base}"
+        if r is None:
+            absent.append(label)
+        else:
+            (met if r <= bound else missed).append(f"{label} {r:.2f}x (<= {bound}x)")
+    parts = [f"met: {'; '.join(met) or 'none'}", f"MISSED: {'; '.join(missed) or 'none'}"]
+    if absent:
+        parts.append(f"not compiled in this run: {', '.join(absent)}")
+    status = "all met" if not missed and not absent else "NOT met" if missed else "partial"
+    return "verdict (8B layer targets, calibrated model): " + status + ". " + ". ".join(parts)
