@@ -423,7 +423,8 @@ class Trainer:
             if ckpt is not None:
                 ckpt.close()
         if status == "completed":
-            message = f"trained {step} steps ({step * self.tokens_per_step} tokens)"
+            message = (f"trained {step} step{'s' * (step != 1)} "
+                       f"({step * self.tokens_per_step} tokens)")
         if status not in RESUMABLE_STOPS:  # a resumed run goes on in the same MLPerf log
             mll.end_run(success=status == "target_reached", step=step,
                         samples=step * t.global_batch)

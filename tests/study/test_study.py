@@ -321,3 +321,29 @@ def test_report_end_to_end_on_a_tiny_study(tmp_path, data_cache, capsys):
     runner.run_study(cfg, verbose=False)
     after = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*.json") if "w32" in str(p)}
     assert before == after
+
+
+def test_study_help_lists_the_config_keys(capsys):
+    from study.__main__ import main as study_main
+
+    with pytest.raises(SystemExit) as e:
+        study_main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "config keys (set in the YAML file or with --set key=value):" in out
+    for key in ("seeds (default (0, 1, 2, 3))", "branch: Branch-and-compare",
+                "  exact_steps (default 48)", "scale: The scale trend", "run (default {})"):
+        assert key in out, key
+
+
+def test_study_out_that_is_a_file_is_a_config_error(tmp_path, capsys):
+    from study.__main__ import main as study_main
+
+    f = tmp_path / "a-file"
+    f.write_text("not a directory")
+    for out in (f, f / "sub"):
+        assert study_main(["--config", "configs/ladder_tiny.yaml", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"config error: out_dir (--out) {out} "), err
+        assert "a file, not a directory; choose another output directory" in err
+    assert f.read_text() == "not a directory"
