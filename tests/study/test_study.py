@@ -347,3 +347,38 @@ def test_study_out_that_is_a_file_is_a_config_error(tmp_path, capsys):
         assert err.startswith(f"config error: out_dir (--out) {out} "), err
         assert "a file, not a directory; choose another output directory" in err
     assert f.read_text() == "not a directory"
+
+
+def test_seeds_needed_is_given_only_with_enough_seeds_and_replicates():
+    fixed = {p: {"tokens_vs_reference": {"overhead": 0.1, "low": -0.9, "high": 1.1},
+                 "final": {"n": n}} for p, n in (("few", 2), ("enough", 3))}
+    branch = {p: {"all": {"n": 4, "vs_exact": {"overhead": 0.1, "low": 0.09, "high": 0.11}}}
+              for p in ("few", "enough")}
+    nz = R.noise_comparison(fixed, branch, ["few", "enough"])
+    assert nz["few"]["seeds_needed"] is None  # 2 seeds: the widths are the t quantile's
+    assert nz["enough"]["seeds_needed"] == pytest.approx(3 * 100.0 ** 2)
+
+
+def test_a_small_studys_report_says_what_it_cannot_conclude(tmp_path, data_cache):
+    cfg = SC.from_dict(_raw(tmp_path, data_cache, rungs=["fp8", "mxfp4_all"],
+                            ablations=[], baseline="fp8"))
+    fixed = {"tokens_vs_reference": {"overhead": 0.1, "low": -5.0, "high": 5.0},
+             "final": {"n": 2}}
+    rep = {"branch": {"table": {}}, "fixed_budget": {},
+           "noise": R.noise_comparison(
+               {"mxfp4_all": fixed},
+               {"mxfp4_all": {"all": {"n": 2, "vs_exact": {"overhead": 0.1, "low": 0.0999,
+                                                           "high": 0.1001}}}},
+               ["mxfp4_all"]),
+           "scale": {"32": {"n_params": None, "table": {}}}, "probe": None}
+    text = R.render(rep, cfg)
+    sections = text.split("\n## ")
+    for title, why in (("Branch-and-compare", "no branch of a rung or ablation was paired"),
+                       ("The paper's Table 1", "this study branched none of the paper's"),
+                       ("Fixed-budget ladder", "no fixed-budget run has finished"),
+                       ("How much less noisy", "'seeds needed' wants at least 3 seeds"),
+                       ("Scale trend", "scale.widths is empty")):
+        section = next(s for s in sections if s.startswith(title))
+        assert f"_Nothing to conclude here: {why}" in section, (title, section)
+    assert "| `mxfp4_all` |" in text and "n/a (2 seeds, 2 replicates)" in text
+    assert "What each ablation changes" not in text  # no ablations, no heading
