@@ -184,8 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:  # e.g. stopped by the non-finite guard: the last eval is older than the state
             ev = (f"last eval loss: {s.eval_history[-1][2]:.4f} at step {s.eval_history[-1][0]}"
                   ", none after it; stopped after")
-        print(f"{ev} {s.steps} step{'s' * (s.steps != 1)} / {s.tokens} tokens; wall time {s.wall_time_s:.1f}s; "
-              f"{tps} tokens/s; skipped steps: {s.skipped_steps}")
+        print(f"{ev} {s.steps} step{'s' * (s.steps != 1)} / {s.tokens} tokens; wall time "
+              f"{s.wall_time_s:.1f}s; {tps} tokens/s; skipped steps: {s.skipped_steps}")
         if s.segments and len(s.segments) > 1:  # resumed: the figures above are the whole run's
             g = s.segments[-1]
             gtps = f"{g['tokens_per_s']:,.0f}" if g["tokens_per_s"] else "n/a"
