@@ -557,6 +557,24 @@ def check(cfg: Config) -> None:
              "random weights)")
 
 
+def policy_argument(text: str) -> str | dict[str, Any]:
+    """``--policy``'s value as the config's ``policy`` takes it: a JSON/YAML mapping (text
+    starting with '{') becomes a dict; anything else is a name for `mxjax.policies.resolve`.
+    ConfigError for a mapping that does not parse."""
+    if not text.lstrip().startswith("{"):
+        return text
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--policy: {text[:60]!r} is not a JSON/YAML mapping "
+                          f"({' '.join(str(e).split())}); quote it whole in the shell, e.g. "
+                          "--policy '{fprop: mxfp4, dgrad: null}'") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--policy: expected a preset name or a JSON/YAML mapping, got "
+                          f"{text[:60]!r}")
+    return value
+
+
 def describe(width: int = 100) -> str:
     """Human-readable schema with defaults and help, for ``--help``."""
     lines = []

@@ -182,7 +182,7 @@ def test_wrap_and_rule_take_no_policy(mlp, none):
 
 
 @pytest.mark.parametrize("spec, exc, match", [
-    ("mxfp3", ValueError, r"unknown preset 'mxfp3'; valid names: none, passthrough"),
+    ("mxfp3", ValueError, r"unknown preset 'mxfp3'; did you mean 'mxfp8'\?"),
     ({"fprop": {}}, ValueError, r"policy dict: missing keys"),
     (3, TypeError, r"expected a preset name, None or 'none', a policy dict or a PrecisionPolicy"),
 ])

@@ -151,3 +151,47 @@ def test_a_run_moved_to_another_backend_resumes_its_checkpoints():
     saved = plan_mod.resolve_policy("mxfp4_all_h16")[2]  # written under the emulation
     moved = plan_mod.resolve_policy("mxfp4_all_h16", "auto")[2]
     compat.check_compatible({"compat": {"policy": saved}}, {"policy": moved}, ".", "x")
+
+
+# --- the command line: --policy takes what resolve takes; --list-policies -----------------
+
+
+def test_list_policies_prints_one_line_per_preset(capsys):
+    from train.__main__ import main
+
+    assert main(["--list-policies"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split()[0] for ln in lines] == ["none", *policies.names()]
+    for ln, name in zip(lines[1:], policies.names(), strict=True):
+        assert ln.split(None, 1)[1] == policies.summary(name) != ""
+    assert "deterministic H16 on every operand of all three GEMMs" in lines[
+        1 + policies.names().index("mxfp4_all_h16")]
+
+
+@pytest.mark.parametrize("text, want", [
+    ("mxfp4_all_h16", "mxfp4_all_h16"),
+    ("mxfp4_all_h16@xla", "mxfp4_all_h16@xla"),
+    ("{fprop: mxfp4, dgrad: null}", {"fprop": "mxfp4", "dgrad": None}),
+    ('{"name": "mine", "fprop": "mxfp4"}', {"name": "mine", "fprop": "mxfp4"}),
+])
+def test_policy_argument_takes_names_and_dicts(text, want):
+    assert C.policy_argument(text) == want
+    assert plan_mod.resolve_policy(C.from_dict({"policy": want}).policy) is not None
+
+
+def test_policy_argument_that_does_not_parse_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"--policy: '\{fprop: mxfp4' is not a JSON/YAML "
+                                          r"mapping .*quote it whole in the shell"):
+        C.policy_argument("{fprop: mxfp4")
+
+
+def test_cli_policy_dict_reaches_the_run(tmp_path, capsys):
+    from train.__main__ import main
+
+    out = tmp_path / "run"
+    args = ["--policy", "{name: mine, fprop: mxfp4}", "--out", str(out), "--print-config"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    import yaml
+
+    assert yaml.safe_load(printed)["policy"] == {"name": "mine", "fprop": "mxfp4"}
