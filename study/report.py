@@ -17,7 +17,7 @@ import numpy as np
 
 from study import policies as study_policies
 from study import stats as S
-from study.config import StudyConfig
+from study.config import StudyConfig, run_config
 from study.engine import read_json, write_json
 
 # The fewest seeds (fixed budget) or replicates (branches) whose interval widths the
@@ -242,6 +242,7 @@ def render(rep: Mapping[str, Any], cfg: StudyConfig) -> str:
     b = cfg.branch
     lines = [f"# Ladder study `{cfg.name}`", ""]
     n_params = rep["scale"].get(str(cfg.width), {}).get("n_params") or "?"
+    backend = run_config(cfg, cfg.width).backend  # the train config's default included
     lines += [
         (f"Model width {cfg.width} ({n_params} "
         f"parameters); {cfg.steps} steps of "
@@ -249,8 +250,8 @@ def render(rep: Mapping[str, Any], cfg: StudyConfig) -> str:
         f"{cfg.run.get('data', {}).get('seq_len', '?')} tokens; held-out set "
         f"{cfg.eval_sequences} sequences, evaluated with the exact forward. "
         f"Reference `{cfg.reference}`, baseline `{cfg.baseline}`; quantized GEMMs on "
-        f"backend `{cfg.run.get('backend') or 'xla'}`"
-        f"{' (each chip its fastest route)' if cfg.run.get('backend') == 'auto' else ''}."),
+        f"backend `{backend or 'xla'}`"
+        f"{' (each chip its fastest exact route)' if backend == 'auto' else ''}."),
         "",
         "## Branch-and-compare (primary measure)", "",
         (f"From the reference runs' states at steps {list(b.points)} (seeds "

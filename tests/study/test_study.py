@@ -52,7 +52,8 @@ def test_shipped_study_configs_load():
     assert tiny.scale.widths and gpu.workers == 1
     # the GPU study: fp8 baseline and MXFP4 rungs on the chip's units
     assert SC.run_config(gpu, gpu.width).backend == "auto"
-    assert SC.run_config(tiny, tiny.width).backend is None
+    assert SC.run_config(tiny, tiny.width).backend == "auto"  # the train default: on a CPU
+    # 'auto' is the emulation, bit for bit
 
 
 @pytest.mark.parametrize("change, match", [
@@ -82,7 +83,9 @@ def test_run_backend_reaches_every_run_of_the_study(tmp_path):
     raw["run"] = {**raw["run"], "backend": "auto"}
     cfg = SC.from_dict(raw)
     assert SC.run_config(cfg, cfg.width).backend == "auto"
-    assert SC.run_config(SC.from_dict(_raw(tmp_path, tmp_path)), 32).backend is None
+    assert SC.run_config(SC.from_dict(_raw(tmp_path, tmp_path)), 32).backend == "auto"
+    raw["run"] = {**raw["run"], "backend": "xla"}  # the emulation on every chip
+    assert SC.run_config(SC.from_dict(raw), 32).backend == "xla"
 
 
 def test_units_cover_every_run_and_branch_and_group_by_policy(tmp_path):
@@ -315,7 +318,8 @@ def test_report_end_to_end_on_a_tiny_study(tmp_path, data_cache, capsys):
         assert (tmp_path / name).stat().st_size > 0
     text = (tmp_path / "ladder.md").read_text()
     assert "Branch-and-compare" in text and "`fp8`" in text
-    assert "quantized GEMMs on backend `xla`." in text  # the run's backend, here the default
+    # the run's backend, here the train config's default
+    assert "quantized GEMMs on backend `auto` (each chip its fastest exact route)." in text
     # Resuming finds every unit done and trains nothing.
     before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*.json") if "w32" in str(p)}
     runner.run_study(cfg, verbose=False)
