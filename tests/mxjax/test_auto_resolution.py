@@ -3,6 +3,8 @@ which explicit backends give no speed-up on a chip (`mxjax.backends.no_speedup_r
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from mxjax import policies
@@ -62,3 +64,31 @@ def test_formats_no_route_serves_stay_on_the_emulation_and_pass():
     assert no_speedup_reason("auto", "fp8_e4m3", "fp8_e4m3", caps=capabilities_for(CPU)) == ""
     with pytest.raises(ValueError, match="MXFP4 x MXFP4 only"):
         no_speedup_reason("xla_fp8", "fp8_e4m3", "fp8_e4m3", caps=capabilities_for(CPU))
+
+
+@pytest.mark.parametrize("name", ["mxfp4_all_h16", "fp8"])
+def test_auto_on_a_cpu_is_the_emulation_bit_for_bit_and_the_same_program(name):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import mxjax
+
+    x = jax.random.normal(jax.random.key(0), (64, 96), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (96, 48), jnp.float32)
+    dims = (((1,), (0,)), ((), ()))
+    key = jax.random.key(2)
+
+    def loss(policy):
+        def f(x, w):
+            return jnp.sum(mxjax.dot_general(x, w, dims, policy=policy, key=key) ** 2)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
+
+    emulation, auto = (policies.get(name).with_backend(b) for b in ("xla", "auto"))
+    for a, b in zip(jax.tree.leaves(loss(emulation)(x, w)), jax.tree.leaves(loss(auto)(x, w)),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # the same optimized program (but for source lines in its metadata): no speed difference
+    texts = [re.sub(r", metadata=\{[^}]*\}|line=\d+ end_line=\d+", "",
+                    loss(p).lower(x, w).compile().as_text()) for p in (emulation, auto)]
+    assert texts[0] == texts[1]

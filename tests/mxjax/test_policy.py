@@ -259,8 +259,10 @@ def test_from_dict_accepts_short_forms_and_rejects_unknown_keys():
     assert policies.from_dict("mxfp4_all") == policies.get("mxfp4_all")
     with pytest.raises(ValueError, match="unknown keys"):
         policies.from_dict({**d, "extra": 1})
-    with pytest.raises(ValueError, match="missing keys"):
-        policies.from_dict({"fprop": d["fprop"], "dgrad": d["dgrad"]})
+    # an omitted GEMM is pass-through, as in Python (tests/mxjax/test_policy_dict_forms.py)
+    assert policies.from_dict({"fprop": d["fprop"], "dgrad": d["dgrad"]}).wgrad.is_passthrough
+    with pytest.raises(ValueError, match=r"fprop: missing keys \['rhs'\]"):
+        policies.from_dict({**d, "fprop": {"lhs": "mxfp4"}})
     with pytest.raises(ValueError, match="unknown keys"):
         policies.from_dict({**d, "fprop": {"lhs": "mxfp4", "rhs": "mxfp4", "hadmard": 16}})
     with pytest.raises(ValueError, match="unknown format"):
