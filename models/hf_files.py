@@ -138,7 +138,24 @@ def write_staged(path: str, write: Callable[[str], None]) -> str:
     except BaseException:
         discard([tmp])
         raise
+    # safetensors creates its files with mode 0600 whatever the umask; every output gets
+    # the mode a plain open() gives (0666 less the umask).
+    os.chmod(tmp, 0o666 & ~_umask())
     return tmp
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux reports it."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: the only portable read sets it for a moment
+    os.umask(mask)
+    return mask
 
 
 def discard(paths: list[str]) -> None:

@@ -48,7 +48,9 @@ __all__ = [
     "capabilities",
     "capabilities_for",
     "check_backend_name",
+    "chip_name",
     "mx_dot",
+    "no_speedup_reason",
     "resolve_backend",
     "route_for",
     "routes_per_platform",
@@ -252,6 +254,51 @@ def route_for(backend: str, lhs_fmt, rhs_fmt, *, where: str = "backend",
             f"got {F.get(lhs_fmt).name} x {F.get(rhs_fmt).name}; use backend='xla' or 'auto'"
         )
     return ROUTES["xla"]
+
+
+def chip_name(caps: Capabilities) -> str:
+    """The chip in words for messages: its device kind ('NVIDIA B200', 'cpu'), or 'an
+    unknown <platform>'."""
+    return caps.device_kind or f"an unknown {caps.platform}"
+
+
+def _where_auto_takes(backend: str) -> str:
+    rows = [r for r in AUTO_CHOICES if r.backend == backend]
+    if not rows:
+        return f"no chip's 'auto' takes {backend!r}"
+    return "it pays off where 'auto' takes it: " + "; ".join(
+        f"{r.platform.upper()}s" + (
+            f" of compute capability {r.min_compute_capability[0]}.{r.min_compute_capability[1]}"
+            " and up" if r.min_compute_capability else "") for r in rows)
+
+
+def no_speedup_reason(backend: str, lhs_fmt, rhs_fmt, *, caps: Capabilities | None = None,
+                      where: str = "backend") -> str:
+    """'' unless an explicit `backend` runs an ``lhs_fmt x rhs_fmt`` GEMM on a route other
+    than the emulation on a chip whose 'auto' takes the emulation ('xla') for that GEMM;
+    otherwise why it gives no speed-up there and what to use (one paragraph).
+
+    There the route computes what the emulation computes, no faster: e.g. on a CPU the FP8
+    and FP4 routes run XLA:CPU's expansion of their dots (that is how their numerics are
+    tested). `mxjax.dot_general` runs such a backend as asked; the training CLI refuses it
+    (`train.plan`), where the only point of a route is speed. A backend that cannot run at
+    all raises as :func:`route_for` does. ``caps``: the chip (default: the one compiled for).
+    """
+    if backend in ("xla", "auto"):
+        return ""
+    caps = capabilities() if caps is None else caps
+    route = route_for(backend, lhs_fmt, rhs_fmt, where=where, caps=caps)
+    auto = route_for("auto", lhs_fmt, rhs_fmt, caps=caps)
+    if route is ROUTES["xla"] or auto is not ROUTES["xla"]:
+        return ""
+    return (f"{where}: backend {backend!r} gives no speed-up on {chip_name(caps)!r}: "
+            "'auto' takes the emulation ('xla') for this GEMM there "
+            f"(mxjax.backends.AUTO_CHOICES, evidence {', '.join(auto_choice(caps).evidence)}), and "
+            f"{backend!r} would compute the same values no faster"
+            + (" (XLA:CPU expands its FP8/FP4 dot into ordinary arithmetic)"
+               if caps.platform == "cpu" else "")
+            + f". Use backend 'auto' (the chip's fastest exact route) or 'xla' here; "
+            f"{_where_auto_takes(backend)}.")
 
 
 def routes_per_platform(backend: str, lhs_fmt, rhs_fmt, *,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from study import config as SC
 from study.runner import run_study
@@ -15,7 +16,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m study",
         description="The MXFP4 ladder study: fixed-budget runs, branch-and-compare "
-                    "efficiency with 95% intervals, ablations and scale trend (study/).")
+                    "efficiency with 95% intervals, ablations and scale trend (study/).",
+        epilog=SC.describe(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="study YAML (e.g. configs/ladder_tiny.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key, e.g. seeds=[0,1] or branch.steps=12")
@@ -27,6 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sets = list(a.set) + ([f"out_dir={a.out}"] if a.out else [])
     try:
         cfg = SC.load(a.config, sets)
+        _check_out_dir(cfg.out_path)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -37,6 +40,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         run_study(cfg, verbose=not a.quiet)
     return 0
+
+
+def _check_out_dir(out: Path) -> None:
+    """ConfigError unless `out` (``out_dir``, ``--out``) is a directory or can be made one."""
+    for p in (out, *out.parents):
+        if p.exists():
+            if not p.is_dir():
+                what = "is" if p == out else f"lies under {p}, which is"
+                raise ConfigError(f"out_dir (--out) {out} {what} a file, not a directory; "
+                                  "choose another output directory")
+            return
 
 
 if __name__ == "__main__":

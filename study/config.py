@@ -9,7 +9,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import inspect
 import json
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -264,6 +266,28 @@ def load(path: str | Path | None, overrides: Sequence[str] = ()) -> StudyConfig:
     """Reads a study YAML (``--set key=value`` overrides use train.config's syntax)."""
     raw = C.read_yaml(path) if path is not None else {}
     return from_dict(C.apply_overrides(raw, overrides))
+
+
+def describe(width: int = 100) -> str:
+    """The study config's keys with their defaults, and what they mean, for ``--help``."""
+    lines = ["config keys (set in the YAML file or with --set key=value):"]
+
+    def entry(indent: str, name: str, default: Any) -> None:
+        lines.extend(textwrap.wrap(f"{indent}{name} (default {default!r})", width,
+                                   subsequent_indent=indent + "    "))
+
+    for f in dataclasses.fields(StudyConfig):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if dataclasses.is_dataclass(default):
+            summary = inspect.getdoc(type(default)).split("\n\n")[0].replace("\n", " ")
+            lines.extend(textwrap.wrap(f"{f.name}: {summary}", width, subsequent_indent="    "))
+            for g in dataclasses.fields(default):
+                entry("  ", g.name, getattr(default, g.name))
+        else:
+            entry("", f.name, default)
+    lines += ["", *inspect.getdoc(StudyConfig).splitlines()[2:]]
+    lines += ["", "branch:", *inspect.getdoc(BranchSection).splitlines()[2:]]
+    return "\n".join(lines)
 
 
 def to_dict(cfg: StudyConfig) -> dict[str, Any]:

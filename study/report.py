@@ -17,8 +17,12 @@ import numpy as np
 
 from study import policies as study_policies
 from study import stats as S
-from study.config import StudyConfig
+from study.config import StudyConfig, run_config
 from study.engine import read_json, write_json
+
+# The fewest seeds (fixed budget) or replicates (branches) whose interval widths the
+# report compares: below it a 95% t interval's width is mostly its quantile's.
+MIN_SAMPLES = 3
 
 PAPER = {  # the paper's Table 1 (tokens over the FP8 baseline), for the side-by-side
     "mxfp4_fprop": "8–9%", "mxfp4_fprop_dgrad": "10–11%", "mxfp4_all": "26–27%",
@@ -166,13 +170,18 @@ def noise_comparison(fixed: Mapping[str, Any], branch: Mapping[str, Any],
         f = fixed.get(p, {}).get("tokens_vs_reference")
         b = branch.get(p, {}).get("all", {}).get("vs_exact")
         n_f = fixed.get(p, {}).get("final", {}).get("n", 0)
+        n_b = branch.get(p, {}).get("all", {}).get("n", 0)
         if not f or not b:
             continue
         hw_f = (f["high"] - f["low"]) / 2
         hw_b = (b["high"] - b["low"]) / 2
         ratio = hw_f / hw_b if hw_b > 0 else math.nan
+        # With fewer than MIN_SAMPLES seeds or replicates a half-width is mostly the t
+        # quantile's (12.7 at n = 2), so n x ratio^2 says nothing about seeds.
+        enough = min(n_f, n_b) >= MIN_SAMPLES and math.isfinite(ratio)
         out[p] = {"fixed_half_width": hw_f, "branch_half_width": hw_b, "ratio": ratio,
-                  "seeds_needed": n_f * ratio ** 2 if math.isfinite(ratio) else math.nan}
+                  "fixed_n": n_f, "branch_n": n_b,
+                  "seeds_needed": n_f * ratio ** 2 if enough else None}
     return out
 
 
@@ -222,12 +231,18 @@ def _separated(d: Mapping[str, float] | None) -> str:
     return "yes" if d["low"] > 0 or d["high"] < 0 else "no"
 
 
+def _nothing(why: str) -> str:
+    """The line a report section shows instead of a table it cannot fill: why not."""
+    return f"_Nothing to conclude here: {why}._"
+
+
 def render(rep: Mapping[str, Any], cfg: StudyConfig) -> str:
     t = rep["branch"]["table"]
     fx = rep["fixed_budget"]
     b = cfg.branch
     lines = [f"# Ladder study `{cfg.name}`", ""]
     n_params = rep["scale"].get(str(cfg.width), {}).get("n_params") or "?"
+    backend = run_config(cfg, cfg.width).backend  # the train config's default included
     lines += [
         (f"Model width {cfg.width} ({n_params} "
         f"parameters); {cfg.steps} steps of "
@@ -235,8 +250,8 @@ def render(rep: Mapping[str, Any], cfg: StudyConfig) -> str:
         f"{cfg.run.get('data', {}).get('seq_len', '?')} tokens; held-out set "
         f"{cfg.eval_sequences} sequences, evaluated with the exact forward. "
         f"Reference `{cfg.reference}`, baseline `{cfg.baseline}`; quantized GEMMs on "
-        f"backend `{cfg.run.get('backend') or 'xla'}`"
-        f"{' (each chip its fastest route)' if cfg.run.get('backend') == 'auto' else ''}."),
+        f"backend `{backend or 'xla'}`"
+        f"{' (each chip its fastest exact route)' if backend == 'auto' else ''}."),
         "",
         "## Branch-and-compare (primary measure)", "",
         (f"From the reference runs' states at steps {list(b.points)} (seeds "
@@ -251,6 +266,10 @@ def render(rep: Mapping[str, Any], cfg: StudyConfig) -> str:
         "loss - exact after K | separated from exact |"),
         "|---|---|---|---|---|---|---|---|"]
     order = [p for p in list(cfg.rungs) + list(cfg.ablations) if p in t]
+    if not order:
+        lines.append(_nothing(f"no branch of a rung or ablation was paired with a branch of "
+                              f"the reference `{cfg.reference}` (branch.points "
+                              f"{list(b.points)}; units not run yet?)"))
     for p in order:
         e = t[p]
         lme = e["all"]["loss_minus_exact"]
@@ -268,24 +287,32 @@ def render(rep: Mapping[str, Any], cfg: StudyConfig) -> str:
     for p in order:
         lines.append(f"| `{p}` | " + " | ".join(
             pct_iv(t[p].get(f"step{pt}", {}).get("vs_exact")) for pt in points) + " |")
-    lines += ["", "What each ablation changes:", ""]
+    if cfg.ablations:
+        lines += ["", "What each ablation changes:", ""]
     for p in cfg.ablations:
         lines.append(f"- `{p}`: {study_policies.describe(p, cfg.custom_policies)}")
-    lines += ["", "## The paper's Table 1 beside this study", "",
-              (f"Overhead vs `{cfg.baseline}` from branch-and-compare (all replicates) | the "
-              "paper's figure:"), "",
-              "| configuration | Fprop | +Dgrad | +Wgrad |", "|---|---|---|---|"]
+    paper_rows = [p for p in PAPER if p in t and t[p].get("all", {}).get("vs_baseline")]
+    lines += ["", "## The paper's Table 1 beside this study", ""]
+    if not paper_rows:
+        lines += [_nothing(f"this study branched none of the paper's configurations "
+                           f"({', '.join(PAPER)}) together with its baseline `{cfg.baseline}`; "
+                           "add them to rungs (and the baseline to the branches) to compare"),
+                  ""]
+    else:
+        def cell(p: str) -> str:
+            e = t.get(p, {}).get("all", {})
+            return f"{pct_iv(e.get('vs_baseline'))} (paper {PAPER.get(p, '?')})"
 
-    def cell(p: str) -> str:
-        e = t.get(p, {}).get("all", {})
-        return f"{pct_iv(e.get('vs_baseline'))} (paper {PAPER.get(p, '?')})"
-
-    lines += [(f"| no stabilization | {cell('mxfp4_fprop')} | {cell('mxfp4_fprop_dgrad')} | "
-              f"{cell('mxfp4_all')} |"),
-              f"| stochastic rounding | | | {cell('mxfp4_all_sr')} |",
-              f"| randomized Hadamard 16 | | | {cell('mxfp4_all_rht16')} |",
-              (f"| deterministic Hadamard 16 / 32 | | | {cell('mxfp4_all_h16')} / "
-              f"{cell('mxfp4_all_h32')} |"), ""]
+        lines += [
+            (f"Overhead vs `{cfg.baseline}` from branch-and-compare (all replicates) | the "
+             "paper's figure:"), "",
+            "| configuration | Fprop | +Dgrad | +Wgrad |", "|---|---|---|---|",
+            (f"| no stabilization | {cell('mxfp4_fprop')} | {cell('mxfp4_fprop_dgrad')} | "
+             f"{cell('mxfp4_all')} |"),
+            f"| stochastic rounding | | | {cell('mxfp4_all_sr')} |",
+            f"| randomized Hadamard 16 | | | {cell('mxfp4_all_rht16')} |",
+            (f"| deterministic Hadamard 16 / 32 | | | {cell('mxfp4_all_h16')} / "
+             f"{cell('mxfp4_all_h32')} |"), ""]
     lines += ["## Fixed-budget ladder (end-to-end check)", "",
               (f"Every policy trains {cfg.steps} steps from the same init per seed "
               f"({list(cfg.seeds)}), same batches. Loss differences paired by seed (95% t "
@@ -296,6 +323,8 @@ def render(rep: Mapping[str, Any], cfg: StudyConfig) -> str:
               (f"| policy | final loss | vs {cfg.reference} (paired) | separated | tokens vs "
               f"{cfg.reference} | vs {cfg.baseline} (paired) | separated | tokens vs "
               f"{cfg.baseline} | own-forward loss |"), "|---|---|---|---|---|---|---|---|---|"]
+    if not any(p in fx for p in cfg.ladder_policies):
+        lines.append(_nothing("no fixed-budget run has finished (units not run yet?)"))
     for p in cfg.ladder_policies:
         if p not in fx:
             continue
@@ -331,10 +360,22 @@ def render(rep: Mapping[str, Any], cfg: StudyConfig) -> str:
                   "| policy | fixed-budget ± | branch ± | ratio | seeds needed |",
                   "|---|---|---|---|---|"]
         for p, d in nz.items():
+            needed = (f"{d['seeds_needed']:.0f}" if d.get("seeds_needed") is not None else
+                      f"n/a ({d.get('fixed_n', '?')} seeds, {d.get('branch_n', '?')} "
+                      "replicates)")
             lines.append(f"| `{p}` | {100 * d['fixed_half_width']:.1f} pp | "
                          f"{100 * d['branch_half_width']:.1f} pp | {d['ratio']:.1f} | "
-                         f"{d['seeds_needed']:.0f} |")
-    lines += ["", "## Scale trend (branch-and-compare, overhead vs exact)", "",
+                         f"{needed} |")
+        if any(d.get("seeds_needed") is None for d in nz.values()):
+            lines += ["", _nothing(f"'seeds needed' wants at least {MIN_SAMPLES} seeds and "
+                                   f"{MIN_SAMPLES} branch replicates: with fewer, a 95% t "
+                                   "interval's width is mostly its quantile's (12.7 at 2) and "
+                                   "the ratio of two such widths says nothing about seeds")]
+    lines += ["", "## Scale trend (branch-and-compare, overhead vs exact)", ""]
+    if not cfg.scale.widths:
+        lines.append(_nothing("scale.widths is empty: a single width shows no trend (set "
+                              "scale.widths, e.g. [64, 256], to measure one)"))
+    lines += [
               (f"Replicates: seeds {list(cfg.scale.seeds)} x points {list(cfg.scale_points)} at "
               f"the other widths; at width {cfg.width}, its branch seeds at the same points."),
               "",

@@ -112,7 +112,8 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     "train": (
         ("jsonsafe", "execution"),
         ("config",),
-        ("hooks", "process", "run_lock", "checkpoint", "optimizer", "preemption", "memory"),
+        ("hooks", "process", "run_lock", "checkpoint", "optimizer", "preemption", "memory",
+         "backend"),
         ("data", "state", "diagnostics"),
         ("hf",),
         ("output", "plan", "step"),

@@ -25,3 +25,25 @@ def test_the_page_quotes_the_figure_and_its_provenance(key):
     assert not absent, f"docs/PERFORMANCE.md does not quote {key}'s {absent}"
     p = fig.provenance
     assert p.date in text and p.jax in text and p.commit[:7] in text, (key, p)
+
+
+def test_on_your_chip_is_written_from_the_data_file():
+    # A figure changed in mxjax/measurements.json fails here until the section is rewritten:
+    # python scripts/on_your_chip.py --write
+    from scripts import on_your_chip
+
+    section = on_your_chip.section_in_page(PAGE.read_text())
+    assert section is not None, "docs/PERFORMANCE.md lost its on-your-chip markers"
+    assert section == on_your_chip.render(), "run: python scripts/on_your_chip.py --write"
+    assert PAGE.read_text().index(on_your_chip.BEGIN) < PAGE.read_text().index("\n## ")
+
+
+def test_on_your_chip_ratios_are_the_files():
+    from scripts import on_your_chip
+
+    text = on_your_chip.render()
+    est = measurements.figure("layer_8b.b200.rates_roofline")
+    assert f"{est.value('xla_fp4') / est.value('bf16'):.2f}x bf16" in text
+    run = measurements.figure("layer_8b.h200.measured")
+    assert f"{run.value('xla_fp8') / run.value('bf16'):.2f}x bf16" in text
+    assert "`xla_fp4`, MXFP4 re-encoded" in text and "`xla_fp8`, MXFP4 carried" in text

@@ -88,8 +88,10 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="YAML config file (e.g. configs/tiny.yaml); without it "
                     "the defaults below are used")
-    ap.add_argument("--policy", help="precision policy preset name, or 'none' (overrides the "
-                    "config's policy)")
+    ap.add_argument("--policy", help="precision policy (overrides the config's policy): what "
+                    "mxjax.policies.resolve takes: a preset name (--list-policies), "
+                    "'<name>@<backend>', 'none', or a policy dict as JSON/YAML, e.g. "
+                    "'{fprop: mxfp4, dgrad: null}'")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key, e.g. --set train.steps=200 --set "
                     "model.overrides.n_layers=2 (value parsed as YAML; repeatable)")
@@ -102,7 +104,8 @@ def _parser() -> argparse.ArgumentParser:
                     "(nothing is compiled)")
     ap.add_argument("--print-config", action="store_true",
                     help="print the resolved config as YAML and exit")
-    ap.add_argument("--list-policies", action="store_true", help="list policy names and exit")
+    ap.add_argument("--list-policies", action="store_true",
+                    help="list the policy presets, one line each (name - what it is), and exit")
     ap.add_argument("--quiet", action="store_true", help="no progress or log lines")
     return ap
 
@@ -113,13 +116,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return SUBCOMMANDS[argv[0]](argv[1:])
     args = _parser().parse_args(argv)
     if args.list_policies:
-        print("\n".join(("none",) + tuple(policies.names())))
+        print(_policy_list())
         return 0
     try:
         raw = cfgmod.read_yaml(args.config) if args.config else {}
         raw = cfgmod.apply_overrides(raw, args.set)
         if args.policy is not None:
-            raw["policy"] = args.policy
+            raw["policy"] = cfgmod.policy_argument(args.policy)
         if args.out is not None:
             raw["out_dir"] = args.out
         if args.distributed:
@@ -184,8 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:  # e.g. stopped by the non-finite guard: the last eval is older than the state
             ev = (f"last eval loss: {s.eval_history[-1][2]:.4f} at step {s.eval_history[-1][0]}"
                   ", none after it; stopped after")
-        print(f"{ev} {s.steps} steps / {s.tokens} tokens; wall time {s.wall_time_s:.1f}s; "
-              f"{tps} tokens/s; skipped steps: {s.skipped_steps}")
+        print(f"{ev} {s.steps} step{'s' * (s.steps != 1)} / {s.tokens} tokens; wall time "
+              f"{s.wall_time_s:.1f}s; {tps} tokens/s; skipped steps: {s.skipped_steps}")
         if s.segments and len(s.segments) > 1:  # resumed: the figures above are the whole run's
             g = s.segments[-1]
             gtps = f"{g['tokens_per_s']:,.0f}" if g["tokens_per_s"] else "n/a"
@@ -198,6 +201,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"checkpoints: {s.checkpoint_dir}")
         print(f"summary: {s.out_dir}/summary.json")
     return _EXIT_BY_STATUS.get(summary.status, 0)
+
+
+def _policy_list() -> str:
+    """One line per preset: name - what it is (--list-policies)."""
+    rows = [("none", "no policy: every GEMM a plain lax.dot_general (as passthrough)")]
+    rows += [(n, policies.summary(n)) for n in policies.names()]
+    width = max(len(n) for n, _ in rows)
+    return "\n".join(f"{n.ljust(width)}  {what}" for n, what in rows)
 
 
 _EXIT_BY_STATUS = {"nonfinite": 3, "data_error": 7, "preempted": PREEMPTED_EXIT}

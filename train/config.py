@@ -9,7 +9,7 @@ name the offending key)::
     out_dir: null              # default runs/<name>
     jax_cache_dir: null        # persistent compilation cache
     policy: mxfp4_all_h16      # a preset name, a full policy dict, or null (no policy)
-    backend: null              # every quantized GEMM's backend (auto: the chip's route)
+    backend: auto              # the quantized GEMMs' route (auto: the chip's fastest exact one)
     model:   {preset, overrides, compute_dtype, init_from}
     data:    {sources, val_sources, format, text_key, split, holdout_every,
               holdout_block, max_docs, tokenizer, vocab_size, eos_token,
@@ -221,10 +221,14 @@ class Config:
         "(mxjax.policies.to_dict format; from Python also a PrecisionPolicy, stored as its "
         "dict)"})
     backend: str | None = _field(
-        None, "the backend every quantized GEMM of every policy this run compiles runs on "
-        "(mxjax.backends.BACKENDS; auto: the fastest route of the chip compiled for, "
-        "mxjax.backends.AUTO_CHOICES: FP8 units on Hopper and Blackwell); null: each "
-        "policy's own (the presets': xla, the emulation)")
+        "auto", "where the quantized GEMMs of every policy this run compiles run "
+        "(mxjax.backends.BACKENDS). auto: the fastest exact route of the chip compiled for "
+        "(mxjax.backends.AUTO_CHOICES: MXFP4 on the FP4 units of Blackwell, carried in FP8 "
+        "on Hopper; the emulation on CPUs, TPUs and other GPUs), except where the policy "
+        "names its backend (name@backend, a dict GEMM's backend); xla: the emulation, bit "
+        "for bit the same on every chip; another route: every quantized GEMM on it (refused "
+        "where it gives no speed-up on the chip); null: each policy's own (the presets': "
+        "xla)")
     jax_cache_dir: str | None = _field(
         None, "persistent JAX compilation cache directory (re-runs, resumes and study runs "
         "skip recompiling; null: off)")
@@ -551,6 +555,24 @@ def check(cfg: Config) -> None:
     if cfg.model.init_from is not None:
         need(bool(cfg.model.init_from), "model.init_from: empty path (use null to start from "
              "random weights)")
+
+
+def policy_argument(text: str) -> str | dict[str, Any]:
+    """``--policy``'s value as the config's ``policy`` takes it: a JSON/YAML mapping (text
+    starting with '{') becomes a dict; anything else is a name for `mxjax.policies.resolve`.
+    ConfigError for a mapping that does not parse."""
+    if not text.lstrip().startswith("{"):
+        return text
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--policy: {text[:60]!r} is not a JSON/YAML mapping "
+                          f"({' '.join(str(e).split())}); quote it whole in the shell, e.g. "
+                          "--policy '{fprop: mxfp4, dgrad: null}'") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--policy: expected a preset name or a JSON/YAML mapping, got "
+                          f"{text[:60]!r}")
+    return value
 
 
 def describe(width: int = 100) -> str:

@@ -17,6 +17,7 @@ import jax
 
 from models.llama import LlamaConfig, RopeScaling
 from mxjax import PrecisionPolicy, policies
+from train import backend as gemm_backend
 from train import data as datamod
 from train.config import Config, ConfigError
 from train.data import stream as stream_data
@@ -61,21 +62,17 @@ def resolve_policy(
         return None, "none", None
     name = spec if isinstance(spec, str) else (pol.name or str(spec.get("name") or "custom"))
     if backend is not None:
-        pol = with_backend(pol, backend)
-        name = f"{name.split('@', 1)[0]}@{backend}"
+        pol = gemm_backend.apply_backend(pol, backend, gemm_backend.stated_backends(spec))
+        if backend != "auto":
+            name = f"{name.split('@', 1)[0]}@{backend}"
     check_backends(pol)
     return pol, name, jsonable(policies.to_dict(pol))
 
 
 def with_backend(policy: PrecisionPolicy | None, backend: str | None) -> PrecisionPolicy | None:
-    """`policy` with its quantized GEMMs on `backend` (None: unchanged; a ConfigError
-    names a bad one): the config's ``backend``, applied to every policy a run compiles."""
-    if policy is None or backend is None:
-        return policy
-    try:
-        return policy.with_backend(backend)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    """`policy` under the config's ``backend`` (`train.backend.apply_backend`; None:
+    unchanged; a ConfigError names a bad one), applied to every policy a run compiles."""
+    return gemm_backend.apply_backend(policy, backend)
 
 
 def check_backends(policy: PrecisionPolicy) -> None:
@@ -89,6 +86,7 @@ def check_backends(policy: PrecisionPolicy) -> None:
         policy.check_backends()
     except (RuntimeError, ValueError) as e:
         raise ConfigError(str(e)) from None
+    gemm_backend.check_speedup(policy)
 
 
 def build_model_config(config: Config, vocab_size: int,

@@ -33,6 +33,7 @@ import numpy as np
 import yaml
 
 from models import sharding as shd
+from train import backend as gemm_backend
 from train import data as datamod
 from train import execution, memory
 from train.checkpoint import Checkpointer, CheckpointWriteError
@@ -103,6 +104,7 @@ class Trainer:
         self.out = c.out_path
         self.out.mkdir(parents=True, exist_ok=True)
         self.compiled = run = CompiledRun(plan, hooks=self.hooks)
+        self._routes: dict[str, Any] | None = None  # what each GEMM runs on (logged at start)
         self.mesh, self.tx, self.schedule, self.layout = run.mesh, run.tx, run.schedule, run.layout
         self.abs_state = run.abstract
         self.n_params = run.n_params
@@ -261,6 +263,8 @@ class Trainer:
                   f"fsdp={self.plan.mesh_axes[1]} tensor={self.plan.mesh_axes[2]} | "
                   f"{self.compiled.data_summary()} | memory estimate "
                   f"{memory.gib(memory.for_plan(self.plan).total)} per device")
+        self._routes = gemm_backend.route_record(self.plan.policy, c.backend)
+        self._log(f"GEMM routes: {gemm_backend.describe_routes(self._routes)}")
         if resumed is None:
             mll.begin_init(mlperf.run_header(c, mlperf.plan_facts(
                 self.plan, train_samples=self.compiled.train_samples,
@@ -423,7 +427,8 @@ class Trainer:
             if ckpt is not None:
                 ckpt.close()
         if status == "completed":
-            message = f"trained {step} steps ({step * self.tokens_per_step} tokens)"
+            message = (f"trained {step} step{'s' * (step != 1)} "
+                       f"({step * self.tokens_per_step} tokens)")
         if status not in RESUMABLE_STOPS:  # a resumed run goes on in the same MLPerf log
             mll.end_run(success=status == "target_reached", step=step,
                         samples=step * t.global_batch)
@@ -463,4 +468,5 @@ class Trainer:
                          message=message, step=step, tokens_per_step=self.tokens_per_step,
                          skipped=skipped, segments=segments, resumed=resumed,
                          primary=self.primary and not self.read_only,
+                         routes=self._routes,
                          records=self._metrics.records if self._metrics is not None else None)

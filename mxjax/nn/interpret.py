@@ -197,8 +197,10 @@ def _dot(eqn, invals, ins: list[Info], ctx: _Ctx, stack, salts: tuple, sources: 
     kind, why, head_rule = classify(eqn, ins[0], ins[1], path, ctx.facts, ctx.head_params)
     rule, policy = ctx.match(name, kind)
     note = ""
-    if policy is None:
+    if rule is None:
         why += "; no rule selects this path and kind: unchanged"
+    elif policy is None:
+        why += f"; rule {rule} (policy None): unchanged"
     else:
         why += f"; rule {rule}"
     if policy is not None and not (jnp.issubdtype(lhs.dtype, jnp.floating)

@@ -56,7 +56,7 @@ Modules: `policy` (the type), `presets` (the builders, :data:`PRESETS`), `aliase
 from mxjax.policies.aliases import ALIASES, canonical_name
 from mxjax.policies.lookup import dot_general, from_dict, get, resolve, to_dict
 from mxjax.policies.policy import GemmSpec, PrecisionPolicy
-from mxjax.policies.presets import PRESETS, names
+from mxjax.policies.presets import PRESETS, names, summary
 
 __all__ = ["ALIASES", "PRESETS", "GemmSpec", "PrecisionPolicy", "canonical_name",
-           "dot_general", "from_dict", "get", "names", "resolve", "to_dict"]
+           "dot_general", "from_dict", "get", "names", "resolve", "summary", "to_dict"]

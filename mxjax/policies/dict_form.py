@@ -1,7 +1,10 @@
 """Policies as plain dicts (YAML configs, JSON records): :func:`to_dict` and :func:`from_dict`.
 
 ``from_dict(to_dict(p)) == p`` for every policy; preset names are accepted where a dict
-goes (the lookup, `mxjax.policies.lookup`, resolves them).
+goes (the lookup, `mxjax.policies.lookup`, resolves them). A dict takes every form of a
+GEMM that ``PrecisionPolicy`` takes in Python: ``null`` or an omitted GEMM (pass-through),
+a format name (``mxfp4``: both operands), one operand's fields (both operands), or the
+full ``{lhs, rhs, hadamard, backend}``.
 """
 
 from __future__ import annotations
@@ -44,12 +47,24 @@ def to_dict(policy: PrecisionPolicy) -> dict[str, Any]:
 def _operand_from(d: Any, where: str) -> OperandRecipe:
     if isinstance(d, str):
         return OperandRecipe(fmt=F.get(d))
-    check_keys(d, {"fmt", "scale_rule", "rounding", "sr_prescale"}, {"fmt"}, where=where)
+    check_keys(d, _OPERAND_KEYS, {"fmt"}, where=where)
     return OperandRecipe(**d)
 
 
-def _gemm_from(d: Any, where: str) -> GemmRecipe:
-    check_keys(d, {"lhs", "rhs", "hadamard", "backend"}, {"lhs", "rhs"}, where=where)
+_OPERAND_KEYS = {"fmt", "scale_rule", "rounding", "sr_prescale"}
+_GEMM_KEYS = {"lhs", "rhs", "hadamard", "backend"}
+
+
+def _gemm_from(d: Any, where: str) -> GemmRecipe | OperandRecipe | str | None:
+    if d is None or isinstance(d, str):
+        return d  # PrecisionPolicy's own forms: pass-through, or a format for both operands
+    if isinstance(d, Mapping) and "fmt" in d and not set(d) & {"lhs", "rhs"}:
+        return _operand_from(d, where)  # one operand's fields: both operands
+    if isinstance(d, Mapping) and set(d) - _GEMM_KEYS and set(d) <= _GEMM_KEYS | _OPERAND_KEYS:
+        raise ValueError(f"{where}: a GEMM is null, a format name, one operand's fields "
+                         f"({sorted(_OPERAND_KEYS)}, fmt required) or {{lhs, rhs, hadamard, "
+                         f"backend}}; got keys {sorted(map(str, d))}")
+    check_keys(d, _GEMM_KEYS, {"lhs", "rhs"}, where=where)
     had = d.get("hadamard")
     if isinstance(had, Mapping):
         check_keys(had, {"block_size", "randomized", "seed"}, where=f"{where}.hadamard")
@@ -63,13 +78,16 @@ def _gemm_from(d: Any, where: str) -> GemmRecipe:
 
 
 def from_dict(d: Mapping[str, Any]) -> PrecisionPolicy:
-    """Builds a PrecisionPolicy from ``to_dict``'s layout.
+    """Builds a PrecisionPolicy from ``to_dict``'s layout or any shorter form of a GEMM.
 
-    Layout: ``{'name': str|None, 'fprop'|'dgrad'|'wgrad': {'lhs': operand,
-    'rhs': operand, 'hadamard': None|int|{'block_size', 'randomized', 'seed'},
-    'backend': 'xla'}}`` where an operand is a format name or ``{'fmt',
-    'scale_rule', 'rounding', 'sr_prescale'}`` (missing fields take their
-    defaults). Unknown keys are errors.
+    Layout: ``{'name': str|None, 'fprop'|'dgrad'|'wgrad': gemm}`` where a gemm is (as
+    ``PrecisionPolicy`` takes in Python) null or omitted (pass-through), a format name
+    (both operands, e.g. ``'mxfp4'``; ``'bf16'``: pass-through), one operand's fields
+    (both operands) or ``{'lhs': operand, 'rhs': operand, 'hadamard':
+    None|int|{'block_size', 'randomized', 'seed'}, 'backend': 'xla'}``; an operand is a
+    format name or ``{'fmt', 'scale_rule', 'rounding', 'sr_prescale'}`` (missing fields
+    take their defaults). Unknown keys are errors naming the GEMM.
     """
-    check_keys(d, {"name", *GEMMS}, GEMMS, where="policy dict")
-    return PrecisionPolicy(name=d.get("name"), **{g: _gemm_from(d[g], g) for g in GEMMS})
+    check_keys(d, {"name", *GEMMS}, where="policy dict")
+    return PrecisionPolicy(name=d.get("name"),
+                           **{g: _gemm_from(d[g], g) for g in GEMMS if g in d})

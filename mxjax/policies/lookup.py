@@ -6,13 +6,13 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 
 from mxjax import interceptor
-from mxjax.backends import BACKENDS
 from mxjax.policies import dict_form
 from mxjax.policies.aliases import canonical_name
 from mxjax.policies.policy import PrecisionPolicy
@@ -23,6 +23,20 @@ __all__ = ["dot_general", "from_dict", "get", "resolve", "to_dict"]
 
 def _valid_names(with_none: bool) -> str:
     return ", ".join((("none",) if with_none else ()) + names())
+
+
+def _unknown(spec: Any, with_none: bool) -> ValueError:
+    """The one-paragraph error for an unknown preset name: the closest names first."""
+    shown = repr(spec) if len(repr(spec)) <= 60 else repr(spec)[:56] + "...'"
+    name, at, backend = spec.partition("@") if isinstance(spec, str) else ("", "", "")
+    known = (("none",) if with_none and not at else ()) + names()
+    close = difflib.get_close_matches(name.lower(), known, n=2, cutoff=0.6)
+    if close:
+        guess = " or ".join(repr(f"{c}{at}{backend}") for c in close)
+        return ValueError(f"policy: unknown preset {shown}; did you mean {guess}? (every "
+                          "preset: mxjax.policies.names(), python -m train --list-policies)")
+    return ValueError(f"policy: unknown preset {shown}; valid names: "
+                      f"{_valid_names(with_none)} (each optionally as '<name>@<backend>')")
 
 
 def get(name: str | PrecisionPolicy) -> PrecisionPolicy:
@@ -39,8 +53,7 @@ def get(name: str | PrecisionPolicy) -> PrecisionPolicy:
         policy = _preset(name, stacklevel=4)
         if policy is not None:
             return policy
-    raise ValueError(f"policy: unknown preset {name!r}; valid names: {_valid_names(False)} "
-                     f"(each optionally as '<name>@<backend>', backend one of {BACKENDS})")
+    raise _unknown(name, with_none=False)
 
 
 def _preset(spec: str, *, stacklevel: int) -> PrecisionPolicy | None:
@@ -75,9 +88,7 @@ def resolve(spec: str | Mapping[str, Any] | PrecisionPolicy | None) -> Precision
         policy = _preset(spec, stacklevel=4)
         if policy is not None:
             return policy
-        raise ValueError(f"policy: unknown preset {spec!r}; valid names: "
-                         f"{_valid_names(True)} (each optionally as '<name>@<backend>', "
-                         f"backend one of {BACKENDS})")
+        raise _unknown(spec, with_none=True)
     if isinstance(spec, Mapping):
         return dict_form.from_dict(spec)
     raise TypeError(f"policy: expected a preset name, None or 'none', a policy dict or a "

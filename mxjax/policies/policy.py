@@ -12,7 +12,13 @@ from typing import Any
 
 from mxjax import formats as F
 from mxjax import interceptor
-from mxjax.backends import check_backend_name, route_for
+from mxjax.backends import (
+    Capabilities,
+    capabilities,
+    check_backend_name,
+    chip_name,
+    route_for,
+)
 from mxjax.formats import BF16
 from mxjax.recipes import GEMMS, GemmRecipe, OperandRecipe
 
@@ -180,6 +186,31 @@ class PrecisionPolicy:
                 route_for(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt, where=f"policy.{gemm}")
             except (RuntimeError, ValueError) as e:
                 raise type(e)(f"policy.{gemm}.backend: {e}") from None
+
+    def routes(self, platform: str | None = None, *,
+               caps: Capabilities | None = None) -> dict[str, str]:
+        """What each GEMM runs on, on the chip compiled for: ``{'chip': 'NVIDIA B200',
+        'fprop': 'xla_fp4', 'dgrad': ..., 'wgrad': ...}``, each GEMM the route its backend
+        resolves to there (`mxjax.backends.route_for`; 'auto' becomes the chip's choice) or
+        'passthrough' (plain ``lax.dot_general``).
+
+        ``platform``: the lowering platform ('cpu', 'gpu', 'tpu'; None: the target's own,
+        e.g. the context mesh's abstract device in a deviceless compile). Raises as
+        :meth:`check_backends` does for a backend that cannot run there. ``caps``: another
+        chip's capabilities (`mxjax.backends.capabilities_for`) instead of the target's.
+        """
+        caps = capabilities(platform) if caps is None else caps
+        out = {"chip": chip_name(caps)}
+        for gemm, recipe in self.gemms.items():
+            if recipe.is_passthrough:
+                out[gemm] = "passthrough"
+                continue
+            try:
+                out[gemm] = route_for(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt,
+                                      where=f"policy.{gemm}", caps=caps).name
+            except (RuntimeError, ValueError) as e:
+                raise type(e)(f"policy.{gemm}.backend: {e}") from None
+        return out
 
     def replace(self, **changes: Any) -> PrecisionPolicy:
         """A copy with some fields replaced, each GEMM in any form the constructor takes.

@@ -8,6 +8,7 @@ builders in ladder order. The ladder study's ablations are the study's
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import types
 from collections.abc import Callable, Mapping
 
@@ -17,7 +18,7 @@ from mxjax.recipes import GemmRecipe, Hadamard, OperandRecipe
 
 __all__ = ["PRESETS", "fp8", "mxfp4_all", "mxfp4_all_h16", "mxfp4_all_h16_wgrad",
            "mxfp4_all_h32", "mxfp4_all_rht16", "mxfp4_all_sr", "mxfp4_fprop",
-           "mxfp4_fprop_dgrad", "mxfp8", "names", "nvfp4", "passthrough", "tseng"]
+           "mxfp4_fprop_dgrad", "mxfp8", "names", "nvfp4", "passthrough", "summary", "tseng"]
 
 
 _PT = OperandRecipe(fmt=BF16)
@@ -220,3 +221,10 @@ PRESETS: Mapping[str, Callable[[], PrecisionPolicy]] = types.MappingProxyType({
 def names() -> tuple[str, ...]:
     """Names of all presets, in ladder order (deprecated aliases excluded)."""
     return tuple(PRESETS)
+
+
+def summary(name: str) -> str:
+    """What preset `name` is, in one line: its builder's first docstring paragraph
+    (``python -m train --list-policies`` prints one per preset). KeyError if unknown."""
+    doc = inspect.getdoc(PRESETS[name]) or ""
+    return " ".join(doc.split("\n\n", 1)[0].split()).replace("``", "")

@@ -210,3 +210,18 @@ def test_symlink_loop_and_dangling_link_say_so(tmp_path):
     (tmp_path / "c").symlink_to(tmp_path / "gone")
     with pytest.raises(FileNotFoundError, match=f"is a symlink to {tmp_path / 'gone'}, which"):
         resolve_checkpoint_dir(str(tmp_path / "c"))
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077])
+def test_export_files_honour_the_umask(tmp_path, loaded, mask):
+    # safetensors creates its files 0600; an export's files get 0666 less the umask, as
+    # every other output does.
+    model, layout = loaded
+    old = os.umask(mask)
+    try:
+        written = hf.export_hf(model, str(tmp_path / "out"), layout=layout)
+    finally:
+        os.umask(old)
+    assert any(p.endswith(".safetensors") for p in written)
+    for p in written:
+        assert oct(os.stat(p).st_mode & 0o777) == oct(0o666 & ~mask), p

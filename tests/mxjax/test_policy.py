@@ -137,11 +137,14 @@ def test_preset_has_docstring_name_and_roundtrips_through_json(name):
     assert str(p) == table
 
 
-def test_unknown_preset_lists_valid_names():
+def test_unknown_preset_lists_valid_names_when_none_is_close():
     with pytest.raises(ValueError) as e:
-        policies.get("mxfp3_all")
+        policies.get("qqq_unrelated")
     for n in EXPECTED_PRESETS:
         assert n in str(e.value)
+    with pytest.raises(ValueError) as e:
+        policies.get("mxfp3_all")  # a close name: suggested, and the message stays short
+    assert "did you mean 'mxfp4_all'" in str(e.value) and len(str(e.value)) < 200
 
 
 @pytest.mark.parametrize("name", EXPECTED_PRESETS)
@@ -159,10 +162,16 @@ def test_resolve_no_policy():
 
 
 @pytest.mark.parametrize("spec, exc, match", [
-    ("mxfp3_all", ValueError, r"unknown preset 'mxfp3_all'; valid names: none, passthrough, "),
+    ("mxfp3_all", ValueError, (r"unknown preset 'mxfp3_all'; did you mean 'mxfp4_all' or "
+                              r"'mxfp4_all_sr'\? \(every preset: mxjax.policies.names\(\), "
+                              r"python -m train --list-policies\)$")),
+    ("zzz", ValueError, r"unknown preset 'zzz'; valid names: none, passthrough, "),
+    ("mxfp4all@auto", ValueError, r"did you mean 'mxfp4_all@auto' or"),
+    ("nope@xla", ValueError, r"unknown preset 'nope@xla'; valid names"),  # never 'none@xla'
+    ("x" * 500, ValueError, r"unknown preset 'x{55}\.\.\.'; valid names"),  # kept short
     ("", ValueError, r"unknown preset ''"),
-    ("MXFP4_ALL", ValueError, r"unknown preset 'MXFP4_ALL'"),  # only 'none' ignores case
-    ({"fprop": {"lhs": "mxfp4", "rhs": "mxfp4"}}, ValueError, r"policy dict: missing"),
+    ("MXFP4_ALL", ValueError, r"unknown preset 'MXFP4_ALL'; did you mean 'mxfp4_all'"),
+    ({"fprop": {"lhs": "mxfp4"}}, ValueError, r"fprop: missing keys \['rhs'\]"),
     ({**policies.to_dict("fp8"), "extra": 1}, ValueError, r"policy dict: unknown keys \['extra'\]"),
     ({**policies.to_dict("fp8"), "fprop": 3}, TypeError, r"fprop: expected a mapping"),
     (3, TypeError, r"a policy dict or a PrecisionPolicy, got int 3"),
@@ -250,8 +259,10 @@ def test_from_dict_accepts_short_forms_and_rejects_unknown_keys():
     assert policies.from_dict("mxfp4_all") == policies.get("mxfp4_all")
     with pytest.raises(ValueError, match="unknown keys"):
         policies.from_dict({**d, "extra": 1})
-    with pytest.raises(ValueError, match="missing keys"):
-        policies.from_dict({"fprop": d["fprop"], "dgrad": d["dgrad"]})
+    # an omitted GEMM is pass-through, as in Python (tests/mxjax/test_policy_dict_forms.py)
+    assert policies.from_dict({"fprop": d["fprop"], "dgrad": d["dgrad"]}).wgrad.is_passthrough
+    with pytest.raises(ValueError, match=r"fprop: missing keys \['rhs'\]"):
+        policies.from_dict({**d, "fprop": {"lhs": "mxfp4"}})
     with pytest.raises(ValueError, match="unknown keys"):
         policies.from_dict({**d, "fprop": {"lhs": "mxfp4", "rhs": "mxfp4", "hadmard": 16}})
     with pytest.raises(ValueError, match="unknown format"):

@@ -98,8 +98,8 @@ def test_the_scale_rule_default_is_ocp_floor_the_presets_use_even_and_describe_s
 def _docs_example() -> str:
     text = (ROOT / "docs" / "policies.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
-    assert len(blocks) == 1, "docs/policies.md: expected one Python example"
-    return blocks[0]
+    assert len(blocks) == 2, "docs/policies.md: expected two Python examples (data, then code)"
+    return blocks[1]
 
 
 def test_docs_python_example_builds_the_papers_recipe_from_constructors(capsys):
@@ -182,8 +182,8 @@ def test_wrap_and_rule_take_no_policy(mlp, none):
 
 
 @pytest.mark.parametrize("spec, exc, match", [
-    ("mxfp3", ValueError, r"unknown preset 'mxfp3'; valid names: none, passthrough"),
-    ({"fprop": {}}, ValueError, r"policy dict: missing keys"),
+    ("mxfp3", ValueError, r"unknown preset 'mxfp3'; did you mean 'mxfp8'\?"),
+    ({"fprop": {}}, ValueError, r"fprop: missing keys \['lhs', 'rhs'\]"),
     (3, TypeError, r"expected a preset name, None or 'none', a policy dict or a PrecisionPolicy"),
 ])
 def test_rule_and_wrap_errors_name_the_argument(mlp, spec, exc, match):

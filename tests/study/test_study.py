@@ -52,7 +52,8 @@ def test_shipped_study_configs_load():
     assert tiny.scale.widths and gpu.workers == 1
     # the GPU study: fp8 baseline and MXFP4 rungs on the chip's units
     assert SC.run_config(gpu, gpu.width).backend == "auto"
-    assert SC.run_config(tiny, tiny.width).backend is None
+    assert SC.run_config(tiny, tiny.width).backend == "auto"  # the train default: on a CPU
+    # 'auto' is the emulation, bit for bit
 
 
 @pytest.mark.parametrize("change, match", [
@@ -82,7 +83,9 @@ def test_run_backend_reaches_every_run_of_the_study(tmp_path):
     raw["run"] = {**raw["run"], "backend": "auto"}
     cfg = SC.from_dict(raw)
     assert SC.run_config(cfg, cfg.width).backend == "auto"
-    assert SC.run_config(SC.from_dict(_raw(tmp_path, tmp_path)), 32).backend is None
+    assert SC.run_config(SC.from_dict(_raw(tmp_path, tmp_path)), 32).backend == "auto"
+    raw["run"] = {**raw["run"], "backend": "xla"}  # the emulation on every chip
+    assert SC.run_config(SC.from_dict(raw), 32).backend == "xla"
 
 
 def test_units_cover_every_run_and_branch_and_group_by_policy(tmp_path):
@@ -149,8 +152,8 @@ def test_study_policy_dict_errors_name_the_key(tmp_path):
     def bad(**top):
         return SC.from_dict(_raw(tmp_path, tmp_path, **top))
 
-    with pytest.raises(ConfigError, match=r"rungs\[1\]: policy dict: missing keys"):
-        bad(rungs=["fp8", {"fprop": {"lhs": "mxfp4", "rhs": "mxfp4"}}])
+    with pytest.raises(ConfigError, match=r"rungs\[1\]: .*fprop: missing keys \['rhs'\]"):
+        bad(rungs=["fp8", {"fprop": {"lhs": "mxfp4"}}])
     with pytest.raises(ConfigError, match=r"ablations\[0\]: the policy named 'mxfp4_all' "
                                           r"differs from the preset"):
         bad(ablations=[{**_mine(), "name": "mxfp4_all"}])
@@ -315,9 +318,71 @@ def test_report_end_to_end_on_a_tiny_study(tmp_path, data_cache, capsys):
         assert (tmp_path / name).stat().st_size > 0
     text = (tmp_path / "ladder.md").read_text()
     assert "Branch-and-compare" in text and "`fp8`" in text
-    assert "quantized GEMMs on backend `xla`." in text  # the run's backend, here the default
+    # the run's backend, here the train config's default
+    assert "quantized GEMMs on backend `auto` (each chip its fastest exact route)." in text
     # Resuming finds every unit done and trains nothing.
     before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*.json") if "w32" in str(p)}
     runner.run_study(cfg, verbose=False)
     after = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*.json") if "w32" in str(p)}
     assert before == after
+
+
+def test_study_help_lists_the_config_keys(capsys):
+    from study.__main__ import main as study_main
+
+    with pytest.raises(SystemExit) as e:
+        study_main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "config keys (set in the YAML file or with --set key=value):" in out
+    for key in ("seeds (default (0, 1, 2, 3))", "branch: Branch-and-compare",
+                "  exact_steps (default 48)", "scale: The scale trend", "run (default {})"):
+        assert key in out, key
+
+
+def test_study_out_that_is_a_file_is_a_config_error(tmp_path, capsys):
+    from study.__main__ import main as study_main
+
+    f = tmp_path / "a-file"
+    f.write_text("not a directory")
+    for out in (f, f / "sub"):
+        assert study_main(["--config", "configs/ladder_tiny.yaml", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"config error: out_dir (--out) {out} "), err
+        assert "a file, not a directory; choose another output directory" in err
+    assert f.read_text() == "not a directory"
+
+
+def test_seeds_needed_is_given_only_with_enough_seeds_and_replicates():
+    fixed = {p: {"tokens_vs_reference": {"overhead": 0.1, "low": -0.9, "high": 1.1},
+                 "final": {"n": n}} for p, n in (("few", 2), ("enough", 3))}
+    branch = {p: {"all": {"n": 4, "vs_exact": {"overhead": 0.1, "low": 0.09, "high": 0.11}}}
+              for p in ("few", "enough")}
+    nz = R.noise_comparison(fixed, branch, ["few", "enough"])
+    assert nz["few"]["seeds_needed"] is None  # 2 seeds: the widths are the t quantile's
+    assert nz["enough"]["seeds_needed"] == pytest.approx(3 * 100.0 ** 2)
+
+
+def test_a_small_studys_report_says_what_it_cannot_conclude(tmp_path, data_cache):
+    cfg = SC.from_dict(_raw(tmp_path, data_cache, rungs=["fp8", "mxfp4_all"],
+                            ablations=[], baseline="fp8"))
+    fixed = {"tokens_vs_reference": {"overhead": 0.1, "low": -5.0, "high": 5.0},
+             "final": {"n": 2}}
+    rep = {"branch": {"table": {}}, "fixed_budget": {},
+           "noise": R.noise_comparison(
+               {"mxfp4_all": fixed},
+               {"mxfp4_all": {"all": {"n": 2, "vs_exact": {"overhead": 0.1, "low": 0.0999,
+                                                           "high": 0.1001}}}},
+               ["mxfp4_all"]),
+           "scale": {"32": {"n_params": None, "table": {}}}, "probe": None}
+    text = R.render(rep, cfg)
+    sections = text.split("\n## ")
+    for title, why in (("Branch-and-compare", "no branch of a rung or ablation was paired"),
+                       ("The paper's Table 1", "this study branched none of the paper's"),
+                       ("Fixed-budget ladder", "no fixed-budget run has finished"),
+                       ("How much less noisy", "'seeds needed' wants at least 3 seeds"),
+                       ("Scale trend", "scale.widths is empty")):
+        section = next(s for s in sections if s.startswith(title))
+        assert f"_Nothing to conclude here: {why}" in section, (title, section)
+    assert "| `mxfp4_all` |" in text and "n/a (2 seeds, 2 replicates)" in text
+    assert "What each ablation changes" not in text  # no ablations, no heading

@@ -59,6 +59,8 @@ def test_compile_is_announced_and_the_summary_spans_the_resume(tmp_path, data_ca
     assert re.fullmatch(r"\[train\] first evaluation done in \d+\.\d s", lines[i - 2])
     assert lines[i - 3].startswith("[train] compiling the eval step (policy passthrough) and ")
     assert lines[i - 1].endswith("elapsed, ETA from step 2")  # no ETA before a step was timed
+    assert ("[train] GEMM routes: fprop passthrough, dgrad passthrough, wgrad passthrough on "
+            "cpu (backend auto)") in lines
     step1 = next(ln for ln in lines if ln.startswith("step 1/2"))
     assert step1.endswith("elapsed, ETA from step 2"), step1  # none from the compiling step
     step2 = next(ln for ln in lines if ln.startswith("step 2/2"))
@@ -67,6 +69,8 @@ def test_compile_is_announced_and_the_summary_spans_the_resume(tmp_path, data_ca
     assert [(g["first_step"], g["last_step"]) for g in first["segments"]] == [(0, 2)]
     assert first["tokens_per_s"] == pytest.approx(first["segments"][0]["tokens_per_s"], rel=1e-3)
     assert first["tokens_per_s"] > 0
+    assert first["routes"] == {"chip": "cpu", "backend": "auto", **dict.fromkeys(
+        ("fprop", "dgrad", "wgrad"), "passthrough")}
 
     assert main([*args, "--set", "train.steps=4"]) == 0
     cap = capsys.readouterr()

@@ -55,22 +55,49 @@ def test_a_renamed_preset_resumes_the_runs_of_its_old_name():
                                 {"policy": plan_mod.resolve_policy("mxfp4_all")[2]}, ".", "x")
 
 
-# --- backend: every quantized GEMM of every policy a run compiles on one backend ----------
+# --- backend: auto by default; another backend puts every quantized GEMM on it ----------
+
+
+def _no_backends(d):
+    return {k: ({f: x for f, x in v.items() if f != "backend"} if isinstance(v, dict) else v)
+            for k, v in d.items()}
+
+
+@pytest.mark.parametrize("spec, auto_gemms, name", [
+    ("mxfp4_all_h16", {"fprop", "dgrad", "wgrad"}, "mxfp4_all_h16"),
+    ("mxfp4_fprop", {"fprop"}, "mxfp4_fprop"),  # pass-through GEMMs stay as they are
+    ("fp8", {"fprop", "dgrad", "wgrad"}, "fp8"),
+    ("mxfp4_all_h16@xla", set(), "mxfp4_all_h16@xla"),  # a named backend stays
+    ({**policies.to_dict(H16), "name": "mine"}, set(), "mine"),  # a dict's stated backends
+    ({**_no_backends(policies.to_dict(H16)), "name": "mine"}, {"fprop", "dgrad", "wgrad"},
+     "mine"),
+])
+def test_backend_auto_is_the_default_where_the_policy_names_none(spec, auto_gemms, name):
+    cfg = C.from_dict({"policy": spec})
+    assert cfg.backend == "auto" and C.from_dict(cfg.to_dict()) == cfg
+    pol, got_name, record = plan_mod.resolve_policy(cfg.policy, cfg.backend)
+    base = plan_mod.resolve_policy(spec, None)[0]
+    assert got_name == name
+    for gemm, recipe in pol.gemms.items():
+        want = base.gemms[gemm]
+        assert recipe.backend == ("auto" if gemm in auto_gemms else want.backend), gemm
+        assert dataclasses.replace(recipe, backend=want.backend) == want  # nothing else
+    assert policies.from_dict(record) == pol
+    # on this CPU, 'auto' is the emulation: every GEMM's route is 'xla' (or pass-through)
+    assert set(pol.routes().values()) <= {"cpu", "xla", "passthrough"}
 
 
 @pytest.mark.parametrize("spec", ["mxfp4_all_h16", "fp8", "mxfp4_all_h16@xla",
                                   {**policies.to_dict(H16), "name": "mine"}])
-def test_backend_puts_every_quantized_gemm_of_the_policy_on_it(spec):
-    cfg = C.from_dict({"policy": spec, "backend": "auto"})
-    assert C.from_dict(cfg.to_dict()) == cfg
-    pol, name, record = plan_mod.resolve_policy(cfg.policy, cfg.backend)
-    base = plan_mod.resolve_policy(spec)[0]
-    for gemm, recipe in pol.gemms.items():
+def test_another_backend_puts_every_quantized_gemm_on_it(spec):
+    base = plan_mod.resolve_policy(spec, None)[0]
+    got = plan_mod.with_backend(base, "xla_fp8")
+    for gemm, recipe in got.gemms.items():
         want = base.gemms[gemm]
-        assert recipe.backend == ("auto" if not want.is_passthrough else want.backend)
-        assert dataclasses.replace(recipe, backend=want.backend) == want  # nothing else
-    assert name.endswith("@auto") and "@" not in name[:-len("@auto")]
-    assert policies.from_dict(record) == pol
+        assert recipe.backend == ("xla_fp8" if not want.is_passthrough else want.backend)
+    pol, name, _ = plan_mod.resolve_policy(spec, "xla")
+    assert all(r.backend == "xla" for r in pol.gemms.values() if not r.is_passthrough)
+    assert name.endswith("@xla") and "@" not in name[:-len("@xla")]
 
 
 def test_backend_null_keeps_the_policy_and_none_stays_none():
@@ -87,6 +114,21 @@ def test_bad_backend_names_the_key():
         plan_mod.with_backend(H16, "fp4")
 
 
+@pytest.mark.parametrize("backend", ["xla_fp4", "xla_fp8"])
+def test_a_backend_that_gives_no_speedup_on_the_chip_is_refused(backend):
+    # On a CPU the FP8/FP4 routes run XLA:CPU's expansion of their dots: the same values as
+    # the emulation, slower. Training refuses them, naming the chip and what to use.
+    cfg = C.from_dict({"policy": "mxfp4_all_h16", "backend": backend})
+    with pytest.raises(ConfigError) as e:
+        plan_mod.resolve_policy(cfg.policy, cfg.backend)
+    msg = str(e.value)
+    assert msg.startswith(f"policy.fprop.backend: backend {backend!r} gives no speed-up on "
+                          "'cpu'"), msg
+    assert "Use backend 'auto' (the chip's fastest exact route) or 'xla' here" in msg
+    with pytest.raises(ConfigError, match="gives no speed-up"):
+        plan_mod.resolve_policy(f"mxfp4_all_h16@{backend}", "auto")  # named: the same
+
+
 def test_compiled_run_compiles_every_policy_on_the_config_backend():
     """`CompiledRun.policy_for` (used by its train and eval steps, so by the trainer and the
     ladder study's runs): the config's backend applied to whatever policy it is given."""
@@ -98,7 +140,10 @@ def test_compiled_run_compiles_every_policy_on_the_config_backend():
     got = CompiledRun.policy_for(run, H16)
     assert got == H16.with_backend("xla_fp8") and got.name == "mxfp4_all_h16@xla_fp8"
     assert CompiledRun.policy_for(run, None) is None
-    plain = types.SimpleNamespace(config=C.from_dict({}))
+    default = types.SimpleNamespace(config=C.from_dict({}))
+    got = CompiledRun.policy_for(default, H16)
+    assert got == H16.with_backend("auto") and got.name == "mxfp4_all_h16"
+    plain = types.SimpleNamespace(config=C.from_dict({"backend": None}))
     assert CompiledRun.policy_for(plain, H16) is H16
 
 
@@ -106,3 +151,47 @@ def test_a_run_moved_to_another_backend_resumes_its_checkpoints():
     saved = plan_mod.resolve_policy("mxfp4_all_h16")[2]  # written under the emulation
     moved = plan_mod.resolve_policy("mxfp4_all_h16", "auto")[2]
     compat.check_compatible({"compat": {"policy": saved}}, {"policy": moved}, ".", "x")
+
+
+# --- the command line: --policy takes what resolve takes; --list-policies -----------------
+
+
+def test_list_policies_prints_one_line_per_preset(capsys):
+    from train.__main__ import main
+
+    assert main(["--list-policies"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split()[0] for ln in lines] == ["none", *policies.names()]
+    for ln, name in zip(lines[1:], policies.names(), strict=True):
+        assert ln.split(None, 1)[1] == policies.summary(name) != ""
+    assert "deterministic H16 on every operand of all three GEMMs" in lines[
+        1 + policies.names().index("mxfp4_all_h16")]
+
+
+@pytest.mark.parametrize("text, want", [
+    ("mxfp4_all_h16", "mxfp4_all_h16"),
+    ("mxfp4_all_h16@xla", "mxfp4_all_h16@xla"),
+    ("{fprop: mxfp4, dgrad: null}", {"fprop": "mxfp4", "dgrad": None}),
+    ('{"name": "mine", "fprop": "mxfp4"}', {"name": "mine", "fprop": "mxfp4"}),
+])
+def test_policy_argument_takes_names_and_dicts(text, want):
+    assert C.policy_argument(text) == want
+    assert plan_mod.resolve_policy(C.from_dict({"policy": want}).policy) is not None
+
+
+def test_policy_argument_that_does_not_parse_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"--policy: '\{fprop: mxfp4' is not a JSON/YAML "
+                                          r"mapping .*quote it whole in the shell"):
+        C.policy_argument("{fprop: mxfp4")
+
+
+def test_cli_policy_dict_reaches_the_run(tmp_path, capsys):
+    from train.__main__ import main
+
+    out = tmp_path / "run"
+    args = ["--policy", "{name: mine, fprop: mxfp4}", "--out", str(out), "--print-config"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    import yaml
+
+    assert yaml.safe_load(printed)["policy"] == {"name": "mine", "fprop": "mxfp4"}

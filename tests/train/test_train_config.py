@@ -116,7 +116,7 @@ def test_validate_accepts_fast_config(tmp_path, cache):
     (["data.sources=[/nonexistent/corpus.txt]"], r"data\.sources: file not found"),
     (["data.sources=['/nonexistent/c4-*.json.gz']"], r"no file matches"),
     (["data.tokenizer=/nonexistent/tokenizer.json"], r"data\.tokenizer: file not found"),
-    (["policy=mxfp5_magic"], r"unknown preset 'mxfp5_magic'; valid names: none, passthrough, "),
+    (["policy=mxfp5_magic"], r"unknown preset 'mxfp5_magic'; did you mean 'mxfp4_all'\?"),
     (["policy={fprop: 1}"], r"policy: invalid policy dict"),
     (["data.seq_len=256"], (r"data\.seq_len=256 is longer than the model supports "
                             r"\(max_seq_len=128")),

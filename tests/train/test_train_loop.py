@@ -252,6 +252,12 @@ def test_tiny_config_runs_under_its_policy(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     recs = read_jsonl(out / "metrics.jsonl")
     assert [x["policy"] for x in recs] == ["mxfp4_all_h16"] * 5
+    # backend auto (the default) resolves to the emulation on this CPU, and says so
+    assert ("[train] GEMM routes: fprop xla, dgrad xla, wgrad xla on cpu (backend auto)"
+            in r.stderr.splitlines())
+    routes = json.loads((out / "summary.json").read_text())["routes"]
+    assert routes == {"chip": "cpu", "backend": "auto", "fprop": "xla", "dgrad": "xla",
+                      "wgrad": "xla"}
     evals = [x["eval_loss"] for x in recs if x["eval_loss"] is not None]
     assert len(evals) == 3 and evals[-1] < evals[0]
 

@@ -32,6 +32,10 @@ class RunSummary:
     like metrics.jsonl's cumulative ``time_s``; ``segments`` lists each one (`segment_record`:
     first_step, last_step, wall_time_s, tokens_per_s, steady_steps, steady_s). A segment
     killed after its last checkpoint is counted up to that checkpoint.
+
+    ``routes``: what each GEMM of the run's policy ran on, on the chip it compiled for
+    (`train.backend.route_record`: chip, the config's backend, and fprop/dgrad/wgrad each a
+    route of `mxjax.backends.ROUTES` or 'passthrough').
     """
 
     status: str
@@ -57,6 +61,7 @@ class RunSummary:
     instability_kind: str | None = None
     diagnostics: dict[str, float] | None = None
     segments: list[dict[str, Any]] | None = None
+    routes: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -95,7 +100,8 @@ def earlier_segments(meta: dict[str, Any], step: int) -> list[dict[str, Any]]:
 def summarize(config: Config, *, policy_name: str, status: str, message: str, step: int,
               tokens_per_step: int, skipped: int, segments: list[dict[str, Any]],
               resumed: int | None, primary: bool,
-              records: list[dict[str, Any]] | None = None) -> RunSummary:
+              records: list[dict[str, Any]] | None = None,
+              routes: dict[str, Any] | None = None) -> RunSummary:
     """The summary of the run in ``config.out_path`` from its ``records`` (the metrics
     writer's, `train.output.metrics.MetricsWriter.records`: what the run measured, whatever
     became of the file), or, without them, from its metrics.jsonl.
@@ -135,7 +141,7 @@ def summarize(config: Config, *, policy_name: str, status: str, message: str, st
         checkpoint_dir=str(out / "checkpoints") if c.checkpoint.enabled else None,
         resumed_from=resumed, instability_step=unstable.event_step,
         instability_kind=unstable.event_kind, diagnostics=numerics.diag_summary(recs) or None,
-        segments=segments)
+        segments=segments, routes=routes)
     if primary:
         (out / "summary.json").write_text(json.dumps(s.to_dict(), indent=1))
     return s

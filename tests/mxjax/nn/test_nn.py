@@ -185,6 +185,9 @@ def test_wrap_linen_rules_first_match_wins_and_none_leaves_unchanged():
     assert rep.modules == {"up": "mxfp4_all_h16", "down": None, "": "fp8"}
     assert [(s.path, s.rule) for s in rep.sites] == [("up", 1), ("down", 0), ("", 2)]
     assert rep.unused_rules == ()
+    down = next(s for s in rep.sites if s.path == "down")
+    assert "rule 0 (policy None): unchanged" in down.why
+    assert "no rule selects" not in down.why
 
 
 def test_wrap_reaches_flax_attention_whose_code_we_did_not_write():
