@@ -13,6 +13,8 @@ Modules, lowest first (none imports one further down this list):
 * ``accelerator_cost``: one compile's row (`Cost`): kernels, bytes, the rooflines;
 * ``targets``: the ratio bounds against bf16 and the verdicts that check them;
 * ``native_fp4``: the native MXFP4 GEMM paths compiled for GPUs, and their instructions.
+* ``train_memory``: the trainer's train step compiled for a mesh of CPUs or GPUs, its
+  ``memory_analysis()`` beside `train.memory`'s estimate.
 
 The scripts in bench/ print what these compute; tests import them directly.
 """
