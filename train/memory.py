@@ -20,9 +20,9 @@ train step's memory:
 The estimate is a reckoning of what the backward pass keeps alive, not XLA's buffer
 assignment: tests/train/test_memory.py checks it against ``compiled.memory_analysis()`` of
 the real train step on CPU (argument + output - aliased + temporary bytes) and holds it
-within a factor of 1.5 either way; bench/memory_estimate.py measured 0.87-1.26 on CPU and
-0.93-1.38 on a deviceless H200 compile (docs/RELIABILITY.md). Precision policies' quantized
-operand copies are short-lived and not counted.
+within a factor of 1.5 either way; bench/memory_estimate.py measured 0.84-1.21 on CPU and
+0.69-1.17 for the 8B model on 8 and 16 H100s, deviceless (docs/RELIABILITY.md, "Memory").
+Precision policies' quantized operand copies are short-lived and not counted.
 
 `device_memory()` says how much one device has (CPU: the host's available physical memory,
 or what the process's memory cgroup allows when less, shared by its devices; GPU/TPU:
