@@ -10,7 +10,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 # bench/costmodel's modules, lowest first (its __init__ and bench/README.md list them so).
 COSTMODEL_ORDER = ("aot", "rates", "hlo_kernels", "ptx_cost", "tpu_kernel_cycles",
                    "export_shape", "peers", "programs", "accelerator_cost", "targets",
-                   "native_fp4")
+                   "native_fp4", "train_memory")
 
 
 def _bench_imports(path: Path) -> set[str]:

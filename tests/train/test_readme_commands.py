@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -25,21 +26,21 @@ STEPS = "train.steps=4"
 MLPERF_CHECK = "--check --config configs/llama3_8b_mlperf.yaml --devices 8 --chip h100"
 
 
-def _make_train() -> list[str]:
+def _make_train(root: Path) -> list[str]:
     """The Makefile's ``train`` recipe as shell commands (``make train``, no TRAIN_ARGS)."""
-    text = (ROOT / "Makefile").read_text()
+    text = (root / "Makefile").read_text()
     recipe = re.search(r"^train:.*\n((?:\t.*\n)+)", text, re.MULTILINE)
     assert recipe, "Makefile: no train target"
     return [re.sub(r"\s+", " ", ln.replace("$(PY)", "python").replace("$(TRAIN_ARGS)", "")
                    ).strip() for ln in recipe.group(1).splitlines() if "-m train" in ln]
 
 
-def readme_commands() -> list[str]:
+def readme_commands(root: Path = ROOT) -> list[str]:
     """The ``make train`` and ``python -m train`` / ``python -m train.data`` lines of
     README.md's bash blocks, in order, comments dropped; ``make train`` as the Makefile runs
     it."""
     out, in_bash = [], False
-    for line in (ROOT / "README.md").read_text().splitlines():
+    for line in (root / "README.md").read_text().splitlines():
         if line.startswith("```"):
             in_bash = not in_bash and line.strip() in ("```bash", "```sh")
             continue
@@ -47,7 +48,7 @@ def readme_commands() -> list[str]:
             continue
         cmd = line.split("#", 1)[0].strip()
         if cmd == "make train":
-            out.extend(_make_train())
+            out.extend(_make_train(root))
         elif re.match(r"python -m train(\.data)?( |$)", cmd):
             out.append(cmd)
     return out
@@ -111,13 +112,12 @@ def test_readme_commands_run_in_order(tmp_path, data_cache, monkeypatch, capsys)
 
 
 @pytest.mark.parametrize("cmd", ["make train", "python -m train --help  # every config key"])
-def test_commands_are_read_from_bash_blocks_only(tmp_path, monkeypatch, cmd):
+def test_commands_are_read_from_bash_blocks_only(tmp_path, cmd):
     """A command in prose or in a non-shell block is not one to run."""
     page = tmp_path / "README.md"
     page.write_text(f"Run `{cmd}`.\n\n```text\n{cmd}\n```\n\n```bash\n{cmd}\n```\n")
-    monkeypatch.setattr("tests.train.test_readme_commands.ROOT", tmp_path)
     (tmp_path / "Makefile").write_text((ROOT / "Makefile").read_text())
     expected = (["python -m train.data prepare --config configs/tiny.yaml",
                  "python -m train --config configs/tiny.yaml"] if cmd == "make train"
                 else ["python -m train --help"])
-    assert readme_commands() == expected
+    assert readme_commands(tmp_path) == expected
