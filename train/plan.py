@@ -145,7 +145,8 @@ def resolve_mesh(config: Config, n_devices: int) -> tuple[int, int, int]:
     total = data * fsdp * tensor
     if total > n_devices:
         raise ConfigError(f"mesh: data*fsdp*tensor = {data}*{fsdp}*{tensor} = {total} "
-                          f"devices, only {n_devices} available")
+                          f"devices, only {n_devices} available (python -m train --check "
+                          "--devices N --chip NAME plans for hardware this host lacks)")
     micro = config.train.micro_batch or config.train.global_batch
     if micro % (data * fsdp):
         raise ConfigError(f"train.micro_batch (or global_batch) = {micro} must be divisible by "
