@@ -11,7 +11,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 COSTMODEL_ORDER = ("aot", "rates", "hlo_kernels", "ptx_cost", "calibration", "calibrated",
                    "calibration_compile", "tpu_kernel_cycles", "export_shape", "peers",
                    "programs", "accelerator_cost", "targets", "native_fp4", "quantize_cost",
-                   "tpu_fusion")
+                   "tpu_fusion", "train_memory")
 
 
 def _bench_imports(path: Path) -> set[str]:

@@ -15,9 +15,8 @@ import jax
 import yaml
 
 from mxjax import policies
+from train import check, loop, memory
 from train import config as cfgmod
-from train import loop, memory
-from train import plan as plan_mod
 from train.checkpoint import CheckpointError, CheckpointWriteError
 from train.commands import SUBCOMMANDS
 from train.config import ConfigError
@@ -100,8 +99,15 @@ def _parser() -> argparse.ArgumentParser:
                     help="call jax.distributed.initialize() (multi-host; same as "
                     "mesh.distributed=true)")
     ap.add_argument("--check", action="store_true",
-                    help="validate the config, prepare the data, print the plan and exit "
-                    "(nothing is compiled)")
+                    help="print the memory estimate (from the model, mesh and micro-batch "
+                    "alone), validate the config, prepare the data, compare with the "
+                    "checkpoints in --out, and exit with the code the run would (nothing is "
+                    "compiled; train/check.py)")
+    ap.add_argument("--devices", type=int, metavar="N",
+                    help="with --check: plan for N devices (default: this host's)")
+    ap.add_argument("--chip", metavar="NAME",
+                    help="with --check: devices of this chip, which the host need not have "
+                    "(h100, h200, b200, gb200, v4, v5e, v5p, v6e)")
     ap.add_argument("--print-config", action="store_true",
                     help="print the resolved config as YAML and exit")
     ap.add_argument("--list-policies", action="store_true",
@@ -133,20 +139,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if cfg.mesh.distributed:
             loop.init_distributed(cfg.mesh, verbose=not args.quiet)
+        if (args.devices is not None or args.chip is not None) and not args.check:
+            raise ConfigError("--devices and --chip ask --check about other hardware; "
+                              "add --check (a run uses the devices it has)")
         if args.check:
-            plan = loop.validate(cfg, verbose=not args.quiet)
-            est = memory.for_plan(plan)
-            too_big = memory.over_budget(plan, est)
-            print(json.dumps({
-                "ok": too_big is None, "out_dir": str(cfg.out_path), "policy": plan.policy_name,
-                "mesh": dict(zip(("data", "fsdp", "tensor"), plan.mesh_axes)),
-                **plan_mod.data_facts(plan),
-                "eval_batch": plan.eval_batch, "accum_steps": cfg.accum_steps,
-                "n_params": est.n_params, "memory_per_device": est.as_dict(),
-                "device_memory": memory.device_memory()[1], "fits": too_big is None}, indent=1))
-            if too_big:
-                raise ConfigError(f"memory: {too_big}")
-            return 0
+            report, findings = check.check(cfg, devices=args.devices, chip=args.chip,
+                                           verbose=not args.quiet)
+            print(json.dumps(report, indent=1))
+            for f in findings:
+                print(f.line, file=sys.stderr)
+            return findings[0].exit_code if findings else 0
         summary = loop.run(cfg, verbose=not args.quiet)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -6,7 +6,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from train.checkpoint import IncompatibleCheckpointError
+from train.checkpoint import Checkpointer, IncompatibleCheckpointError
+from train.config import ConfigError
 from train.data import stream as stream_data
 from train.execution import STATELESS_MODEL_FIELDS
 from train.jsonsafe import jsonable
@@ -114,3 +115,42 @@ def check_compatible(meta: Mapping[str, Any], want: Mapping[str, Any], where: Pa
         f"the checkpoints in {where} were written by a different run setup and cannot be "
         f"resumed:\n" + "\n".join(lines) + "\nUse another output directory (--out) or delete "
         f"{where} to start over.")
+
+
+def latest_resumable(ckpt: Checkpointer, want: Mapping[str, Any],
+                     policy_name: str) -> tuple[int, dict[str, Any]] | None:
+    """(step, record) of the checkpoint a run resumes from, once it agrees with the run's
+    `fingerprint` (`want`); None when there is none. What a run refuses: a damaged or
+    unreadable checkpoint (CorruptCheckpointError), one of an older record format or of
+    another setup (IncompatibleCheckpointError, `check_compatible`); all exit 4. The run
+    and ``--check`` both ask here."""
+    latest = ckpt.latest_step()
+    if latest is None:
+        return None
+    meta = ckpt.read_meta(latest)
+    check_compatible(meta, want, ckpt.directory, policy_name)
+    return latest, meta
+
+
+def refuse_checkpoints_when_disabled(config) -> None:
+    """A ConfigError when ``checkpoint.enabled`` is false but the run directory holds
+    checkpoints of an earlier run (which the run would overwrite)."""
+    d = config.out_path / "checkpoints"
+    if not config.checkpoint.enabled and d.is_dir() and any(d.iterdir()):
+        raise ConfigError(f"checkpoint.enabled is false but {config.out_path}/checkpoints holds "
+                          "checkpoints of an earlier run; use another output directory "
+                          "(--out) rather than overwrite it")
+
+
+def check_run_dir(plan: Plan) -> int | None:
+    """What the run of `plan` would refuse in its output directory, raised as the run raises
+    it (`refuse_checkpoints_when_disabled`, `latest_resumable`), without writing anything;
+    else the checkpoint step it would resume from (None: it starts fresh)."""
+    c = plan.config
+    refuse_checkpoints_when_disabled(c)
+    d = c.out_path / "checkpoints"
+    if not c.checkpoint.enabled or not d.is_dir():
+        return None
+    with Checkpointer(d, keep=c.checkpoint.keep, async_save=False, read_only=True) as ck:
+        found = latest_resumable(ck, fingerprint(plan), plan.policy_name)
+    return None if found is None else found[0]

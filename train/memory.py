@@ -10,17 +10,19 @@ train step's memory:
   accumulator and the micro-batch's gradient);
 * activations: what the backward pass keeps per token of the micro-batch on the device
   (``micro_batch / (data * fsdp)`` sequences): per decoder block the inputs of its GEMMs and
-  norms, the attention scores and probabilities (fp32, ``heads x seq_len`` per token) and the
+  norms, the attention scores and probabilities (fp32, ``heads x seq_len`` per token; with
+  fused attention on a GPU or TPU, ``attention_impl: fused``, only the softmax statistics,
+  one fp32 per head and token: the kernel keeps no ``seq_len x seq_len`` scores) and the
   MLP's three ``ffn_dim`` products; with remat (``model.overrides.remat: true``) only each
   block's input, plus one block recomputed at a time. The fp32 logits and their gradient
-  (three ``vocab`` vectors per token) come on top.
+  (two ``vocab`` vectors per token) come on top.
 
 The estimate is a reckoning of what the backward pass keeps alive, not XLA's buffer
 assignment: tests/train/test_memory.py checks it against ``compiled.memory_analysis()`` of
 the real train step on CPU (argument + output - aliased + temporary bytes) and holds it
-within a factor of 1.5 either way; bench/memory_estimate.py measured 0.87-1.26 on CPU and
-0.93-1.38 on a deviceless H200 compile (docs/RELIABILITY.md). Precision policies' quantized
-operand copies are short-lived and not counted.
+within a factor of 1.5 either way; bench/memory_estimate.py measured 0.84-1.21 on CPU and
+0.69-1.17 for the 8B model on 8 and 16 H100s, deviceless (docs/RELIABILITY.md, "Memory").
+Precision policies' quantized operand copies are short-lived and not counted.
 
 `device_memory()` says how much one device has (CPU: the host's available physical memory,
 or what the process's memory cgroup allows when less, shared by its devices; GPU/TPU:
@@ -31,6 +33,7 @@ fsdp) under which the estimate fits a budget.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 
@@ -38,9 +41,11 @@ import jax
 
 from models.llama import LlamaConfig
 
-__all__ = ["OOM_EXIT", "CgroupFiles", "CgroupLimit", "MemoryEstimate", "RunOutOfMemory",
-           "cgroup_limit", "device_memory", "estimate", "for_plan",
-           "gib", "is_out_of_memory", "out_of_memory_message", "over_budget", "what_fits"]
+__all__ = ["OOM_EXIT", "CgroupFiles", "CgroupLimit", "FsdpAnswer", "MemoryEstimate",
+           "RunOutOfMemory", "StepShape", "cgroup_limit", "device_memory", "estimate",
+           "fit_advice", "for_plan", "fused_attention_on", "gib", "is_out_of_memory",
+           "longest_sequence", "out_of_memory_message", "over_budget", "smallest_fsdp",
+           "step_shape", "what_fits"]
 
 _F32 = 4
 
@@ -63,6 +68,7 @@ class MemoryEstimate:
     activations_remat: int
     activations_no_remat: int
     remat: bool
+    fused_attention: bool
     sequences_per_device: int
     mesh: tuple[int, int, int]
 
@@ -77,7 +83,9 @@ class MemoryEstimate:
                 "activations_bytes": self.activations,
                 "activations_bytes_with_remat": self.activations_remat,
                 "activations_bytes_without_remat": self.activations_no_remat,
-                "remat": self.remat, "sequences_per_device": self.sequences_per_device,
+                "remat": self.remat,
+                "attention": "fused" if self.fused_attention else "explicit (scores stored)",
+                "sequences_per_device": self.sequences_per_device,
                 "total_bytes": self.total, "total_gib": round(self.total / 2**30, 3)}
 
     def describe(self) -> str:
@@ -88,7 +96,9 @@ class MemoryEstimate:
                 f"parameters {gib(self.params)}, optimizer state {gib(self.optimizer)}, "
                 f"gradients {gib(self.gradients)}, activations {gib(self.activations)} "
                 f"for {self.sequences_per_device} sequence(s) per device, "
-                f"{'with' if self.remat else 'without'} remat; {gib(alt)} {other} remat)")
+                f"{'with' if self.remat else 'without'} remat, "
+                f"{'fused' if self.fused_attention else 'explicit'} attention; "
+                f"{gib(alt)} {other} remat)")
 
 
 def _split(n: int, ways: int) -> int:
@@ -111,17 +121,28 @@ def param_elements(mc: LlamaConfig, *, fsdp: int = 1, tensor: int = 1) -> int:
     return L * block + embed + d
 
 
+def fused_attention_on(mc: LlamaConfig, platform: str) -> bool:
+    """Whether `mc`'s attention keeps no scores on `platform` ('cpu', 'gpu', 'tpu'):
+    ``attention_impl: fused`` runs a flash kernel on GPUs and TPUs and the explicit form on
+    CPU (models/attention.py)."""
+    return mc.attention_impl == "fused" and platform in ("gpu", "cuda", "tpu")
+
+
 def _activation_bytes(mc: LlamaConfig, *, tokens: int, seq_len: int, tensor: int,
-                      dtype_bytes: int, remat: bool) -> int:
+                      dtype_bytes: int, remat: bool, fused: bool) -> int:
     d, hd, s = mc.dim, mc.head_dim, dtype_bytes
     h = _split(mc.n_heads, tensor)
     kv = _split(mc.n_kv_heads, tensor)
     f = _split(mc.ffn_dim, tensor)
     v = _split(mc.vocab_size, tensor)
     # per token of one block: residual in/out and norm outputs (6 d), q/k/v before and after
-    # RoPE, the attention output, fp32 scores + probabilities, the MLP's gate/up/act/product
-    block = s * (6 * d + (2 * h + 4 * kv) * hd + h * hd + 4 * f) + h * seq_len * (_F32 + s)
-    head = 3 * v * _F32 + 2 * d * s  # fp32 logits, log-softmax, their gradient; final norm
+    # RoPE, the attention output, fp32 scores + probabilities (a fused kernel: its fp32
+    # softmax statistics), the MLP's gate/up/act/product
+    scores = h * _F32 if fused else h * seq_len * (_F32 + s)
+    block = s * (6 * d + (2 * h + 4 * kv) * hd + h * hd + 4 * f) + scores
+    # fp32 logits and their gradient (XLA fuses the log-softmax into both: a deviceless
+    # compile of the 8B model on 8 H100s keeps two vocab-wide fp32 rows per token); final norm
+    head = 2 * v * _F32 + 2 * d * s
     if remat:
         kept = mc.n_layers * d * s + block  # block inputs, plus one block recomputed
     else:
@@ -130,10 +151,11 @@ def _activation_bytes(mc: LlamaConfig, *, tokens: int, seq_len: int, tensor: int
 
 
 def estimate(mc: LlamaConfig, *, seq_len: int, micro_batch: int, accum_steps: int,
-             mesh: tuple[int, int, int]) -> MemoryEstimate:
+             mesh: tuple[int, int, int], platform: str = "cpu") -> MemoryEstimate:
     """The `MemoryEstimate` of a train step of `mc` on sequences of `seq_len` tokens,
     `micro_batch` sequences per forward/backward pass (split over data x fsdp),
-    `accum_steps` micro-batches per step, on a (data, fsdp, tensor) `mesh`."""
+    `accum_steps` micro-batches per step, on a (data, fsdp, tensor) `mesh` of `platform`
+    devices ('cpu', 'gpu', 'tpu': whether fused attention keeps no scores)."""
     data, fsdp, tensor = mesh
     per_dev = max(1, micro_batch // (data * fsdp))
     p = param_elements(mc, fsdp=fsdp, tensor=tensor) * _F32
@@ -141,14 +163,17 @@ def estimate(mc: LlamaConfig, *, seq_len: int, micro_batch: int, accum_steps: in
 
     def act(remat: bool) -> int:
         return _activation_bytes(mc, tokens=per_dev * seq_len, seq_len=seq_len, tensor=tensor,
-                                 dtype_bytes=dtype_bytes, remat=remat)
+                                 dtype_bytes=dtype_bytes, remat=remat, fused=fused)
+
+    fused = fused_attention_on(mc, platform)
 
     a_remat, a_plain = act(True), act(False)
     return MemoryEstimate(
         n_params=param_elements(mc), params=p, optimizer=2 * p,
         gradients=p * (2 if accum_steps > 1 else 1),
         activations=a_remat if mc.remat else a_plain, activations_remat=a_remat,
-        activations_no_remat=a_plain, remat=bool(mc.remat), sequences_per_device=per_dev,
+        activations_no_remat=a_plain, remat=bool(mc.remat), fused_attention=fused,
+        sequences_per_device=per_dev,
         mesh=(data, fsdp, tensor))
 
 
@@ -285,7 +310,7 @@ def device_memory(device: jax.Device | None = None, *,
 
 
 def what_fits(mc: LlamaConfig, *, seq_len: int, global_batch: int, micro_batch: int,
-              mesh: tuple[int, int, int], budget: int) -> list[str]:
+              mesh: tuple[int, int, int], budget: int, platform: str = "cpu") -> list[str]:
     """Settings under which the estimate fits `budget` bytes per device, each as the
     ``--set`` overrides that give it: remat; the largest micro-batch that fits (with the
     current remat, then with remat); all data-parallel devices as fsdp. Empty if none does."""
@@ -295,7 +320,7 @@ def what_fits(mc: LlamaConfig, *, seq_len: int, global_batch: int, micro_batch: 
 
     def fits(m: LlamaConfig, micro: int, msh: tuple[int, int, int]) -> bool:
         return estimate(m, seq_len=seq_len, micro_batch=micro, accum_steps=global_batch // micro,
-                        mesh=msh).total <= budget
+                        mesh=msh, platform=platform).total <= budget
 
     remat = dataclasses.replace(mc, remat=True)
     if not mc.remat and fits(remat, micro_batch, mesh):
@@ -316,7 +341,144 @@ def what_fits(mc: LlamaConfig, *, seq_len: int, global_batch: int, micro_batch: 
     return out
 
 
-# --------------------------------------------------------------------------- a run's plan
+# --------------------------------------------------------------------------- a run's step
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepShape:
+    """What a train step's memory depends on, known from the config alone (no data read):
+    the model, ``data.seq_len``, the global and micro-batch, the (data, fsdp, tensor) mesh
+    and the devices' platform ('cpu', 'gpu', 'tpu')."""
+
+    model: LlamaConfig
+    seq_len: int
+    global_batch: int
+    micro_batch: int
+    mesh: tuple[int, int, int]
+    platform: str = "cpu"
+
+    @property
+    def accum_steps(self) -> int:
+        return max(1, self.global_batch // self.micro_batch)
+
+    def estimate(self) -> MemoryEstimate:
+        """This step's `MemoryEstimate`."""
+        return estimate(self.model, seq_len=self.seq_len, micro_batch=self.micro_batch,
+                        accum_steps=self.accum_steps, mesh=self.mesh, platform=self.platform)
+
+
+def step_shape(config, model: LlamaConfig, mesh: tuple[int, int, int],
+               platform: str) -> StepShape:
+    """The `StepShape` of a `train.config.Config` with its model config and mesh."""
+    t = config.train
+    return StepShape(model=model, seq_len=config.data.seq_len, global_batch=t.global_batch,
+                     micro_batch=t.micro_batch or t.global_batch, mesh=mesh, platform=platform)
+
+
+def for_plan(plan, platform: str | None = None) -> MemoryEstimate:
+    """The estimate of a validated `train.plan.Plan`'s train step on `platform` (default:
+    this process's devices')."""
+    return step_shape(plan.config, plan.model_config, plan.mesh_axes,
+                      platform or jax.default_backend()).estimate()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FsdpAnswer:
+    """The smallest ``mesh.fsdp`` (with ``mesh.data=1``) under which a step fits: ``fsdp``
+    devices per tensor group, and the ``train.micro_batch`` it needs (the config's, or
+    ``fsdp`` when the config's is smaller: one sequence per device)."""
+
+    fsdp: int
+    micro_batch: int
+    estimate: MemoryEstimate
+
+    def settings(self, shape: StepShape) -> str:
+        """The ``--set`` arguments that give it."""
+        out = f"--set mesh.fsdp={self.fsdp} --set mesh.data=1"
+        if self.micro_batch != shape.micro_batch:
+            out += (f" --set train.micro_batch={self.micro_batch} --set train.global_batch="
+                    f"{-(-shape.global_batch // self.micro_batch) * self.micro_batch}")
+        return out
+
+
+MAX_FSDP = 4096  # the largest fsdp `smallest_fsdp` considers
+
+
+def smallest_fsdp(shape: StepShape, budget: int) -> FsdpAnswer | None:
+    """The smallest fsdp size (``mesh.data=1``, the shape's tensor size, remat as configured)
+    whose estimate fits `budget` bytes per device; None when none up to `MAX_FSDP` does (one
+    sequence's activations alone exceed the budget). The sizes tried are the divisors of the
+    micro-batch, then the micro-batch times 2, 4, 8, ... with one sequence per device (an
+    fsdp that divides neither the batch nor the model's axes would leave them unsplit)."""
+    micro, tensor = shape.micro_batch, shape.mesh[2]
+    sizes = [(n, micro) for n in range(1, micro + 1) if micro % n == 0]
+    n = 2 * micro
+    while n <= MAX_FSDP:
+        sizes.append((n, n))
+        n *= 2
+    for n, m in sizes:
+        est = dataclasses.replace(shape, micro_batch=m, mesh=(1, n, tensor)).estimate()
+        if est.total <= budget:
+            return FsdpAnswer(fsdp=n, micro_batch=m, estimate=est)
+    return None
+
+
+def longest_sequence(shape: StepShape, budget: int) -> int | None:
+    """The longest ``data.seq_len`` (a multiple of 128) at which one sequence per device fits
+    `budget` bytes with the model state spread over up to `MAX_FSDP` devices; None if not
+    even 128 tokens do."""
+    n = math.gcd(shape.model.dim, MAX_FSDP)  # the widest fsdp that splits the model's axes
+
+    def fits(seq: int) -> bool:
+        probe = dataclasses.replace(shape, seq_len=seq, micro_batch=n, global_batch=n,
+                                    mesh=(1, n, shape.mesh[2]))
+        return probe.estimate().total <= budget
+
+    if not fits(128):
+        return None
+    lo, hi = 1, max(1, shape.seq_len // 128)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(128 * mid) else (lo, mid - 1)
+    return 128 * lo
+
+
+def fsdp_sentence(shape: StepShape, budget: int) -> str:
+    """The smallest fitting fsdp as a sentence (or why none fits)."""
+    ans = smallest_fsdp(shape, budget)
+    if ans is not None:
+        return (f"the smallest mesh.fsdp that fits is {ans.fsdp} ({ans.fsdp * shape.mesh[2]} "
+                f"devices: {ans.settings(shape)}; about {gib(ans.estimate.total)} per device)")
+    longest = longest_sequence(shape, budget)
+    seq = (f"; the longest data.seq_len that fits is {longest}" if longest else
+           "; not even 128 tokens per device fit")
+    remat = "" if shape.model.remat else " (or with --set model.overrides.remat=true)"
+    return (f"no mesh.fsdp fits{remat}: one sequence of {shape.seq_len} tokens per device "
+            f"needs more than {gib(budget)} of activations alone{seq}")
+
+
+def fit_advice(shape: StepShape, budget: int) -> str:
+    """What would fit `budget` bytes per device, as a sentence naming the settings: remat,
+    the micro-batch, fsdp over the devices there are, and the smallest fitting fsdp."""
+    fits = what_fits(shape.model, seq_len=shape.seq_len, global_batch=shape.global_batch,
+                     micro_batch=shape.micro_batch, mesh=shape.mesh, budget=budget,
+                     platform=shape.platform)
+    fsdp = fsdp_sentence(shape, budget)
+    if fits:
+        return ("would fit: " + "; or ".join(f"--set {' --set '.join(f.split())}" for f in fits)
+                + f"; {fsdp}")
+    return f"nothing fits on these devices by remat, micro-batch or fsdp alone; {fsdp}"
+
+
+def over_budget(shape: StepShape, budget: int | None, source: str) -> str | None:
+    """A message when the estimate exceeds `budget` bytes per device (its `source` named),
+    else None (also when the budget is unknown)."""
+    est = shape.estimate()
+    if budget is None or est.total <= budget:
+        return None
+    return (f"the train step needs {est.describe()}, more than a device has ({source}); "
+            + fit_advice(shape, budget))
+
+
+# --------------------------------------------------------------------------- out of memory
 OOM_EXIT = 9  # the exit code of a run that ran out of device memory (docs/RELIABILITY.md)
 
 
@@ -332,52 +494,13 @@ def is_out_of_memory(error: BaseException) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text
 
 
-def for_plan(plan) -> MemoryEstimate:
-    """The estimate of a validated `train.plan.Plan`'s train step."""
-    c = plan.config
-    return estimate(plan.model_config, seq_len=c.data.seq_len,
-                    micro_batch=c.train.micro_batch or c.train.global_batch,
-                    accum_steps=c.accum_steps, mesh=plan.mesh_axes)
-
-
-def fit_advice(plan, budget: int) -> str:
-    """What would fit `budget` bytes per device, as a sentence naming the settings."""
-    c = plan.config
-    fits = what_fits(plan.model_config, seq_len=c.data.seq_len, global_batch=c.train.global_batch,
-                     micro_batch=c.train.micro_batch or c.train.global_batch,
-                     mesh=plan.mesh_axes, budget=budget)
-    if fits:
-        return "would fit: " + "; or ".join(f"--set {' --set '.join(f.split())}" for f in fits)
-    more = ""
-    mc = dataclasses.replace(plan.model_config, remat=True)
-    tensor = plan.mesh_axes[2]
-    for n in (2**k for k in range(1, 13)):
-        micro = max(n, c.train.micro_batch or c.train.global_batch)
-        if estimate(mc, seq_len=c.data.seq_len, micro_batch=micro, accum_steps=1,
-                    mesh=(1, n, tensor)).total <= budget:
-            more = (f" (about {n * tensor} devices of this size: --set mesh.fsdp={n} --set "
-                    "mesh.data=1 --set model.overrides.remat=true, one sequence per device)")
-            break
-    return ("nothing fits on these devices by remat, micro-batch or fsdp alone: use more "
-            f"devices{more}, a shorter data.seq_len or a smaller model")
-
-
-def over_budget(plan, est: MemoryEstimate | None = None) -> str | None:
-    """A message when the estimate exceeds one device's memory (`device_memory`), else None."""
-    est = est or for_plan(plan)
-    budget, source = device_memory()
-    if budget is None or est.total <= budget:
-        return None
-    return (f"the train step needs {est.describe()}, more than a device has ({source}); "
-            + fit_advice(plan, budget))
-
-
 def out_of_memory_message(plan, error: BaseException, saved: str) -> str:
     """The one-line report of an out-of-memory `error` during `plan`'s run; `saved` says
     what the run's checkpoints hold (a sentence)."""
-    est = for_plan(plan)
+    shape = step_shape(plan.config, plan.model_config, plan.mesh_axes, jax.default_backend())
+    est = shape.estimate()
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     budget, source = device_memory()
-    advice = fit_advice(plan, budget) if budget else fit_advice(plan, max(1, est.total // 2))
+    advice = fit_advice(shape, budget or max(1, est.total // 2))
     return (f"out of device memory ({first[:300]}). Estimate: {est.describe()}; device: "
             f"{source}. {advice[0].upper()}{advice[1:]}. {saved}")

@@ -122,8 +122,9 @@ def build_model_config(config: Config, vocab_size: int,
         raise ConfigError(f"model: {e}") from None
     if max_token_id is not None and max_token_id >= mc.vocab_size:
         raise ConfigError(f"model vocab_size={mc.vocab_size} is too small for the data: token id "
-                          f"{max_token_id} occurs (tokenizer vocabulary {vocab_size}); set "
-                          "model.overrides.vocab_size")
+                          f"{max_token_id} occurs in the prepared data (tokenizer vocabulary "
+                          f"{vocab_size}); set model.overrides.vocab_size={max_token_id + 1} or "
+                          "more")
     if config.data.seq_len > mc.max_seq_len:
         raise ConfigError(f"data.seq_len={config.data.seq_len} is longer than the model supports "
                           f"(max_seq_len={mc.max_seq_len}; raise model.overrides.max_seq_len)")
@@ -142,7 +143,8 @@ def resolve_mesh(config: Config, n_devices: int) -> tuple[int, int, int]:
     total = data * fsdp * tensor
     if total > n_devices:
         raise ConfigError(f"mesh: data*fsdp*tensor = {data}*{fsdp}*{tensor} = {total} "
-                          f"devices, only {n_devices} available")
+                          f"devices, only {n_devices} available (python -m train --check "
+                          "--devices N --chip NAME plans for hardware this host lacks)")
     micro = config.train.micro_batch or config.train.global_batch
     if micro % (data * fsdp):
         raise ConfigError(f"train.micro_batch (or global_batch) = {micro} must be divisible by "
@@ -186,14 +188,29 @@ def _check_init_from(config: Config, mc: LlamaConfig) -> None:
         check_init_from(config.model.init_from, mc)
 
 
-def validate(config: Config, *, verbose: bool = True) -> Plan:
+def nominal_model_config(config: Config) -> tuple[LlamaConfig, str | None]:
+    """The model config as far as it is known without reading data: (config, a note when
+    its vocabulary is assumed). The Llama presets and the trained BPE know their vocabulary;
+    a ``tiny`` model on an HF tokenizer takes the tokenizer's size, or ``data.vocab_size``
+    when the tokenizer cannot be read (the note says so). ConfigError for a bad model
+    section."""
+    try:
+        return build_model_config(config, _nominal_vocab(config)), None
+    except TokenizerError as e:
+        note = (f"vocabulary assumed to be data.vocab_size={config.data.vocab_size}: the "
+                f"tokenizer cannot be read ({e})")
+        return build_model_config(config, config.data.vocab_size), note
+
+
+def validate(config: Config, *, verbose: bool = True, n_devices: int | None = None) -> Plan:
     """Check everything that can be checked without compiling; prepare (cached) data.
 
     Raises ConfigError naming the problem: missing files, unknown policy, model
     overrides, sequence longer than the model supports, mesh/batch sizes,
     too few validation sequences, a model.init_from checkpoint of another
     architecture (checked when the run starts fresh: a run with a checkpoint
-    resumes from it and never reads model.init_from again).
+    resumes from it and never reads model.init_from again). The mesh is resolved for
+    `n_devices` devices (default: ``jax.device_count()``; ``--check --devices N``).
     """
     check_out_dir(config)
     datamod.check_files(config.data)
@@ -202,7 +219,7 @@ def validate(config: Config, *, verbose: bool = True) -> Plan:
         build_model_config(config, _nominal_vocab(config))
     except TokenizerError as e:
         raise ConfigError(f"data.tokenizer: {e}") from None
-    mesh_axes = resolve_mesh(config, jax.device_count())
+    mesh_axes = resolve_mesh(config, n_devices or jax.device_count())
     t = config.train
     micro = t.micro_batch or t.global_batch
     eval_batch = t.eval_batch or min(micro, t.eval_sequences)
@@ -241,8 +258,12 @@ def _validate_stream(config: Config, policy: PrecisionPolicy | None, name: str,
     stream_data.probe_shards(mine, stream_data.RecordReader(text_key=d.text_key,
                                                              on_bad_record=d.on_bad_record))
     tok = load_hf(d.tokenizer, eos_token=d.eos_token, add_bos=d.add_bos)
-    # every id the tokenizer can produce must fit the model
-    mc = build_model_config(config, tok.vocab_size, tok.vocab_size - 1)
+    mc = build_model_config(config, tok.vocab_size)
+    if tok.vocab_size > mc.vocab_size:  # every id the tokenizer can produce must fit the model
+        raise ConfigError(f"data.tokenizer {d.tokenizer} has {tok.vocab_size} token ids (0 to "
+                          f"{tok.vocab_size - 1}), more than the model's vocab_size="
+                          f"{mc.vocab_size}: use a tokenizer of at most {mc.vocab_size} ids, "
+                          f"or set model.overrides.vocab_size={tok.vocab_size}")
     _check_init_from(config, mc)
     try:
         val_tokens = stream_data.validation_tokens(d, t.eval_sequences, tokenizer=tok)

@@ -37,7 +37,7 @@ from train import backend as gemm_backend
 from train import data as datamod
 from train import execution, memory
 from train.checkpoint import Checkpointer, CheckpointWriteError
-from train.compat import check_compatible, fingerprint
+from train.compat import fingerprint, latest_resumable, refuse_checkpoints_when_disabled
 from train.config import ConfigError
 from train.diagnostics import numerics
 from train.hooks import Hooks
@@ -190,11 +190,8 @@ class Trainer:
         if c.checkpoint.enabled:
             ckpt = Checkpointer(self.out / "checkpoints", keep=c.checkpoint.keep,
                                 async_save=c.checkpoint.async_save)
-        elif (self.out / "checkpoints").is_dir() and any((self.out / "checkpoints").iterdir()):
-            raise ConfigError(f"checkpoint.enabled is false but {self.out}/checkpoints holds "
-                              "checkpoints of an earlier run; use another output directory "
-                              "(--out) rather than overwrite it")
         else:
+            refuse_checkpoints_when_disabled(c)
             prev = check_reuse(self.out, c.to_dict(), steps=t.steps)
             if prev is not None:
                 note = "run already complete; nothing to do"
@@ -204,12 +201,16 @@ class Trainer:
                 self._log(f"starting {self.out} over: the earlier run of this config did not "
                           "finish and checkpoints are off (checkpoint.enabled: false)")
         state, meta = None, None
-        if ckpt is not None and ckpt.latest_step() is not None:
-            latest = ckpt.latest_step()
+        found = None
+        if ckpt is not None:
             try:
-                meta = ckpt.read_meta(latest)
-                check_compatible(meta, self.compat, ckpt.directory,
-                                 self.plan.policy_name)
+                found = latest_resumable(ckpt, self.compat, self.plan.policy_name)
+            except BaseException:
+                ckpt.close()
+                raise
+        if found is not None:
+            latest, meta = found
+            try:
                 state = ckpt.restore(latest, self.abs_state, meta)
                 self.compiled.restore_loader(self.loader, meta, latest)
             except BaseException:

@@ -18,7 +18,9 @@ Modules, lowest first (none imports one further down this list):
 * ``native_fp4``: the native MXFP4 GEMM paths compiled for GPUs, and their instructions;
 * ``quantize_cost``: one operand's GPU quantize passes: bytes, PTX and SASS per kernel;
 * ``tpu_fusion``: a TPU kernel's static cycles with and without the input fusion of its
-  convert.
+  convert;
+* ``train_memory``: the trainer's train step compiled for a mesh of CPUs or GPUs, its
+  ``memory_analysis()`` beside `train.memory`'s estimate.
 
 The scripts in bench/ print what these compute; tests import them directly.
 """

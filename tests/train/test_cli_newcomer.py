@@ -164,8 +164,8 @@ def test_check_refuses_an_out_that_is_a_file(tmp_path, data_cache, capsys):
         assert main(["--check", "--quiet", *_args(tmp_path / "x", data_cache), "--out",
                      str(out)]) == 2
         cap = capsys.readouterr()
-        assert cap.out == ""
         lines = _err_lines(cap.err)
+        assert json.loads(cap.out)["problems"] == lines  # after the memory estimate
         assert len(lines) == 1 and lines[0].startswith(f"config error: out_dir (--out) {out} ")
         assert "a file, not a directory; choose another output directory" in lines[0]
     assert f.read_text() == "not a directory"

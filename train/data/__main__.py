@@ -1,4 +1,6 @@
-"""Command line: ``python -m train.data prepare --config configs/tiny.yaml`` or ``info DIR``.
+"""Command line: ``python -m train.data prepare --config configs/tiny.yaml``, ``info DIR``, or
+``tokenizer --source FILES --vocab-size N --out PATH/tokenizer.json`` (a BPE trained on your
+text, for ``data.tokenizer``: `train.data.own_tokenizer`).
 
 Exit codes: 0 done, 2 a configuration or data error, 6 a file could not be written or read
 (a read-only or full cache directory), as for ``python -m train``.
@@ -15,6 +17,7 @@ import train.data
 from train import config as cfgmod
 from train.config import ConfigError, DataSection
 from train.data.cache import open_prepared, prepare
+from train.data.own_tokenizer import write_tokenizer
 from train.data.sources import DataError
 from train.data.tokenizer import TokenizerError
 
@@ -62,11 +65,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--holdout-block", type=int)
     q = sub.add_parser("info", help="print a prepared directory's metadata and a sample")
     q.add_argument("dir")
+    t = sub.add_parser("tokenizer", help="train a byte-level BPE on your text and write it as "
+                       "a tokenizer.json (for data.tokenizer, e.g. under data.loader: grain)")
+    t.add_argument("--source", action="append", required=True,
+                   help="text, JSON lines or parquet file, or a glob (repeatable)")
+    t.add_argument("--out", required=True, help="the tokenizer.json to write")
+    t.add_argument("--vocab-size", type=int, required=True,
+                   help="ids in all (>= 257: 256 bytes and <|endoftext|>)")
+    t.add_argument("--format", choices=["auto", "text", "jsonl"], default="auto")
+    t.add_argument("--text-key", default="text", help="JSON/parquet field with the text")
+    t.add_argument("--split", choices=["paragraph", "file"], default="paragraph",
+                   help="plain text: one document per paragraph or per file")
+    t.add_argument("--max-docs", type=int, help="train on at most this many documents")
+    t.add_argument("--force", action="store_true", help="replace an existing --out")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "prepare":
             prep = prepare(_spec_from_args(args))
             print(prep.path)
+        elif args.cmd == "tokenizer":
+            made = write_tokenizer(args.source, args.out, vocab_size=args.vocab_size,
+                                   fmt=args.format, text_key=args.text_key, split=args.split,
+                                   max_docs=args.max_docs, force=args.force)
+            print(f"wrote {made.path}: {made.vocab_size} ids, trained on {made.documents} "
+                  f"documents of {made.files} file(s); end of document {made.eos_token!r}. "
+                  f"Use it: --set data.tokenizer={made.path}")
         else:
             prep = open_prepared(args.dir)
             meta = {k: v for k, v in prep.meta.items() if k != "fingerprint"}

@@ -24,6 +24,12 @@ EMBEDDED = {"austen": Path(__file__).resolve().parent / "assets" / "austen.txt.g
 _PARA_SPLIT = re.compile(r"\n[ \t\r\f\v]*\n")
 
 
+# What a parquet source under the prepared loader is told.
+PARQUET_NEEDS_GRAIN = ("parquet is read by the grain loader, not by data.loader prepared: use "
+                       "the grain loader (--set data.loader=grain, with the 'parquet' extra: "
+                       "pip install -e '.[train,parquet]'; docs/DATA.md)")
+
+
 class DataError(ValueError):
     """A data file or prepared-data problem."""
 
@@ -62,8 +68,11 @@ def detect_format(path: Path, fmt: str = "auto") -> str:
         return "jsonl"
     if name.endswith(".txt"):
         return "text"
-    raise DataError(f"{path}: cannot tell the format from the name; set data.format "
-                    "to 'text' or 'jsonl'")
+    if name.endswith(".parquet"):
+        raise DataError(f"{path}: {PARQUET_NEEDS_GRAIN}")
+    raise DataError(f"{path}: cannot tell the format from the name; data.loader prepared reads "
+                    "plain text (.txt) and JSON lines (.json/.jsonl), .gz or not: set "
+                    "data.format to 'text' or 'jsonl' for another name")
 
 
 def _is_gzip(path: Path) -> bool:
@@ -195,9 +204,13 @@ def file_digest(path: Path) -> str:
 
 
 def check_files(spec: DataSection) -> None:
-    """Cheap existence checks (sources, tokenizer file), raising ConfigError."""
-    resolve_sources(spec.sources)
-    resolve_sources(spec.val_sources, "data.val_sources")
+    """Cheap existence checks (sources, tokenizer file), raising ConfigError; a parquet file
+    under data.loader prepared, which cannot read it, is one too (naming the grain loader)."""
+    for what, pats in (("data.sources", spec.sources), ("data.val_sources", spec.val_sources)):
+        files = resolve_sources(pats, what)
+        parquet = [p for p in files if p.name.lower().endswith(".parquet")]
+        if parquet and spec.loader != "grain":
+            raise ConfigError(f"{what}: {parquet[0]}: {PARQUET_NEEDS_GRAIN}")
     if spec.tokenizer != "bpe" and not Path(spec.tokenizer).is_file():
         raise ConfigError(f"data.tokenizer: file not found: {spec.tokenizer} "
                           "(use 'bpe' or a path to a tokenizer.json)")

@@ -60,8 +60,10 @@ def test_c4_jsonl_reader(tmp_path):
     with pytest.raises(D.DataError, match=r"nokey\.json:1: no 'text' field"):
         list(D.iter_documents(nokey))
     assert list(D.iter_documents(nokey, text_key="body")) == ["x"]
-    with pytest.raises(D.DataError, match="cannot tell the format"):
+    with pytest.raises(D.DataError, match=r"x\.parquet: parquet is read by the grain loader"):
         list(D.iter_documents(tmp_path / "x.parquet"))
+    with pytest.raises(D.DataError, match="cannot tell the format"):
+        list(D.iter_documents(tmp_path / "x.csv"))
 
 
 def test_resolve_sources(tmp_path):

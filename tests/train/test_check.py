@@ -1,0 +1,161 @@
+"""``python -m train --check`` (train/check.py): the memory estimate from the config alone,
+for hardware the host lacks, with the smallest fitting fsdp; the data as a finding of its
+own; and what the run would refuse in --out's checkpoints, with the run's message and exit
+code."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from models.llama import LlamaConfig
+from tests.train.data.stream_testutil import grain_sets, write_shards
+from tests.train.train_testutil import ROOT, fast_sets
+from train import memory
+from train.__main__ import main
+from train.devices import CHIPS
+
+# The schedule of test_train_loop's base run: the same train step, served by the compile cache.
+SCHEDULE = "optim.decay_steps=12"
+MLPERF = str(ROOT / "configs/llama3_8b_mlperf.yaml")
+
+
+def _args(out, cache, *extra):
+    return [a for s in fast_sets(out, cache, SCHEDULE, *extra) for a in ("--set", s)]
+
+
+def _check(capsys, argv) -> tuple[int, dict, list[str]]:
+    code = main(["--check", "--quiet", *argv])
+    cap = capsys.readouterr()
+    return code, json.loads(cap.out), [ln for ln in cap.err.splitlines() if ln.strip()]
+
+
+# --------------------------------------------------------------------------- memory
+def test_8b_check_without_c4_prints_the_estimate_for_8_h100s(tmp_path, capsys):
+    """A fresh clone has no C4 and no Llama tokenizer: the estimate comes first, the missing
+    data is a finding of its own (exit 2), and 8 H100s are asked about from a CPU host."""
+    code, out, err = _check(capsys, ["--config", MLPERF, "--devices", "8", "--chip", "h100",
+                                     "--out", str(tmp_path / "run")])
+    assert code == 2
+    assert out["devices"] == {"count": 8, "chip": "h100", "platform": "gpu"}
+    assert out["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    m = out["memory_per_device"]
+    assert m["n_params"] == 8_030_261_248 and m["attention"] == "fused" and m["remat"]
+    assert m["sequences_per_device"] == 2 and 30 < m["total_gib"] < 59
+    assert out["device_memory"].startswith("NVIDIA H100 80GB HBM3: 79.65 GiB")
+    assert out["fits"] is True
+    assert out["smallest_fsdp"].startswith("the smallest mesh.fsdp that fits is 8 ")
+    assert err == [("config error: data.sources: no file matches "
+                   "'c4/en/3.0.1/c4-train.*-of-01024.json.gz'")]
+    assert out["problems"] == err and out["ok"] is False
+
+
+def test_fused_attention_stores_no_scores_on_a_gpu():
+    mc = LlamaConfig.llama3_8b(attention_impl="fused", dtype="bfloat16", param_dtype="float32")
+    kw = {"seq_len": 8192, "micro_batch": 8, "accum_steps": 1, "mesh": (1, 8, 1)}
+    fused = memory.estimate(mc, platform="gpu", **kw)
+    on_cpu = memory.estimate(mc, platform="cpu", **kw)  # the explicit form runs there
+    explicit = memory.estimate(LlamaConfig.llama3_8b(dtype="bfloat16", param_dtype="float32"),
+                               platform="gpu", **kw)
+    assert fused.fused_attention and not on_cpu.fused_attention
+    assert on_cpu.activations == explicit.activations
+    # per token and layer: fp32 scores + bf16 probabilities of 32 heads x 8192 keys, against
+    # one fp32 softmax statistic per head
+    saved = 8192 * 32 * 32 * (8192 * (4 + 2) - 4)
+    assert explicit.activations_no_remat - fused.activations_no_remat == saved
+    assert fused.describe().count("fused attention") == 1
+
+
+def test_the_smallest_fitting_fsdp_is_a_number_at_any_sequence_length():
+    mc = LlamaConfig.llama3_8b(attention_impl="fused", remat=True, dtype="bfloat16",
+                               param_dtype="float32")
+    h100 = int(CHIPS["h100"].bytes * 0.75)
+    shape = memory.StepShape(model=mc, seq_len=8192, global_batch=16, micro_batch=16,
+                             mesh=(1, 1, 1), platform="gpu")
+    ans = memory.smallest_fsdp(shape, h100)
+    assert ans is not None and ans.fsdp == 8 and ans.micro_batch == 16
+    smaller = memory.smallest_fsdp(shape, ans.estimate.total - 1)
+    assert smaller.fsdp == 16  # just under that estimate, 8 no longer fits
+    # long sequences: one per device, past the micro-batch (which must grow with it)
+    long = memory.StepShape(model=dataclasses.replace(mc, max_seq_len=32768), seq_len=32768,
+                            global_batch=1, micro_batch=1, mesh=(1, 1, 1), platform="gpu")
+    ans = memory.smallest_fsdp(long, int(CHIPS["b200"].bytes * 0.75))  # 181 GiB on one B200
+    assert ans is not None and ans.fsdp == ans.micro_batch == 2
+    assert ans.settings(long) == ("--set mesh.fsdp=2 --set mesh.data=1 --set "
+                                  "train.micro_batch=2 --set train.global_batch=2")
+    # when one sequence alone is too much, the answer names the longest that fits
+    tiny_budget = 40 * 2**30
+    assert memory.smallest_fsdp(long, tiny_budget) is None
+    text = memory.fsdp_sentence(long, tiny_budget)
+    longest = memory.longest_sequence(long, tiny_budget)
+    assert 128 <= longest < 32768 and longest % 128 == 0
+    assert text.startswith("no mesh.fsdp fits") and f"data.seq_len that fits is {longest}" in text
+
+
+def test_a_config_that_does_not_fit_names_the_fsdp_that_would(tmp_path, capsys):
+    code, out, err = _check(capsys, ["--config", MLPERF, "--devices", "2", "--chip", "h100",
+                                     "--out", str(tmp_path / "run")])
+    assert code == 2 and out["fits"] is False
+    assert len(err) == 2 and err[0].startswith("config error: data.sources")
+    assert err[1].startswith("config error: memory: the train step needs about ")
+    assert "the smallest mesh.fsdp that fits is 8 (8 devices: --set mesh.fsdp=8" in err[1]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--check", "--chip", "h999"], "config error: --chip 'h999': unknown chip; known: h100, "),
+    (["--check", "--devices", "0"], "config error: --devices 0: give a device count of 1"),
+    (["--devices", "8"], "config error: --devices and --chip ask --check about other "),
+])
+def test_bad_devices_or_chip_is_one_line(tmp_path, capsys, argv, message):
+    assert main([*argv, "--config", MLPERF, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(message) and len(err.splitlines()) == 1
+
+
+def test_a_tokenizer_larger_than_the_model_is_named_as_such(tmp_path, data_cache, capsys):
+    """The stream's check compares the tokenizer's size with the model's vocabulary; the
+    message says so (it once said 'token id N occurs', N being the tokenizer's size)."""
+    data = write_shards(tmp_path / "c4")
+    sets = [*fast_sets(tmp_path / "run", data_cache), *grain_sets(data),
+            ("model.overrides={dim: 64, n_layers: 2, n_heads: 4, n_kv_heads: 2, ffn_dim: 128, "
+            "max_seq_len: 128, vocab_size: 300}")]
+    code, _, err = _check(capsys, [a for s in sets for a in ("--set", s)])
+    assert code == 2
+    assert err == [(f"config error: data.tokenizer {data['tokenizer']} has 512 token ids (0 to "
+                   "511), more than the model's vocab_size=300: use a tokenizer of at most 300 "
+                   "ids, or set model.overrides.vocab_size=512")]
+
+
+# --------------------------------------------------------------------------- checkpoints
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, data_cache):
+    """A finished two-step run (make train's config, made small), its directory and args."""
+    out = tmp_path_factory.mktemp("trained") / "run"
+    args = ["--config", str(ROOT / "configs/tiny.yaml"),
+            *_args(out, data_cache, "train.steps=2", "checkpoint.every=2")]
+    assert main(["--quiet", *args]) == 0
+    return out, args
+
+
+@pytest.mark.parametrize("change", [
+    ["--set", "train.steps=300", "--set", "optim.lr=1e-3"],  # the README's command
+    ["--policy", "fp8"],
+])
+def test_check_refuses_what_the_run_refuses(trained, capsys, change):
+    _out, args = trained
+    code, report, err = _check(capsys, [*args, *change])
+    assert code == 4 and report["ok"] is False and report["fits"] is True
+    assert err[0].startswith("checkpoint error: the checkpoints in ")
+    assert main(["--quiet", *args, *change]) == 4  # the run: the same lines, the same code
+    run_err = [ln for ln in capsys.readouterr().err.splitlines()
+               if ln.strip() and not ln.startswith("[train] note:")]
+    assert run_err == err
+    assert report["problems"] == ["\n".join(err)]
+
+
+def test_check_names_the_step_a_compatible_run_resumes(trained, capsys):
+    _out, args = trained
+    code, report, err = _check(capsys, [*args, "--set", "train.steps=4"])
+    assert (code, err, report["ok"], report["resumes_from_step"]) == (0, [], True, 2)
