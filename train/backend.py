@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mxjax import PrecisionPolicy
-from mxjax.backends import capabilities, chip_name, no_speedup_reason
+from mxjax.backends import Capabilities, capabilities, chip_name, no_speedup_reason
 from mxjax.recipes import GEMMS
 from train.config import ConfigError
 
@@ -66,15 +66,18 @@ def check_speedup(policy: PrecisionPolicy) -> None:
             raise ConfigError(why)
 
 
-def route_record(policy: PrecisionPolicy | None, backend: str | None) -> dict[str, Any]:
-    """What each GEMM of the run's policy runs on, on the chip compiled for, for the log and
-    summary.json: ``{'chip', 'backend' (the config's), 'fprop', 'dgrad', 'wgrad'}`` (each a
-    route name or 'passthrough'; every projection of every layer takes the policy's three
-    GEMMs). Without a policy every GEMM is 'passthrough'."""
+def route_record(policy: PrecisionPolicy | None, backend: str | None, *,
+                 caps: Capabilities | None = None) -> dict[str, Any]:
+    """What each GEMM of the run's policy runs on, on the chip compiled for (or the chip of
+    ``caps``, `mxjax.backends.capabilities_for`), for the log, summary.json and ``--check``:
+    ``{'chip', 'backend' (the config's), 'fprop', 'dgrad', 'wgrad'}`` (each a route name or
+    'passthrough'; every projection of every layer takes the policy's three GEMMs). Without
+    a policy every GEMM is 'passthrough'."""
     if policy is None:
-        routes = {"chip": chip_name(capabilities()), **dict.fromkeys(GEMMS, "passthrough")}
+        routes = {"chip": chip_name(capabilities() if caps is None else caps),
+                  **dict.fromkeys(GEMMS, "passthrough")}
     else:
-        routes = policy.routes()
+        routes = policy.routes(caps=caps)
     return {"chip": routes.pop("chip"), "backend": backend, **routes}
 
 

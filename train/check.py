@@ -21,6 +21,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from mxjax.backends import capabilities_for
+from mxjax.chips import Chip, compute_capability_of
+from train import backend as backend_mod
 from train import compat, memory
 from train import devices as devmod
 from train import plan as plan_mod
@@ -76,6 +79,17 @@ def _memory(cfg: Config, target: devmod.DeviceTarget) -> tuple[dict[str, Any], F
                                                      exit_code=2)
 
 
+def _routes(policy, backend: str | None, target: devmod.DeviceTarget) -> dict[str, Any]:
+    """What each GEMM would run on: on this host's chip, or on ``--chip``'s (what ``backend:
+    auto`` becomes there)."""
+    caps = None
+    if target.chip is not None:
+        kind = devmod.CHIPS[target.chip].device_kind
+        caps = capabilities_for(Chip(platform=target.platform, device_kind=kind,
+                                     compute_capability=compute_capability_of(kind)))
+    return backend_mod.route_record(policy, backend, caps=caps)
+
+
 def check(cfg: Config, *, devices: int | None = None, chip: str | None = None,
           verbose: bool = True) -> tuple[dict[str, Any], list[Finding]]:
     """(the JSON report, the findings in the order the run would meet them) for `cfg` on
@@ -98,7 +112,8 @@ def check(cfg: Config, *, devices: int | None = None, chip: str | None = None,
             run_findings.append(_finding(e))
         else:
             report.update({"policy": plan.policy_name, **plan_mod.data_facts(plan),
-                           "eval_batch": plan.eval_batch})
+                           "eval_batch": plan.eval_batch,
+                           "routes": _routes(plan.policy, cfg.backend, target)})
             try:
                 report["resumes_from_step"] = compat.check_run_dir(plan)
             except (ConfigError, CheckpointError, OSError) as e:

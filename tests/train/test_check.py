@@ -159,3 +159,18 @@ def test_check_names_the_step_a_compatible_run_resumes(trained, capsys):
     _out, args = trained
     code, report, err = _check(capsys, [*args, "--set", "train.steps=4"])
     assert (code, err, report["ok"], report["resumes_from_step"]) == (0, [], True, 2)
+
+
+def test_check_names_each_gemms_route_here_and_on_the_chip_asked_about(trained, capsys,
+                                                                        tmp_path):
+    """`backend: auto` is the emulation on this CPU and the FP4 units on a B200: --check says
+    which, per GEMM, for the chip it is asked about."""
+    _out, args = trained
+    args = [*args, "--set", "policy=mxfp4_all_h16", "--set", f"out_dir={tmp_path / 'new'}"]
+    _, here, _ = _check(capsys, args)
+    _, b200, _ = _check(capsys, [*args, "--chip", "b200"])
+    gemms = ("fprop", "dgrad", "wgrad")
+    assert here["routes"]["backend"] == b200["routes"]["backend"] == "auto"
+    assert [here["routes"][g] for g in gemms] == ["xla"] * 3
+    assert "B200" in b200["routes"]["chip"]
+    assert [b200["routes"][g] for g in gemms] == ["xla_fp4"] * 3
