@@ -1,12 +1,13 @@
 """The backends of a quantized GEMM: one registry of routes, and the one place that chooses.
 
 Each backend is a route (`mxjax.routes`: 'xla' the emulation, 'xla_fp8', 'xla_fp4',
-'triton'), whose module states which formats and chips it serves, its GEMM and where
+'xla_nvfp4', 'xla_mxfp8', 'triton'), whose module states which formats and chips it serves, its GEMM and where
 its evidence is (`mxjax.routes.spec.Route`). :data:`ROUTES` lists them;
 ``GemmRecipe.backend`` is one of :data:`BACKENDS` (their names and 'auto').
 
 :func:`route_for` answers "which route runs this GEMM on this chip", and nothing else
-does: 'auto' takes the chip's :data:`AUTO_CHOICES` row (its evidence read from
+does: 'auto' takes the chip's first :data:`AUTO_CHOICES` row whose route serves the
+GEMM's formats (its evidence read from
 ``mxjax/measurements.json``), an explicit backend that cannot run on the chip raises
 :class:`BackendUnavailableError` naming the reason, and one that lacks the GEMM's formats
 raises ValueError; there is no silent fallback. The chip is the one a program is
@@ -116,17 +117,17 @@ class AutoChoice:
 
 
 AUTO_CHOICES: tuple[AutoChoice, ...] = (
-    # Blackwell, NVFP4 and MXFP8 GEMMs: their own formats on cuDNN's block-scaled MMA,
-    # estimated faster than the emulation and than jax.nn's scaled_dot_general.
-    AutoChoice(platform="gpu", min_compute_capability=(10, 0), backend="xla_nvfp4",
-               evidence=("layer_8b.b200.block_formats_rates_roofline",)),
-    AutoChoice(platform="gpu", min_compute_capability=(10, 0), backend="xla_mxfp8",
-               evidence=("layer_8b.b200.block_formats_rates_roofline",)),
     # Blackwell: 'xla_fp4' (cuDNN's FP4 MMA in every GEMM) estimated fastest, ahead of
     # 'xla_fp8', 'triton' and the emulation.
     AutoChoice(platform="gpu", min_compute_capability=(10, 0), backend="xla_fp4",
                evidence=("layer_8b.b200.rates_roofline",
                          "layer_8b.b200.triton_rates_roofline")),
+    # Blackwell, NVFP4 and MXFP8 GEMMs (the rows above serve MXFP4 only): their own
+    # formats on cuDNN's block-scaled MMA, estimated faster than the emulation.
+    AutoChoice(platform="gpu", min_compute_capability=(10, 0), backend="xla_nvfp4",
+               evidence=("layer_8b.b200.block_formats_rates_roofline",)),
+    AutoChoice(platform="gpu", min_compute_capability=(10, 0), backend="xla_mxfp8",
+               evidence=("layer_8b.b200.block_formats_rates_roofline",)),
     # Hopper: 'xla_fp8' (MXFP4 carried exactly in FP8) faster than the emulation, measured
     # and estimated.
     AutoChoice(platform="gpu", min_compute_capability=(9, 0), backend="xla_fp8",
