@@ -1,20 +1,20 @@
 """The backends of a quantized GEMM: one registry of routes, and the one place that chooses.
 
 Each backend is a route (`mxjax.routes`: 'xla' the emulation, 'xla_fp8', 'xla_fp4',
-'xla_nvfp4', 'xla_mxfp8', 'triton'), whose module states which formats and chips it serves, its GEMM and where
-its evidence is (`mxjax.routes.spec.Route`). :data:`ROUTES` lists them;
-``GemmRecipe.backend`` is one of :data:`BACKENDS` (their names and 'auto').
+'xla_nvfp4', 'xla_mxfp8', 'triton'), whose module states which formats and chips it
+serves, its GEMM and where its evidence is (`mxjax.routes.spec.Route`). :data:`ROUTES`
+lists them; ``GemmRecipe.backend`` is one of :data:`BACKENDS` (their names and 'auto').
 
 :func:`route_for` answers "which route runs this GEMM on this chip", and nothing else
 does: 'auto' takes the chip's first :data:`AUTO_CHOICES` row whose route serves the
-GEMM's formats (its evidence read from
-``mxjax/measurements.json``), an explicit backend that cannot run on the chip raises
-:class:`BackendUnavailableError` naming the reason, and one that lacks the GEMM's formats
-raises ValueError; there is no silent fallback. The chip is the one a program is
-compiled for (`mxjax.chips.target_chip`), once per lowering platform: :func:`run_gemm`
-puts one branch per platform under ``jax.lax.platform_dependent``, so lowering keeps the
-branch of the platform it lowers for, and a branch whose explicit backend cannot run
-there is an op that raises when lowered (:func:`unavailable`).
+GEMM's formats (its evidence read from ``mxjax/measurements.json``), an explicit
+backend that cannot run on the chip raises :class:`BackendUnavailableError` naming the
+reason, and one that lacks the GEMM's formats raises ValueError; there is no silent
+fallback. The chip is the one a program is compiled for (`mxjax.chips.target_chip`),
+once per lowering platform: :func:`run_gemm` puts one branch per platform under
+``jax.lax.platform_dependent``, so lowering keeps the branch of the platform it lowers
+for, and a branch whose explicit backend cannot run there is an op that raises when
+lowered (:func:`unavailable`).
 """
 
 from __future__ import annotations
