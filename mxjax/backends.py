@@ -125,9 +125,9 @@ AUTO_CHOICES: tuple[AutoChoice, ...] = (
     # Blackwell, NVFP4 and MXFP8 GEMMs (the rows above serve MXFP4 only): their own
     # formats on cuDNN's block-scaled MMA, estimated faster than the emulation.
     AutoChoice(platform="gpu", min_compute_capability=(10, 0), backend="xla_nvfp4",
-               evidence=("layer_8b.b200.block_formats_rates_roofline",)),
+               evidence=("layer_8b.b200.nvfp4_rates_roofline",)),
     AutoChoice(platform="gpu", min_compute_capability=(10, 0), backend="xla_mxfp8",
-               evidence=("layer_8b.b200.block_formats_rates_roofline",)),
+               evidence=("layer_8b.b200.mxfp8_rates_roofline",)),
     # Hopper: 'xla_fp8' (MXFP4 carried exactly in FP8) faster than the emulation, measured
     # and estimated.
     AutoChoice(platform="gpu", min_compute_capability=(9, 0), backend="xla_fp8",

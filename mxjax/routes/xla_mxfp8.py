@@ -23,7 +23,10 @@ its last bit above f32's ``2^-149``), and ``2^-s`` is applied as two normal-rang
 multiplies. A non-finite block has E8M0's NaN byte (0xFF) and zero codes, as the quantizer
 writes them and the emulation's CUDA form hands them to the same dot; an all-zero
 block has zero codes.
-The result is the emulation's up to the order of the f32 sums.
+The result is the emulation's up to the order of the f32 sums. A bf16 result (the
+GEMM's output dtype, no SR unscale after it) is rounded by cuDNN from its f32 sums, as
+'xla_fp8' and 'xla_fp4' let it (`xla_fp8.narrow_result`): with no factor after the dot,
+the same bits as rounding the f32 result.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from jax import lax
 
 from mxjax import _bits
 from mxjax.emulation import in_place
+from mxjax.routes import xla_fp8
 from mxjax.routes.spec import Route, in_place_route_gemm
 from mxjax.routes.xla_nvfp4 import blackwell_block_scaled
 from mxjax.scaling import SR_UNSCALE
@@ -126,6 +130,10 @@ def mxfp8_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
     kw = {"k_out": -(-k // step) * step, "hadamard_size": h, "signs": signs}
     ae, asc = in_place_operand(va, recipe.lhs, k_lhs, **kw)
     be, bsc = in_place_operand(vb, recipe.rhs, k_rhs, **kw)
+    if xla_fp8.narrow_result(recipe, out_dtype):
+        # cuDNN rounds its f32 sums to bf16 itself: 2 bytes per result, not 4 and a pass
+        # (no factor follows, so the same bits as rounding the f32 result).
+        return jax.nn.scaled_matmul(ae, be, asc, bsc, preferred_element_type=jnp.bfloat16)
     out = jax.nn.scaled_matmul(ae, be, asc, bsc, preferred_element_type=jnp.float32)
     for op in (recipe.lhs, recipe.rhs):
         if op.sr_prescale:
@@ -148,5 +156,5 @@ ROUTE = Route(
     runs_on=blackwell_block_scaled,
     gemm=_gemm,
     packed_dot=None,
-    evidence=("layer_8b.b200.block_formats_rates_roofline",),
+    evidence=("layer_8b.b200.mxfp8_rates_roofline",),
 )

@@ -125,6 +125,22 @@ def test_mxfp8_policy_on_the_route_is_the_emulation_in_all_three_gemms():
         np.testing.assert_allclose(np.asarray(g), np.asarray(w_), rtol=2e-6, atol=2e-6)
 
 
+def test_a_bf16_result_is_rounded_by_the_gemm_as_the_emulation_rounds_it():
+    x = jax.random.normal(jax.random.key(1), (64, 96), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(2), (96, 48), jnp.bfloat16)
+    dims = (((1,), (0,)), ((), ()))
+    want = mxjax.dot_general(x, w, dims, policy=policies.get("mxfp8"))
+    got = jax.jit(lambda x, w: mxjax.dot_general(
+        x, w, dims, policy=policies.get("mxfp8").with_backend("xla_mxfp8")))(x, w)
+    assert got.dtype == want.dtype == jnp.bfloat16
+    # The same f32 sums up to their order, each rounded once to bf16: equal, or one bf16
+    # step apart where the two orders' sums straddle a rounding boundary.
+    g, w_ = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    step = np.exp2(np.floor(np.log2(np.maximum(np.abs(w_), 1e-30))) - 7)
+    assert np.all(np.abs(g - w_) <= step)
+    assert np.mean(g == w_) > 0.95
+
+
 def test_mxfp8_route_gives_nan_where_the_emulation_does():
     x = jax.random.normal(jax.random.key(1), (16, 64), jnp.float32).at[3, 5].set(jnp.nan)
     w = jax.random.normal(jax.random.key(2), (64, 32), jnp.float32)
