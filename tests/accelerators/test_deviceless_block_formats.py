@@ -7,9 +7,10 @@
 * The Llama 3.1-8B layer (seq 8192, fused attention): every one of its 21 quantized GEMMs
   is the block-scaled dot, the attention's fused cuDNN calls are the only other GEMMs;
   its kernel list is printed.
-* Its estimates on the rates roofline, beside jax.nn's peers compiled in the same session,
-  against issue 48's targets: what is met is asserted, and what is not is printed
-  (mxjax/measurements.json, 'layer_8b.b200.block_formats_rates_roofline', records both).
+* Its estimates on the rates roofline, beside jax.nn's peers compiled in the same session:
+  each route is faster than the emulation (what 'auto' rests on); issue 48's targets are
+  printed, and asserted where met (none yet: mxjax/measurements.json,
+  'layer_8b.b200.nvfp4_rates_roofline' and 'layer_8b.b200.mxfp8_rates_roofline').
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ def test_every_quantized_gemm_of_the_8b_layer_is_the_block_scaled_mma_on_b200(fm
 # issue 48's targets (rates roofline, B200, 8B layer at seq 8192, fused attention).
 TARGETS = {"nvfp4": {"bf16": 0.6, "fp8": 0.8, "peer:jax_nvfp4": 1.0},
            "mxfp8": {"bf16": 0.8, "peer:jax_mxfp8": 1.0}}
-# What the estimate meets (recorded in mxjax/measurements.json with the figures).
-MET = {"nvfp4": {"peer:jax_nvfp4"}, "mxfp8": set()}
+# What the estimate meets (recorded in mxjax/measurements.json with the figures): none
+# yet (8B layer, rates roofline: nvfp4@auto 1.37x bf16, mxfp8@auto 1.09x).
+MET: dict[str, set[str]] = {"nvfp4": set(), "mxfp8": set()}
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
