@@ -6,10 +6,11 @@ elements with ``float8_e4m3fn`` scales per 16 along K. mxjax's NVFP4 (E2M1 eleme
 E4M3 scale per 16 and one f32 scale per tensor, `mxjax.scaling.E4M3BlocksTensorScale`)
 is that configuration and one f32 factor per operand, so no re-encoding is needed:
 
-* each canonical operand (``[batch..., F, K]``, rotated by the recipe's Hadamard as the
-  emulation rotates it) is quantized by mxjax's own quantizer (`mxjax.quantize_with`:
-  the emulation's codes, scale bytes and tensor scale bit for bit, stochastic rounding
-  included: the same uniforms from the same key);
+* each operand is quantized where it is (`in_place_operand`: its contraction split into
+  bit axes, no transpose of the input), with the arithmetic of mxjax's quantizer: the
+  codes, scale bytes and tensor scale of `mxjax.quantize_with` on the canonical operand
+  rotated as the emulation rotates it (`nvfp4_operand`), bit for bit, stochastic rounding
+  included (the same uniforms from the same key, drawn in the canonical shape);
 * the packed codes are reinterpreted as ``float4_e2m1fn`` (XLA's sub-byte order is
   mxjax's: the first element in the low nibble) and the scale bytes as
   ``float8_e4m3fn``: no pass of their own;
@@ -23,12 +24,11 @@ branch is needed: a non-finite operand has a NaN tensor scale (`mxjax.scaling`),
 makes the whole result NaN here as in the emulation, whatever the MMA makes of the
 block scales (E4M3's NaN byte 0x7F); an all-zero block has scale 0 and zero codes.
 
-**Where the quantization runs.** XLA fuses the quantizer into the operand's two passes
-(the tensor amax, then the block scales and codes: the random bits of stochastic
-rounding and the Hadamard's butterflies fuse into the second), and the wgrad's fixed
-H16 into both; the transposes into the canonical layout fuse into the passes that read
-them. The tensor amax must be known before any block is scaled, so an NVFP4 operand
-is read twice: once for its amax, once to quantize.
+**Where the quantization runs.** XLA fuses the quantizer: the tensor amax, then the block
+amaxes and the E4M3 scales, then the codes (the random bits of stochastic rounding and
+the wgrad's fixed H16 fused in); only the one-byte codes and scales are transposed into
+``[B, F, K]``. The tensor amax must be known before any block is scaled, so an NVFP4
+operand is read at least twice. No Pallas kernel yet.
 
 Deviceless compiles (``tests/accelerators/test_deviceless_block_formats.py``): on B200
 every GEMM of the 4096^3 matmul's train step is ``__cudnn$blockScaledDot`` on f4e2m1fn
