@@ -1,19 +1,20 @@
 """The backends of a quantized GEMM: one registry of routes, and the one place that chooses.
 
 Each backend is a route (`mxjax.routes`: 'xla' the emulation, 'xla_fp8', 'xla_fp4',
-'triton'), whose module states which formats and chips it serves, its GEMM and where
-its evidence is (`mxjax.routes.spec.Route`). :data:`ROUTES` lists them;
-``GemmRecipe.backend`` is one of :data:`BACKENDS` (their names and 'auto').
+'xla_nvfp4', 'xla_mxfp8', 'triton'), whose module states which formats and chips it
+serves, its GEMM and where its evidence is (`mxjax.routes.spec.Route`). :data:`ROUTES`
+lists them; ``GemmRecipe.backend`` is one of :data:`BACKENDS` (their names and 'auto').
 
 :func:`route_for` answers "which route runs this GEMM on this chip", and nothing else
-does: 'auto' takes the chip's :data:`AUTO_CHOICES` row (its evidence read from
-``mxjax/measurements.json``), an explicit backend that cannot run on the chip raises
-:class:`BackendUnavailableError` naming the reason, and one that lacks the GEMM's formats
-raises ValueError; there is no silent fallback. The chip is the one a program is
-compiled for (`mxjax.chips.target_chip`), once per lowering platform: :func:`run_gemm`
-puts one branch per platform under ``jax.lax.platform_dependent``, so lowering keeps the
-branch of the platform it lowers for, and a branch whose explicit backend cannot run
-there is an op that raises when lowered (:func:`unavailable`).
+does: 'auto' takes the chip's first :data:`AUTO_CHOICES` row whose route serves the
+GEMM's formats (its evidence read from ``mxjax/measurements.json``), an explicit
+backend that cannot run on the chip raises :class:`BackendUnavailableError` naming the
+reason, and one that lacks the GEMM's formats raises ValueError; there is no silent
+fallback. The chip is the one a program is compiled for (`mxjax.chips.target_chip`),
+once per lowering platform: :func:`run_gemm` puts one branch per platform under
+``jax.lax.platform_dependent``, so lowering keeps the branch of the platform it lowers
+for, and a branch whose explicit backend cannot run there is an op that raises when
+lowered (:func:`unavailable`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from mxjax import measurements
 from mxjax._platform import per_platform
 from mxjax.chips import PLATFORMS, Chip, target_chip
 from mxjax.quantization import MXArray
-from mxjax.routes import triton, xla, xla_fp4, xla_fp8
+from mxjax.routes import triton, xla, xla_fp4, xla_fp8, xla_mxfp8, xla_nvfp4
 from mxjax.routes.spec import Route
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
 ]
 
 ROUTES: dict[str, Route] = {r.name: r for r in (xla.ROUTE, xla_fp8.ROUTE, xla_fp4.ROUTE,
+                                                xla_nvfp4.ROUTE, xla_mxfp8.ROUTE,
                                                 triton.ROUTE)}
 # Every name a GemmRecipe's backend may take: the routes' and 'auto' (the chip's choice).
 BACKENDS: tuple[str, ...] = (*ROUTES, "auto")
@@ -122,6 +124,12 @@ AUTO_CHOICES: tuple[AutoChoice, ...] = (
     AutoChoice(platform="gpu", min_compute_capability=(10, 0), backend="xla_fp4",
                evidence=("layer_8b.b200.calibrated", "layer_8b.b200.rates_roofline",
                          "layer_8b.b200.triton_rates_roofline")),
+    # Blackwell, NVFP4 and MXFP8 GEMMs (the rows above serve MXFP4 only): their own
+    # formats on cuDNN's block-scaled MMA, estimated faster than the emulation.
+    AutoChoice(platform="gpu", min_compute_capability=(10, 0), backend="xla_nvfp4",
+               evidence=("layer_8b.b200.nvfp4_rates_roofline",)),
+    AutoChoice(platform="gpu", min_compute_capability=(10, 0), backend="xla_mxfp8",
+               evidence=("layer_8b.b200.mxfp8_rates_roofline",)),
     # Hopper: 'xla_fp8' (MXFP4 carried exactly in FP8) faster than the emulation, measured
     # and estimated.
     AutoChoice(platform="gpu", min_compute_capability=(9, 0), backend="xla_fp8",
@@ -194,37 +202,44 @@ def capabilities(platform: str | None = None) -> Capabilities:
     return capabilities_for(target_chip(platform))
 
 
-def auto_choice(caps: Capabilities) -> AutoChoice:
-    """The :data:`AUTO_CHOICES` row for a chip."""
+def auto_choice(caps: Capabilities, lhs_fmt=None, rhs_fmt=None) -> AutoChoice:
+    """The :data:`AUTO_CHOICES` row for a chip: the first that matches it and, given the
+    GEMM's operand formats, whose route serves them (``Route.serves``; 'xla' serves
+    every format). Without formats, the chip's first row."""
+    formats = lhs_fmt is not None and rhs_fmt is not None
     for row in AUTO_CHOICES:
         if row.platform != caps.platform:
             continue
         if row.min_compute_capability is None or (
                 caps.compute_capability is not None
                 and caps.compute_capability >= row.min_compute_capability):
+            if formats and not ROUTES[row.backend].serves(lhs_fmt, rhs_fmt):
+                continue
             return row
     raise ValueError(f"no AUTO_CHOICES row for platform {caps.platform!r}")
 
 
-def auto_backend(caps: Capabilities) -> str:
-    """The backend 'auto' picks on a chip: its :data:`AUTO_CHOICES` row's, when that can
-    run there, else 'xla' (which runs everywhere)."""
-    backend = auto_choice(caps).backend
+def auto_backend(caps: Capabilities, lhs_fmt=None, rhs_fmt=None) -> str:
+    """The backend 'auto' picks on a chip (for a GEMM of these operand formats, if
+    given): its :data:`AUTO_CHOICES` row's, when that can run there, else 'xla' (which
+    runs everywhere)."""
+    backend = auto_choice(caps, lhs_fmt, rhs_fmt).backend
     return backend if caps.can_run(backend) else "xla"
 
 
-def resolve_backend(name: str, caps: Capabilities | None = None) -> str:
+def resolve_backend(name: str, caps: Capabilities | None = None, lhs_fmt=None,
+                    rhs_fmt=None) -> str:
     """Maps a backend name to a route that can run on the chip compiled for.
 
-    'auto' picks with `auto_backend`. An explicit backend that cannot run on the chip
-    raises :class:`BackendUnavailableError` (a RuntimeError) with the reason (no silent
-    fallback). ``caps``: the chip's capabilities (default: :func:`capabilities`, the
-    target of the trace in progress).
+    'auto' picks with `auto_backend` (for the GEMM's operand formats, when given). An
+    explicit backend that cannot run on the chip raises :class:`BackendUnavailableError`
+    (a RuntimeError) with the reason (no silent fallback). ``caps``: the chip's
+    capabilities (default: :func:`capabilities`, the target of the trace in progress).
     """
     check_backend_name(name)
     caps = capabilities() if caps is None else caps
     if name == "auto":
-        return auto_backend(caps)
+        return auto_backend(caps, lhs_fmt, rhs_fmt)
     why = caps.reason(name)
     if why:
         kind = caps.device_kind or f"an unknown {caps.platform}"
@@ -237,23 +252,24 @@ def route_for(backend: str, lhs_fmt, rhs_fmt, *, where: str = "backend",
     """The route that runs an ``lhs_fmt x rhs_fmt`` GEMM under `backend` on a chip.
 
     Resolves `backend` (:func:`resolve_backend`; ``caps`` default: the chip compiled
-    for). A route that does not implement the formats (``Route.serves``) gives 'xla' when
-    `backend` is 'auto' and raises ValueError (message prefixed with `where`) when it
+    for). 'auto' takes the chip's first :data:`AUTO_CHOICES` row whose route implements
+    the formats (``Route.serves``; the 'xla' rows serve every format). An explicit route
+    that does not implement them raises ValueError (message prefixed with `where`) when it
     was asked for explicitly: no silent fallback.
     """
     check_backend_name(backend)
     if backend == "xla":  # runs everything everywhere: no chip to ask
         return ROUTES["xla"]
+    if backend == "auto":  # the chip's row for these formats
+        return ROUTES[resolve_backend(backend, caps, lhs_fmt, rhs_fmt)]
     route = ROUTES[resolve_backend(backend, caps)]
     if route.serves(lhs_fmt, rhs_fmt):
         return route
-    if backend != "auto":
-        raise ValueError(
-            f"{where}: backend {backend!r} implements "
-            f"{' x '.join(f.upper() for f in route.formats * 2)} only, "
-            f"got {F.get(lhs_fmt).name} x {F.get(rhs_fmt).name}; use backend='xla' or 'auto'"
-        )
-    return ROUTES["xla"]
+    pairs = " or ".join(f"{f.upper()} x {f.upper()}" for f in route.formats)
+    raise ValueError(
+        f"{where}: backend {backend!r} implements {pairs} only, "
+        f"got {F.get(lhs_fmt).name} x {F.get(rhs_fmt).name}; use backend='xla' or 'auto'"
+    )
 
 
 def chip_name(caps: Capabilities) -> str:

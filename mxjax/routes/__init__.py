@@ -16,6 +16,10 @@ module              route
                     block-scaled dot (cuDNN's FP4 MMA on Blackwell)
 `xla_fp4_kernel`    its operands on GPUs: one Pallas kernel per operand, both directions
                     from one read (loaded on first use)
+`xla_nvfp4`         backend 'xla_nvfp4': NVFP4 as it is on XLA's block-scaled dot (cuDNN's
+                    FP4 MMA on Blackwell), tensor scales on the f32 result
+`xla_mxfp8`         backend 'xla_mxfp8': MXFP8 quantized in place for XLA's block-scaled
+                    dot (cuDNN's MXFP8 MMA on Blackwell)
 `triton`            backend 'triton': Triton's ``tl.dot_scaled`` through jax-triton (the
                     ``gpu`` extra; its kernel in `mxjax.kernels`, loaded on first use)
 ==================  =====================================================================

@@ -40,7 +40,8 @@ ON_CPU = jax.default_backend() == "cpu"
 def _caps(**kw) -> Capabilities:
     base = {"platform": "gpu", "device_kind": "NVIDIA H200", "compute_capability": (9, 0),
             "native_fp4": False, "fp8_tensor_cores": True, "jax_triton": True,
-            "backends": (("xla", ""), ("xla_fp8", ""), ("xla_fp4", ""), ("triton", ""))}
+            "backends": (("xla", ""), ("xla_fp8", ""), ("xla_fp4", ""), ("xla_nvfp4", ""),
+                         ("xla_mxfp8", ""), ("triton", ""))}
     base.update(kw)
     return Capabilities(**base)
 
@@ -78,7 +79,8 @@ def test_recipes_take_exactly_the_registrys_names():
 @pytest.mark.parametrize("name", sorted(B.REMOVED_BACKENDS))
 def test_a_removed_backend_names_the_supported_ones(name):
     with pytest.raises(ValueError, match=rf"backend '{name}' was removed .*CHANGELOG.*"
-                                         r"'xla', 'xla_fp8', 'xla_fp4', 'triton', 'auto'"):
+                                         r"'xla', 'xla_fp8', 'xla_fp4', 'xla_nvfp4', "
+                                         r"'xla_mxfp8', 'triton', 'auto'"):
         GemmRecipe(lhs=F.MXFP4, rhs=F.MXFP4, backend=name)
     from mxjax import policies
 
@@ -104,7 +106,7 @@ def test_cpu_capabilities():
     caps = capabilities()
     assert caps.platform == "cpu" and caps.compute_capability is None
     assert not caps.native_fp4 and not caps.fp8_tensor_cores
-    assert caps.runnable == ("xla", "xla_fp8", "xla_fp4")
+    assert caps.runnable == ("xla", "xla_fp8", "xla_fp4", "xla_nvfp4", "xla_mxfp8")
     assert "GPU" in caps.reason("triton")
     assert resolve_backend("auto") == "xla"
     assert resolve_backend("xla_fp8") == "xla_fp8"  # XLA:CPU computes f8 dots exactly
@@ -147,6 +149,28 @@ def test_auto_choice_per_device():
             or row.min_compute_capability is None} == {"xla"}
 
 
+@pytest.mark.parametrize("fmt,blackwell,hopper", [
+    ("mxfp4", "xla_fp4", "xla_fp8"),
+    ("nvfp4", "xla_nvfp4", "xla"),
+    ("mxfp8_e4m3", "xla_mxfp8", "xla"),
+    ("mxfp8_e5m2", "xla_mxfp8", "xla"),
+    ("fp8_e4m3", "xla", "xla"),
+])
+def test_auto_takes_the_first_row_that_serves_the_gemms_formats(fmt, blackwell, hopper):
+    b200 = _caps(device_kind="NVIDIA B200", compute_capability=(10, 0), native_fp4=True)
+    assert route_for("auto", fmt, fmt, caps=b200).name == blackwell
+    assert auto_backend(b200, fmt, fmt) == blackwell
+    assert route_for("auto", fmt, fmt, caps=_caps()).name == hopper
+    # Without formats: the chip's first row (MXFP4's).
+    assert auto_backend(b200) == "xla_fp4"
+    # A served row whose route cannot run on the chip gives the emulation.
+    no_nv = _caps(device_kind="NVIDIA B200", compute_capability=(10, 0), native_fp4=True,
+                  backends=(("xla", ""), ("xla_fp8", ""), ("xla_fp4", ""),
+                            ("xla_nvfp4", "off"), ("xla_mxfp8", "off"), ("triton", "")))
+    if blackwell in ("xla_nvfp4", "xla_mxfp8"):
+        assert route_for("auto", fmt, fmt, caps=no_nv).name == "xla"
+
+
 def test_auto_choices_evidence_supports_each_choice():
     """Every row's evidence is in the measurements file, and where it has timings the
     chosen route beats the emulation ('xla') and every other route timed beside it."""
@@ -182,8 +206,10 @@ def test_auto_choice_takes_a_route_only_where_it_runs():
 
 @pytest.mark.parametrize("kind,platform,cc,fp4,fp8,runnable", [
     ("NVIDIA H200 141GB HBM3e", "gpu", (9, 0), False, True, {"xla", "xla_fp8"}),
-    ("NVIDIA B200", "gpu", (10, 0), True, True, {"xla", "xla_fp8", "xla_fp4"}),
-    ("NVIDIA GB200", "gpu", (10, 0), True, True, {"xla", "xla_fp8", "xla_fp4"}),
+    ("NVIDIA B200", "gpu", (10, 0), True, True,
+     {"xla", "xla_fp8", "xla_fp4", "xla_nvfp4", "xla_mxfp8"}),
+    ("NVIDIA GB200", "gpu", (10, 0), True, True,
+     {"xla", "xla_fp8", "xla_fp4", "xla_nvfp4", "xla_mxfp8"}),
     ("NVIDIA A100-SXM4-80GB", "gpu", (8, 0), False, False, {"xla"}),
     ("AMD Instinct MI355X", "gpu", None, True, True, {"xla"}),
     ("TPU v5 lite", "tpu", None, False, False, {"xla"}),

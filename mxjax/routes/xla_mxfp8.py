@@ -1,0 +1,160 @@
+"""MXFP8 GEMMs on Blackwell's block-scaled MMA, operands quantized in place: 'xla_mxfp8'.
+
+MXFP8 (E4M3 or E5M2 elements, an E8M0 scale per 32 along K) is one of the two operand
+configurations XLA lowers ``jax.nn.scaled_matmul`` to cuDNN's block-scaled MMA for
+(``__cudnn$blockScaledDot`` on B200): the codes are the f8 elements and the scale bytes
+``float8_e8m0fnu``, as they are.
+
+The emulation's CUDA form already hands MXFP8 operands to ``scaled_matmul``
+(`mxjax.emulation.fp8_units.block_scaled_dot`), but quantizes them canonically: each
+operand transposed into ``[batch..., F, K]`` in bf16, then mxjax's quantizer. This route
+quantizes each operand where it is instead, as 'xla_fp4' does for MXFP4
+(`mxjax.emulation.in_place.mx_operand_values`: the block amax in one fused pass, the
+scale, the rounding and the f8 encode in a second that writes one byte per element),
+and lays the f8 codes (not the bf16 input) out as ``[B, F, K]`` for the dot.
+
+**Values.** The in-place values are `mxjax.quantize`'s bit for bit (stochastic
+rounding's uniforms drawn in the canonical shape from the same key,
+`mxjax.emulation.in_place`), so the elements and scale bytes are the emulation's
+(``tests/mxjax/routes/test_xla_mxfp8.py`` compares them with `mxjax.quantize_with`).
+Encoding a value ``q * 2^s`` as its element is exact: ``s`` is within E8M0's
+``[-127, 127]``, the values are exact in f32 (E4M3's smallest, ``2^-9 * 2^-127``, has
+its last bit above f32's ``2^-149``), and ``2^-s`` is applied as two normal-range
+multiplies. A non-finite block has E8M0's NaN byte (0xFF) and zero codes, as the quantizer
+writes them and the emulation's CUDA form hands them to the same dot; an all-zero
+block has zero codes.
+The result is the emulation's up to the order of the f32 sums. A bf16 result (the
+GEMM's output dtype, no SR unscale after it) is rounded by cuDNN from its f32 sums, as
+'xla_fp8' and 'xla_fp4' let it (`xla_fp8.narrow_result`): with no factor after the dot,
+the same bits as rounding the f32 result.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mxjax import _bits
+from mxjax.emulation import in_place
+from mxjax.routes import xla_fp8
+from mxjax.routes.spec import Route, in_place_route_gemm
+from mxjax.routes.xla_nvfp4 import blackwell_block_scaled
+from mxjax.scaling import SR_UNSCALE
+
+__all__ = ["F8_DTYPES", "ROUTE", "in_place_operand", "mxfp8_gemm", "takes_mxfp8"]
+
+F8_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+_MX_BLOCK = 32
+
+
+def _mxfp8(op) -> bool:
+    return (op.fmt.element is not None and op.fmt.element.name in F8_DTYPES
+            and op.fmt.scale == "e8m0" and op.fmt.block_size == _MX_BLOCK)
+
+
+def takes_mxfp8(recipe) -> bool:
+    """Whether both operands of the GEMM recipe are MXFP8 (E4M3/E5M2, E8M0 scales per 32)."""
+    return _mxfp8(recipe.lhs) and _mxfp8(recipe.rhs)
+
+
+def _f8_finish(v, amax_bits, op):
+    """`mx_operand_values`' finish: the f32 values ``q * 2^s`` as f8 codes ``q``, and the
+    blocks' E8M0 scale bytes; a non-finite block gets the quantizer's zero codes and
+    E8M0's NaN byte 0xFF."""
+    s, nonfinite = op.scheme.exponents(amax_bits, op.scale_rule, op.sr_prescale)
+    half = (-s) // 2  # 2^-s as two normal-range factors (s in [-127, 127])
+    q = jnp.where(nonfinite, 0.0, (v * _bits.pow2(half)) * _bits.pow2(-s - half))
+    scale_bytes = jnp.where(nonfinite, 0xFF, s + 127).astype(jnp.uint8)
+    return q.astype(F8_DTYPES[op.fmt.element.name]), scale_bytes
+
+
+def _canonical(x, view, k_len):
+    """x laid out like view.x (K at view.axis) -> [B, F, k_len] (batch, free, contraction)."""
+    p = view.axis
+    free = [i for i in range(x.ndim) if i != p and i not in view.batch]
+    perm = tuple(view.batch) + tuple(free) + (p,)
+    b = math.prod(x.shape[i] for i in view.batch)
+    f = math.prod(x.shape[i] for i in free)
+    return jnp.transpose(x, perm).reshape(b, f, k_len)
+
+
+def in_place_operand(view, op, key, *, k_out: int, hadamard_size: int | None, signs):
+    """One MXFP8 operand quantized in place: (f8 elements ``[B, F, k_out]``, E8M0 scales
+    ``float8_e8m0fnu [B, F, k_out // 32]``).
+
+    ``view``: the operand with its contraction merged (`in_place.contraction_view`);
+    ``k_out``: the contraction padded with zeros to a multiple of 32 and of the Hadamard
+    size.
+    """
+    if not _mxfp8(op):
+        raise ValueError(f"op: expected an MXFP8 operand recipe, got {op!r}")
+    q, scale_bytes = in_place.mx_operand_values(
+        view, op, key=key, finish=functools.partial(_f8_finish, op=op), k_out=k_out,
+        hadamard_size=hadamard_size, signs=signs, split_halves=False)
+    shape = list(view.x.shape)
+    shape[view.axis] = k_out // _MX_BLOCK
+    scales = scale_bytes.reshape(shape)
+    return (_canonical(q, view, k_out),
+            lax.bitcast_convert_type(_canonical(scales, view, k_out // _MX_BLOCK),
+                                     jnp.float8_e8m0fnu))
+
+
+def mxfp8_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
+               operand_dtypes=None, out_dtype=None) -> jax.Array:
+    """``dot_general(a, b, dims)`` under an MXFP8 recipe on the block-scaled dot.
+
+    Args:
+      a, b: the GEMM's operands (any float dtype), ``dims`` lax dimension numbers.
+      recipe: a GemmRecipe that `takes_mxfp8`.
+      k_lhs, k_rhs: the rounding keys (stochastic rounding) or None.
+      signs: the Hadamard's ±1 vector or None.
+      operand_dtypes: None or a pair of dtypes (or None) a and b are cast to first.
+      out_dtype: the f32 result is cast to this (None: f32).
+    Returns:
+      ``[B, Fa, Fb]`` (batch and free axes flattened), f32 or out_dtype, times each
+      operand's SR unscale.
+    """
+    if not takes_mxfp8(recipe):
+        raise ValueError(f"recipe: the 'xla_mxfp8' backend takes MXFP8 x MXFP8, got "
+                         f"{recipe.lhs.fmt.name} x {recipe.rhs.fmt.name}")
+    a, b = in_place.cast_operands(a, b, operand_dtypes)
+    (ca, cb), (ba, bb) = dims
+    va, vb = in_place.contraction_view(a, ba, ca), in_place.contraction_view(b, bb, cb)
+    h = None if recipe.hadamard is None else recipe.hadamard.block_size
+    step = max(_MX_BLOCK, h or 1)
+    k = va.x.shape[va.axis]
+    kw = {"k_out": -(-k // step) * step, "hadamard_size": h, "signs": signs}
+    ae, asc = in_place_operand(va, recipe.lhs, k_lhs, **kw)
+    be, bsc = in_place_operand(vb, recipe.rhs, k_rhs, **kw)
+    if xla_fp8.narrow_result(recipe, out_dtype):
+        # cuDNN rounds its f32 sums to bf16 itself: 2 bytes per result, not 4 and a pass
+        # (no factor follows, so the same bits as rounding the f32 result).
+        return jax.nn.scaled_matmul(ae, be, asc, bsc, preferred_element_type=jnp.bfloat16)
+    out = jax.nn.scaled_matmul(ae, be, asc, bsc, preferred_element_type=jnp.float32)
+    for op in (recipe.lhs, recipe.rhs):
+        if op.sr_prescale:
+            out = out * jnp.float32(SR_UNSCALE)
+    return out if out_dtype is None else out.astype(out_dtype)
+
+
+def _gemm(a, b, *, dims, recipe, key, gemm_name, operand_dtypes=None, out_dtype=None,
+          platform=None) -> jax.Array:
+    del gemm_name, platform  # one program: XLA lowers scaled_matmul per chip
+    return in_place_route_gemm(mxfp8_gemm, a, b, dims=dims, recipe=recipe, key=key,
+                               operand_dtypes=operand_dtypes, out_dtype=out_dtype)
+
+
+ROUTE = Route(
+    name="xla_mxfp8",
+    summary=("MXFP8 quantized in place for XLA's block-scaled dot (cuDNN's MXFP8 MMA on "
+             "Blackwell)"),
+    formats=("mxfp8_e4m3", "mxfp8_e5m2"),
+    runs_on=blackwell_block_scaled,
+    gemm=_gemm,
+    packed_dot=None,
+    evidence=("layer_8b.b200.mxfp8_rates_roofline",),
+)
