@@ -32,6 +32,7 @@ Exit codes: 0 done; 1 the GPU tests failed; 2 bad arguments or no GPU; 3 the wat
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import sys
@@ -211,7 +212,7 @@ def _measure(args, rows, run: Run, table: Table, info: list, cc) -> int:
     tiny = args.dry_run
 
     def gemms():
-        run.doc["gemms"] = [g.entry() for g in gemm_rates_section(
+        run.doc["gemms"] = [dataclasses.asdict(g) for g in gemm_rates_section(
             table, deadline=deadline("gemms"), shape_div=64 if tiny else 1,
             shapes=2 if tiny else 5, compute_capability=cc, dry_run=tiny)]
 

@@ -24,7 +24,6 @@ the host's dispatch hides behind the device), the median of 3 batches after 2 wa
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 
@@ -32,10 +31,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from bench.costmodel.calibration import GemmRate
 from bench.device.harness import Pace, Table, log, short_error
 from bench.device.sections.gemm import GEMM_SHAPES
 
-__all__ = ["IMPLEMENTATIONS", "GemmRate", "gemm_rates_section", "implementation_of"]
+__all__ = ["IMPLEMENTATIONS", "gemm_rates_section", "implementation_of"]
 
 # Compiler options per implementation asked for.
 IMPLEMENTATIONS = {
@@ -60,22 +60,6 @@ def seconds_per_call(fn, *args, batch: int = BATCH, batches: int = 3) -> float:
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t) / batch)
     return statistics.median(times)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GemmRate:
-    """One measured GEMM: the measurement file's ``gemms`` entry."""
-
-    operands: str
-    m: int
-    n: int
-    k: int
-    implementation: str
-    setting: str
-    tflops: float
-
-    def entry(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def implementation_of(hlo_text: str) -> str:
