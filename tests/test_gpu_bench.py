@@ -5,6 +5,7 @@ layer) with one row that cannot be built."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -119,3 +120,29 @@ def test_the_gpu_test_files_exist():
     missing += [d for d in gpu_tests.QUICK_TESTS_DESELECT
                 if not (root / d.split("::")[0]).is_file()]
     assert not missing, missing
+
+
+def test_watchdog_kills_the_child_group_keeps_the_run_and_exits_3(tmp_path):
+    """The watchdog both device scripts share (it calls os._exit, so it runs in a child)."""
+    import subprocess
+    import sys
+
+    kept = tmp_path / "kept"
+    script = f"""
+import subprocess, time
+from bench.device import harness
+child = subprocess.Popen(["sleep", "60"], start_new_session=True)
+harness.STATE["child"] = child
+harness.log("waiting")
+table = harness.Table()
+harness.start_watchdog(harness.elapsed() + 0.2, table, keeping="keeping",
+                       keep=lambda: open({str(kept)!r}, "w").write(str(child.pid)))
+time.sleep(30)
+"""
+    done = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 3, done.stderr
+    assert "watchdog: --hard-limit-s" in done.stdout and "while: waiting; keeping" in done.stdout
+    stat = Path(f"/proc/{int(kept.read_text())}/stat")
+    # Killed: gone, or a zombie where nothing reaps orphans.
+    assert not stat.exists() or stat.read_text().split(")")[1].split()[0] == "Z"

@@ -70,9 +70,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: the repository root on the path
@@ -92,6 +90,7 @@ from bench.device.harness import (
     elapsed,
     log,
     short_error,
+    start_watchdog,
 )
 from bench.device.sections.calibration import calibration_section
 from bench.device.sections.ceilings import ceilings
@@ -114,29 +113,6 @@ def _parse_sections(text: str) -> tuple[str, ...]:
         raise ValueError(f"--sections: unknown {unknown or text!r}; expected a comma-separated "
                          f"subset of {','.join(SECTIONS)}")
     return tuple(s for s in SECTIONS if s in chosen)  # always in SECTIONS' order
-
-
-def _start_watchdog(limit_s: float, table: Table, run_rows: list, table_out: Path | None):
-    """At `limit_s` seconds: kill the pytest child, print the table so far, exit 3."""
-
-    def fire():
-        print(f"\n[{elapsed():6.1f}s] watchdog: --hard-limit-s {limit_s:.0f} reached while: "
-              f"{STATE['doing']}; printing the table so far and exiting (3)", flush=True)
-        child = STATE.get("child")
-        if child is not None and child.poll() is None:
-            os.killpg(child.pid, signal.SIGKILL)
-        doing = STATE["doing"][:80]
-        run_rows.append(("stopped", f"by the watchdog at {elapsed():.0f} s, while: {doing}"))
-        try:
-            table.write(table_out)
-        finally:
-            table.print()
-            os._exit(3)
-
-    timer = threading.Timer(max(0.0, limit_s - elapsed()), fire)
-    timer.daemon = True
-    timer.start()
-    return timer
 
 
 def main(argv=None) -> int:
@@ -193,7 +169,13 @@ def main(argv=None) -> int:
     run_rows = table.section("Run", ("what", "value"))
     run_rows += [("sections", ",".join(sections)),
                  ("budget", f"{args.budget_s:.0f} s (hard limit {hard_limit:.0f} s)")]
-    watchdog = _start_watchdog(hard_limit, table, run_rows, args.table_out)
+    def keep_the_table():
+        doing = STATE["doing"][:80]
+        run_rows.append(("stopped", f"by the watchdog at {elapsed():.0f} s, while: {doing}"))
+        table.write(args.table_out)
+
+    watchdog = start_watchdog(hard_limit, table, keeping="printing the table so far",
+                              keep=keep_the_table)
     budget = Budget(args.budget_s, [s for s in sections if s != "tests"])
     if "tests" in sections:  # before this process touches the GPU
         if args.cpu_smoke:

@@ -4,8 +4,12 @@ table, and the time budget shared by the sections (bench/device/gpu.py)."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import statistics
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 T0 = time.perf_counter()  # imported before jax: the budget counts jax's import
@@ -108,6 +112,30 @@ def short_error(e: BaseException, limit: int = 110) -> str:
         head = limit * 3 // 5
         text = text[:head] + " ... " + text[-(limit - head - 5):]
     return text
+
+
+def start_watchdog(limit_s: float, table: Table, *, keeping: str,
+                   keep: Callable[[], None]) -> threading.Timer:
+    """At `limit_s` seconds of the run: kill the pytest child's process group, call `keep`
+    (what saves the run so far; `keeping` says what it does, for the log), print the table
+    and exit with code 3, even in the middle of a compile. Cancel the timer to disarm it."""
+
+    def fire():
+        print(f"\n[{elapsed():6.1f}s] watchdog: --hard-limit-s {limit_s:.0f} reached while: "
+              f"{STATE['doing']}; {keeping} and exiting (3)", flush=True)
+        child = STATE.get("child")
+        if child is not None and child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+        try:
+            keep()
+        finally:
+            table.print()
+            os._exit(3)
+
+    timer = threading.Timer(max(0.0, limit_s - elapsed()), fire)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 SECTIONS = ("tests", "ceilings", "layer8b", "quantize", "gemm", "train", "calibration")

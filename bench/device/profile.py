@@ -48,7 +48,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
 import jax
 
 from bench.device import estimate, measurements_file
-from bench.device.harness import ROOT, STATE, Table, elapsed, log, short_error
+from bench.device.harness import ROOT, Table, elapsed, log, short_error, start_watchdog
 from bench.device.sections.device_rates import device_rates_section
 from bench.device.sections.gemm_rates import gemm_rates_section
 from bench.device.sections.gpu_tests import run_gpu_tests
@@ -128,25 +128,6 @@ class Run:
             return self.path
 
 
-def _watchdog(limit_s: float, run: Run, table: Table):
-    def fire():
-        print(f"\n[{elapsed():6.1f}s] watchdog: --hard-limit-s {limit_s:.0f} reached while: "
-              f"{STATE['doing']}; writing what was measured and exiting (3)", flush=True)
-        child = STATE.get("child")
-        if child is not None and child.poll() is None:
-            child.kill()
-        try:
-            print(f"measurements: {run.save()}", flush=True)
-        finally:
-            table.print()
-            os._exit(3)
-
-    timer = threading.Timer(max(0.0, limit_s - elapsed()), fire)
-    timer.daemon = True
-    timer.start()
-    return timer
-
-
 def _chip(device_kind: str, dry_run: bool) -> str:
     if dry_run:
         return jax.default_backend()  # 'cpu'
@@ -178,7 +159,9 @@ def main(argv=None) -> int:
              ("chip (cost model)", chip), ("budget", f"{args.budget_s:.0f} s")]
     tests_s = args.tests_budget_s if args.tests and not args.dry_run else 0.0
     hard = args.hard_limit_s or args.budget_s + tests_s + 30.0
-    watchdog = _watchdog(hard, run, table)
+    watchdog = start_watchdog(
+        hard, table, keeping="writing what was measured",
+        keep=lambda: print(f"measurements: {run.save()}", flush=True))
     log(f"device profile: {run.doc['provenance']['device']}, jax {jax.__version__}, "
         f"chip {chip!r}, budget {args.budget_s:.0f} s, hard limit {hard:.0f} s")
     try:
