@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from study import config as SC
 from study.runner import run_study
 from train.config import ConfigError
+from train.plan import check_out_dir
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -29,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sets = list(a.set) + ([f"out_dir={a.out}"] if a.out else [])
     try:
         cfg = SC.load(a.config, sets)
-        _check_out_dir(cfg.out_path)
+        check_out_dir(cfg.out_path)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -40,17 +40,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         run_study(cfg, verbose=not a.quiet)
     return 0
-
-
-def _check_out_dir(out: Path) -> None:
-    """ConfigError unless `out` (``out_dir``, ``--out``) is a directory or can be made one."""
-    for p in (out, *out.parents):
-        if p.exists():
-            if not p.is_dir():
-                what = "is" if p == out else f"lies under {p}, which is"
-                raise ConfigError(f"out_dir (--out) {out} {what} a file, not a directory; "
-                                  "choose another output directory")
-            return
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -152,10 +153,10 @@ def resolve_mesh(config: Config, n_devices: int) -> tuple[int, int, int]:
     return data, fsdp, tensor
 
 
-def check_out_dir(config: Config) -> None:
-    """The output directory (``out_dir``, ``--out``) is a directory or can be made one: neither
-    it nor a parent of it is an existing file (ConfigError otherwise)."""
-    out = config.out_path
+def check_out_dir(out: Path) -> None:
+    """The output directory ``out`` (``out_dir``, ``--out``; a train or a study config's
+    ``out_path``) is a directory or can be made one: neither it nor a parent of it is an
+    existing file (ConfigError otherwise)."""
     for p in (out, *out.parents):
         if p.exists():
             if not p.is_dir():
@@ -212,7 +213,7 @@ def validate(config: Config, *, verbose: bool = True, n_devices: int | None = No
     resumes from it and never reads model.init_from again). The mesh is resolved for
     `n_devices` devices (default: ``jax.device_count()``; ``--check --devices N``).
     """
-    check_out_dir(config)
+    check_out_dir(config.out_path)
     datamod.check_files(config.data)
     policy, name, record = resolve_policy(config.policy, config.backend)
     try:
