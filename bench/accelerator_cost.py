@@ -58,15 +58,33 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or not b else f"{a / b:.2f}x"
 
 
+def _blocks(costs: list[ac.Cost], charged=lambda c: True
+            ) -> dict[tuple[str, str], list[ac.Cost]]:
+    """The `charged` costs grouped by (target row, program), in first-seen order."""
+    groups: dict[tuple[str, str], list[ac.Cost]] = {}
+    for c in costs:
+        if charged(c):
+            groups.setdefault((c.row_target, c.row_program), []).append(c)
+    return groups
+
+
+def _aligned(title: str, rows: list[tuple[str, ...]]) -> list[str]:
+    """`title`, then `rows` in left-aligned columns with a rule under the first (the header)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [title]
+    for j, r in enumerate(rows):
+        lines.append("  " + "  ".join(x.ljust(w) for x, w in zip(r, widths)))
+        if j == 0:
+            lines.append("  " + "  ".join("-" * w for w in widths))
+    return lines
+
+
 def table(costs: list[ac.Cost]) -> list[str]:
     """One block per (target row, program): a row per policy with ratios to bf16."""
     header = ("policy", "kernels (fus/gemm/cc/copy)", "GB", "x", "temp GB", "x", "opt ms", "x",
               "roofline ms", "x", "+alu ms", "x")
     lines: list[str] = []
-    groups: dict[tuple[str, str], list[ac.Cost]] = {}
-    for c in costs:
-        groups.setdefault((c.row_target, c.row_program), []).append(c)
-    for (row_target, prog), group in groups.items():
+    for (row_target, prog), group in _blocks(costs).items():
         base = next((c for c in group if c.policy == "bf16"), None)
         rows = [header]
         for c in group:
@@ -80,12 +98,7 @@ def table(costs: list[ac.Cost]) -> list[str]:
                 _ms(c.roofline_s or None), _ratio(c.roofline_s, base and base.roofline_s),
                 _ms(c.roofline_alu_s or None),
                 _ratio(c.roofline_alu_s, base and base.roofline_alu_s)))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-        lines.append(f"## {row_target}, {prog}")
-        for j, r in enumerate(rows):
-            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)))
-            if j == 0:
-                lines.append("  " + "  ".join("-" * w for w in widths))
+        lines += _aligned(f"## {row_target}, {prog}", rows)
     return lines
 
 
@@ -104,11 +117,7 @@ def rates_table(costs: list[ac.Cost]) -> list[str]:
     header = ("policy", "rates ms", "x bf16", "+alu ms", "x bf16", "GEMM TFLOP",
               "GEMM flops by type", "temp GB", "kernels", "GB moved")
     lines: list[str] = []
-    groups: dict[tuple[str, str], list[ac.Cost]] = {}
-    for c in costs:
-        if c.rates_s:
-            groups.setdefault((c.row_target, c.row_program), []).append(c)
-    for (row_target, prog), group in groups.items():
+    for (row_target, prog), group in _blocks(costs, lambda c: c.rates_s).items():
         base = next((c for c in group if c.policy == "bf16"), None)
         rows = [header]
         for c in group:
@@ -117,12 +126,7 @@ def rates_table(costs: list[ac.Cost]) -> list[str]:
                          alu, _ratio(c.rates_alu_s or None, base and base.rates_alu_s or None),
                          f"{c.gemm_flops / 1e12:.2f}", _by_class(c), _gb(c.temp),
                          str(c.n_kernels), _gb(c.bytes)))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-        lines.append(f"## rates roofline: {row_target}, {prog}")
-        for j, r in enumerate(rows):
-            lines.append("  " + "  ".join(x.ljust(w) for x, w in zip(r, widths)))
-            if j == 0:
-                lines.append("  " + "  ".join("-" * w for w in widths))
+        lines += _aligned(f"## rates roofline: {row_target}, {prog}", rows)
     return lines
 
 
@@ -131,11 +135,7 @@ def calibrated_table(costs: list[ac.Cost]) -> list[str]:
     beside the peak roofline's (an upper bound on speed), then where the time goes per
     kernel class."""
     lines: list[str] = []
-    groups: dict[tuple[str, str], list[ac.Cost]] = {}
-    for c in costs:
-        if c.calibrated_s:
-            groups.setdefault((c.row_target, c.row_program), []).append(c)
-    for (row_target, prog), group in groups.items():
+    for (row_target, prog), group in _blocks(costs, lambda c: c.calibrated_s).items():
         base = next((c for c in group if c.policy == "bf16"), None)
         classes = [k for k in calibrated.KERNEL_CLASSES
                    if any(k == cls for c in group for cls, _, _ in c.calibrated_by_class)]
@@ -148,12 +148,7 @@ def calibrated_table(costs: list[ac.Cost]) -> list[str]:
                                                                 base and base.calibrated_s),
                          _ms(c.rates_s), _ratio(c.rates_s, base and base.rates_s)) + tuple(
                 f"{by[k][1] * 1e3:.2f} ({by[k][0]})" if k in by else "-" for k in classes))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-        lines.append(f"## calibrated model: {row_target}, {prog}")
-        for j, r in enumerate(rows):
-            lines.append("  " + "  ".join(x.ljust(w) for x, w in zip(r, widths)))
-            if j == 0:
-                lines.append("  " + "  ".join("-" * w for w in widths))
+        lines += _aligned(f"## calibrated model: {row_target}, {prog}", rows)
     return lines
 
 

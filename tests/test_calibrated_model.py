@@ -105,3 +105,18 @@ def test_the_calibrated_verdict_reads_each_bound_against_its_baseline():
     assert "b200 layer_8b mxfp4_all_h16@auto vs fp8 0.75x (<= 0.85x)" in met
     assert "NOT met" in text and "not compiled" not in text
     assert "not compiled in this run: b200" in calibrated_verdict(rows[:3])
+
+
+def test_calibrated_table_has_a_block_per_charged_chip_in_aligned_columns():
+    from bench.accelerator_cost import calibrated_table
+
+    rows = [_cost("h200", "bf16", 0.02), _cost("b200", "bf16", 0.0),
+            _cost("h200", "mxfp4_all_h16@auto", 0.015)]
+    lines = calibrated_table(rows)
+    assert lines[0] == "## calibrated model: h200, layer_8b@fused"
+    assert not any("b200" in line for line in lines)  # nothing charged there: no block
+    header, rule, bf16, mxfp4 = lines[1:]
+    assert header.split()[:3] == ["policy", "calibrated", "ms"]
+    assert set(rule.split()) <= {"-" * n for n in range(1, 40)}
+    assert mxfp4.split()[:3] == ["mxfp4_all_h16@auto", "15.00", "0.75x"]
+    assert bf16.index("20.00") == mxfp4.index("15.00") == header.index("calibrated ms")
