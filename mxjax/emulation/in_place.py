@@ -55,6 +55,7 @@ from mxjax.scaling import SR_UNSCALE
 
 __all__ = [
     "ContractionView",
+    "canonical_layout",
     "cast_operands",
     "contraction_view",
     "mx_gemm",
@@ -106,6 +107,18 @@ def contraction_view(x: jax.Array, batch: Sequence[int],
     canonical = tuple(batch) + tuple(free_axes(x.ndim, batch, contract))
     canonical_perm = tuple(canonical.index(ax) for ax in kept)
     return ContractionView(x2, p, tuple(pos[ax] for ax in batch), canonical_perm)
+
+
+def canonical_layout(x: jax.Array, view: ContractionView, k_len: int) -> jax.Array:
+    """``x`` laid out like ``view.x`` (its contraction, of length ``k_len`` here, at
+    ``view.axis``) as ``[B, F, k_len]``: batch axes, free axes, contraction, each flattened
+    (the block-scaled dot's operand layout)."""
+    p = view.axis
+    free = [i for i in range(x.ndim) if i != p and i not in view.batch]
+    perm = tuple(view.batch) + tuple(free) + (p,)
+    b = math.prod(x.shape[i] for i in view.batch)
+    f = math.prod(x.shape[i] for i in free)
+    return jnp.transpose(x, perm).reshape(b, f, k_len)
 
 
 def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:

@@ -261,16 +261,6 @@ def _fp4_finish(v, amax_bits, op):
                                          t, exact)
 
 
-def _canonical(x, view, k_axis_len):
-    """x laid out like view.x (K at view.axis) -> [B, F, K'] (batch, free, contraction)."""
-    p = view.axis
-    free = [i for i in range(x.ndim) if i != p and i not in view.batch]
-    perm = tuple(view.batch) + tuple(free) + (p,)
-    b = math.prod(x.shape[i] for i in view.batch)
-    f = math.prod(x.shape[i] for i in free)
-    return jnp.transpose(x, perm).reshape(b, f, k_axis_len)
-
-
 def mx_gemm_fp4(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
                 operand_dtypes=None, out_dtype=None, kernel: bool = False,
                 e2m1_cvt: bool = False, interpret: bool = False) -> jax.Array:
@@ -373,7 +363,8 @@ def in_place_operand(view, op, key, *, k_out: int, hadamard_size: int | None, si
         hadamard_size=hadamard_size, signs=signs, split_halves=False)
     # Scales: one per 32-block in the bit view, repeated for its two 16-halves.
     scales = jnp.repeat(scales.reshape(_block_shape(view, k_out)), 2, axis=view.axis)
-    return _canonical(q, view, k_out), _canonical(scales, view, k_out // 16), t, exact
+    return (in_place.canonical_layout(q, view, k_out),
+            in_place.canonical_layout(scales, view, k_out // 16), t, exact)
 
 
 def _takes_kernel(op, h, dtype) -> bool:

@@ -144,11 +144,13 @@ def encode_exact(v: jax.Array, t: jax.Array, carrier: Carrier) -> jax.Array:
     return (v * _bits.pow2(-t)).astype(carrier.dtype)
 
 
-def in_place_views(a, b, dims, recipe, operand_dtypes, backend: str):
-    """(a, b cast, their contraction views, the Hadamard size or None) for an MXFP4 route
-    ('xla_fp8', 'xla_fp4'); raises unless the recipe `takes_fp8_route`."""
-    if not takes_fp8_route(recipe):
-        raise ValueError(f"recipe: the {backend!r} backend takes MXFP4 x MXFP4, got "
+def in_place_views(a, b, dims, recipe, operand_dtypes, backend: str, *,
+                   takes=takes_fp8_route, formats: str = "MXFP4 x MXFP4"):
+    """(a, b cast, their contraction views, the Hadamard size or None) for an in-place
+    route ('xla_fp8', 'xla_fp4'; 'xla_mxfp8' with its own ``takes`` and ``formats``);
+    raises unless ``takes(recipe)``."""
+    if not takes(recipe):
+        raise ValueError(f"recipe: the {backend!r} backend takes {formats}, got "
                          f"{recipe.lhs.fmt.name} x {recipe.rhs.fmt.name}")
     a, b = in_place.cast_operands(a, b, operand_dtypes)
     (ca, cb), (ba, bb) = dims

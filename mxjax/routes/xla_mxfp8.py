@@ -32,7 +32,6 @@ the same bits as rounding the f32 result.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -72,16 +71,6 @@ def _f8_finish(v, amax_bits, op):
     return q.astype(F8_DTYPES[op.fmt.element.name]), scale_bytes
 
 
-def _canonical(x, view, k_len):
-    """x laid out like view.x (K at view.axis) -> [B, F, k_len] (batch, free, contraction)."""
-    p = view.axis
-    free = [i for i in range(x.ndim) if i != p and i not in view.batch]
-    perm = tuple(view.batch) + tuple(free) + (p,)
-    b = math.prod(x.shape[i] for i in view.batch)
-    f = math.prod(x.shape[i] for i in free)
-    return jnp.transpose(x, perm).reshape(b, f, k_len)
-
-
 def in_place_operand(view, op, key, *, k_out: int, hadamard_size: int | None, signs):
     """One MXFP8 operand quantized in place: (f8 elements ``[B, F, k_out]``, E8M0 scales
     ``float8_e8m0fnu [B, F, k_out // 32]``).
@@ -98,8 +87,8 @@ def in_place_operand(view, op, key, *, k_out: int, hadamard_size: int | None, si
     shape = list(view.x.shape)
     shape[view.axis] = k_out // _MX_BLOCK
     scales = scale_bytes.reshape(shape)
-    return (_canonical(q, view, k_out),
-            lax.bitcast_convert_type(_canonical(scales, view, k_out // _MX_BLOCK),
+    return (in_place.canonical_layout(q, view, k_out),
+            lax.bitcast_convert_type(in_place.canonical_layout(scales, view, k_out // _MX_BLOCK),
                                      jnp.float8_e8m0fnu))
 
 
@@ -118,13 +107,8 @@ def mxfp8_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
       ``[B, Fa, Fb]`` (batch and free axes flattened), f32 or out_dtype, times each
       operand's SR unscale.
     """
-    if not takes_mxfp8(recipe):
-        raise ValueError(f"recipe: the 'xla_mxfp8' backend takes MXFP8 x MXFP8, got "
-                         f"{recipe.lhs.fmt.name} x {recipe.rhs.fmt.name}")
-    a, b = in_place.cast_operands(a, b, operand_dtypes)
-    (ca, cb), (ba, bb) = dims
-    va, vb = in_place.contraction_view(a, ba, ca), in_place.contraction_view(b, bb, cb)
-    h = None if recipe.hadamard is None else recipe.hadamard.block_size
+    _, _, va, vb, h = xla_fp8.in_place_views(a, b, dims, recipe, operand_dtypes, "xla_mxfp8",
+                                             takes=takes_mxfp8, formats="MXFP8 x MXFP8")
     step = max(_MX_BLOCK, h or 1)
     k = va.x.shape[va.axis]
     kw = {"k_out": -(-k // step) * step, "hadamard_size": h, "signs": signs}
