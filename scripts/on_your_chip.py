@@ -49,8 +49,10 @@ def _ratio(fig: measurements.Figure, label: str, over: str) -> str:
 
 def _source(fig: measurements.Figure) -> str:
     p = fig.provenance
-    bound = ", peak roofline (upper bound)" if fig.key.endswith("rates_roofline") else ""
-    return f"{fig.kind}{bound}, `{fig.key}` ({p.chip.upper()}, {p.date}, jax {p.jax}, {p.commit[:7]})"
+    roofline = fig.key.endswith("rates_roofline")
+    bound = ", peak roofline (upper bound)" if roofline else ""
+    return (f"{fig.kind}{bound}, `{fig.key}` ({p.chip.upper()}, {p.date}, jax {p.jax}, "
+            f"{p.commit[:7]})")
 
 
 def _gpu_row(chip: str, backend: str, fig: measurements.Figure) -> str:

@@ -110,7 +110,7 @@ def test_bad_arguments_name_the_option(capsys, argv, match):
 
 
 def _dry_run(tmp_path, policies: str, sections: str = "gemms,rates,layers",
-             budget_s: int = 20) -> dict:
+             budget_s: int = 300) -> dict:
     # The watchdog (os._exit) must not fire inside pytest: a hard limit far away.
     code = profile.main(["--dry-run", "--tests", "--budget-s", str(budget_s),
                          "--hard-limit-s", str(budget_s + 3000),

@@ -97,8 +97,8 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     #    operand kernel below it).
     "mxjax.routes": (
         ("spec", "xla_fp4_kernel"),
-        ("xla", "triton", "xla_fp8"),
-        ("xla_fp4",),
+        ("xla", "triton", "xla_fp8", "xla_nvfp4"),
+        ("xla_fp4", "xla_mxfp8"),
     ),
     "models": (("sharding",), ("attention",), ("llama",), ("hf_config", "hf_files"), ("hf",)),
     #  - the config and the run's extension points first; then the pieces that need only

@@ -9,9 +9,9 @@ threads; reductions' loops and divergent branches are counted once, so read thos
 floor) and the SASS instructions ptxas makes of that PTX (counted the same way; what the
 chip executes: ptxas folds logic, shifts and adds, and turns one PTX conversion into one
 or more); then a roofline estimate: per kernel max(bytes / HBM rate, SASS instructions /
-ALU rate), the HBM rate the H200's measured copy (3.2e12 B/s) or another target's spec,
-the ALU rate one instruction per f32 lane per clock from the target's spec (H200: 132 SMs
-x 128 lanes x 1.98 GHz).
+ALU rate), the HBM rate the H200's measured copy (`mxjax/measurements.json`) or another
+target's spec, the ALU rate one instruction per f32 lane per clock from the target's spec
+(H200: 132 SMs x 128 lanes x 1.98 GHz).
 
 `dump_dir()` must run before any JAX backend starts (XLA reads its flags then).
 """
@@ -23,10 +23,13 @@ import os
 import tempfile
 from pathlib import Path
 
+from mxjax import measurements
+
 __all__ = ["OUTS", "KernelCost", "QuantizeCase", "dump_dir", "kernel_costs", "kernel_line",
            "total_line"]
 
-H200_COPY_BYTES_PER_S = 3.2e12  # measured
+# The copy bandwidth measured on the H200 (GB/s in the data file).
+H200_COPY_BYTES_PER_S = measurements.figure("gemm_8192.h200.measured").value("copy") * 1e9
 OUTS = ("f8", "f4", "bf16")
 
 
