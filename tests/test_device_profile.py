@@ -8,11 +8,12 @@ from __future__ import annotations
 import copy
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
 
-from bench.device import estimate, measurements_file, profile
+from bench.device import estimate, harness, measurements_file, profile
 from bench.device.sections import gemm_rates
 
 DATA = Path(__file__).resolve().parent / "data" / "traces"
@@ -111,16 +112,28 @@ def test_bad_arguments_name_the_option(capsys, argv, match):
 
 def _dry_run(tmp_path, policies: str, sections: str = "gemms,rates,layers",
              budget_s: int = 300) -> dict:
+    # The script's clock starts when its process starts (bench.device.harness.T0, at import);
+    # in pytest the module was imported at collection, maybe minutes earlier on a loaded
+    # machine: start the clock now, as a fresh process would.
+    mp = pytest.MonkeyPatch()
+    mp.setattr(harness, "T0", time.perf_counter())
     # The watchdog (os._exit) must not fire inside pytest: a hard limit far away.
-    code = profile.main(["--dry-run", "--tests", "--budget-s", str(budget_s),
-                         "--hard-limit-s", str(budget_s + 3000),
-                         "--policies", policies, "--sections", sections, "--out-dir",
-                         str(tmp_path), "--tag", "dry"])
+    try:
+        code = _profile_main(policies, sections, budget_s, tmp_path)
+    finally:
+        mp.undo()
     assert code == 0
     (path,) = tmp_path.glob("cpu-*-dry.json")
     doc = json.loads(path.read_text())
     measurements_file.check(doc)
     return doc
+
+
+def _profile_main(policies, sections, budget_s, tmp_path) -> int:
+    return profile.main(["--dry-run", "--tests", "--budget-s", str(budget_s),
+                         "--hard-limit-s", str(budget_s + 3000),
+                         "--policies", policies, "--sections", sections, "--out-dir",
+                         str(tmp_path), "--tag", "dry"])
 
 
 def test_dry_run_writes_a_schema_valid_measurement_file(tmp_path, capsys):
