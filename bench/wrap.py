@@ -19,7 +19,6 @@ Target: compile time within 1.5x, step time within noise.
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import time
 
@@ -29,6 +28,7 @@ import jax.numpy as jnp
 
 import mxjax.nn as mnn
 from mxjax import policies
+from mxjax.testing import program_text
 
 
 class Block(nn.Module):
@@ -59,13 +59,6 @@ def _step(apply):
         return jax.value_and_grad(lambda p: jnp.mean(apply(p, x) ** 2))(params)
 
     return step
-
-
-def optimized_hlo(compiled) -> str:
-    """A compiled program's optimized HLO without metadata and source-location tables."""
-    text = re.sub(r",? metadata=\{[^}]*\}", "", compiled.as_text())
-    return "\n".join(line for line in text.splitlines()
-                     if re.match(r"\s*(ROOT )?%|\s*ENTRY|\s*\}|HloModule", line))
 
 
 def run(policy_name: str, dim: int, layers: int, batch: int, rounds: int, iters: int) -> dict:
@@ -99,7 +92,7 @@ def run(policy_name: str, dim: int, layers: int, batch: int, rounds: int, iters:
                 step_s[name].append((time.perf_counter() - t0) / iters)
     same = all(bool(jnp.array_equal(a, b)) for a, b in
                zip(jax.tree.leaves(outs["wrapped"]), jax.tree.leaves(outs["injected"])))
-    same_hlo = optimized_hlo(compiled["wrapped"]) == optimized_hlo(compiled["injected"])
+    same_hlo = program_text(compiled["wrapped"]) == program_text(compiled["injected"])
     return {"compile": {k: statistics.median(v) for k, v in compile_s.items()},
             "same_hlo": same_hlo,
             "step": {k: statistics.median(v) for k, v in step_s.items()},

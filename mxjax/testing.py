@@ -10,6 +10,8 @@
 * ``assert_quantized_weight_matmuls(report, policy)``: from a
   ``mxjax.nn.WrapReport``, every linear layer got the policy and nothing else
   was quantized.
+* ``program_text(compiled)``: a compiled program's optimized HLO without its
+  metadata and source-location tables, to assert two programs are the same.
 
 Gradients are vector-Jacobian products with a fixed pseudo-random cotangent
 (not all-ones, which quantizes exactly), w.r.t. the positional arguments in
@@ -18,6 +20,7 @@ Gradients are vector-Jacobian products with a fixed pseudo-random cotangent
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,8 +36,20 @@ __all__ = [
     "assert_matches_reference",
     "assert_passthrough_exact",
     "assert_quantized_weight_matmuls",
+    "program_text",
     "reference_policy",
 ]
+
+
+def program_text(compiled: jax.stages.Compiled) -> str:
+    """The optimized HLO of `compiled` (``jax.jit(f).lower(*args).compile()``) with only
+    its instructions: no ``metadata={...}`` and none of the module's source-location
+    tables (``FileNames``, ``FunctionNames``, ``FileLocations``, ``StackFrames``), whose
+    numbering depends on what the process traced before. Two programs that compute the
+    same thing the same way give equal strings."""
+    text = re.sub(r",? metadata=\{[^}]*\}", "", compiled.as_text())
+    return "\n".join(line for line in text.splitlines()
+                     if re.match(r"\s*(ROOT )?%|\s*ENTRY|\s*\}|HloModule", line))
 
 
 def reference_policy(policy: PrecisionPolicy | str) -> PrecisionPolicy:

@@ -60,11 +60,7 @@ def test_route_matches_the_reference_within_the_stated_bound():
 
 
 def _hlo(fn, *args) -> str:
-    """Optimized HLO without metadata and source-location tables (names of ops kept)."""
-    text = jax.jit(fn).lower(*args).compile().as_text()
-    text = re.sub(r",? metadata=\{[^}]*\}", "", text)
-    return "\n".join(line for line in text.splitlines()
-                     if re.match(r"\s*(ROOT )?%|\s*ENTRY|\s*\}|HloModule", line))
+    return mt.program_text(jax.jit(fn).lower(*args).compile())
 
 
 def _cuda_program(fn, *args) -> str:
@@ -94,3 +90,27 @@ def test_wrapping_under_bf16_compiles_to_the_unwrapped_program():
     plain, ours = _cuda_program(plain_step, v), _cuda_program(our_step, v)
     assert plain.count("stablehlo.dot_general") >= 6
     assert ours == plain
+
+
+def test_program_text_drops_source_locations_but_not_the_computation():
+    x = jnp.arange(8.0)
+
+    def first():
+        def f(v):
+            return jnp.sin(v) * 2.0
+        return f
+
+    def second():  # the same computation, traced from other source lines
+        def f(v):
+            y = jnp.sin(v)
+            return y * 2.0
+        return f
+
+    a, b = (jax.jit(make()).lower(x).compile() for make in (first, second))
+    assert a.as_text() != b.as_text()  # the raw texts differ in their location tables
+    assert "FileNames" in a.as_text()
+    assert mt.program_text(a) == mt.program_text(b)
+    def f(v):
+        return jnp.sin(v) * 3.0
+    other = jax.jit(f).lower(x).compile()
+    assert mt.program_text(other) != mt.program_text(a)
