@@ -14,6 +14,16 @@ PAGE = Path(__file__).resolve().parents[1] / "docs" / "PERFORMANCE.md"
 QUOTED = ("layer_8b.h200.measured", "layer_8b.h200.rates_roofline",
           "layer_8b.b200.rates_roofline", "layer_8b.b200.triton_rates_roofline",
           "gemm_8192.h200.measured", "layer_8b.h200.calibrated", "layer_8b.b200.calibrated")
+# A guide (how to measure, today's figures, what to run on which chip); history goes to
+# docs/CHANGELOG.md.
+MAX_LINES = 250
+
+
+def test_the_page_is_a_guide_of_bounded_length():
+    n = len(PAGE.read_text().splitlines())
+    assert n <= MAX_LINES, (
+        f"docs/PERFORMANCE.md has {n} lines (at most {MAX_LINES}): move superseded figures "
+        "and their before/after to docs/CHANGELOG.md")
 
 
 @pytest.mark.parametrize("key", QUOTED)
