@@ -171,19 +171,21 @@ class PrecisionPolicy:
         return dataclasses.replace(self, name=None if base is None else f"{base}@{backend}",
                                    **gemms)
 
-    def check_backends(self) -> None:
+    def check_backends(self, *, caps: Capabilities | None = None) -> None:
         """Raises unless every quantized GEMM's backend can run on the chip compiled for
         (``mxjax.backends.BackendUnavailableError``, a RuntimeError) and implements its
         formats (ValueError); each message names the GEMM (``policy.fprop.backend: ...``).
 
         The GEMMs raise the same errors when traced or lowered; this checks them before
-        anything compiles (e.g. a training run's ``--check``).
+        anything compiles (e.g. a training run's ``--check``). ``caps``: another chip's
+        capabilities (`mxjax.backends.capabilities_for`) instead of the target's.
         """
         for gemm, recipe in self.gemms.items():
             if recipe.is_passthrough:
                 continue
             try:
-                route_for(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt, where=f"policy.{gemm}")
+                route_for(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt, where=f"policy.{gemm}",
+                          caps=caps)
             except (RuntimeError, ValueError) as e:
                 raise type(e)(f"policy.{gemm}.backend: {e}") from None
 

@@ -174,3 +174,16 @@ def test_check_names_each_gemms_route_here_and_on_the_chip_asked_about(trained, 
     assert [here["routes"][g] for g in gemms] == ["xla"] * 3
     assert "B200" in b200["routes"]["chip"]
     assert [b200["routes"][g] for g in gemms] == ["xla_fp4"] * 3
+
+
+def test_an_explicit_backend_is_judged_on_the_chip_asked_about(trained, capsys, tmp_path):
+    """`backend: xla_fp4` gives no speed-up on this CPU (the run refuses it, exit 2) but is
+    the FP4 units of a B200: --check --chip b200 judges it there, not on the host."""
+    _out, args = trained
+    args = [*args, "--set", "policy=mxfp4_all", "--set", "backend=xla_fp4",
+            "--set", f"out_dir={tmp_path / 'new'}"]
+    code, here, err = _check(capsys, args)
+    assert code == 2 and here["ok"] is False and "gives no speed-up on 'cpu'" in err[0]
+    code, b200, err = _check(capsys, [*args, "--chip", "b200"])
+    assert (code, err, b200["ok"]) == (0, [], True)
+    assert [b200["routes"][g] for g in ("fprop", "dgrad", "wgrad")] == ["xla_fp4"] * 3
