@@ -114,6 +114,18 @@ def test_bad_devices_or_chip_is_one_line(tmp_path, capsys, argv, message):
     assert err.startswith(message) and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("fraction", ["0", "1.5", "nan", "-0.5"])
+def test_a_memory_fraction_outside_0_1_is_one_line(tmp_path, capsys, monkeypatch, fraction):
+    """A GPU chip's budget is its memory times XLA_PYTHON_CLIENT_MEM_FRACTION: one outside
+    (0, 1] once gave a budget of 0 bytes, 1.5x the chip's or NaN, without a word."""
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", fraction)
+    argv = ["--check", "--chip", "h100", "--config", MLPERF, "--out", str(tmp_path / "run")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"config error: XLA_PYTHON_CLIENT_MEM_FRACTION={fraction!r} is not a "
+                   "fraction of the GPU's memory in (0, 1]; unset it or give one such as 0.9")
+
+
 def test_a_tokenizer_larger_than_the_model_is_named_as_such(tmp_path, data_cache, capsys):
     """The stream's check compares the tokenizer's size with the model's vocabulary; the
     message says so (it once said 'token id N occurs', N being the tokenizer's size)."""
