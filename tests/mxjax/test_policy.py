@@ -173,7 +173,7 @@ def test_resolve_no_policy():
     ("MXFP4_ALL", ValueError, r"unknown preset 'MXFP4_ALL'; did you mean 'mxfp4_all'"),
     ({"fprop": {"lhs": "mxfp4"}}, ValueError, r"fprop: missing keys \['rhs'\]"),
     ({**policies.to_dict("fp8"), "extra": 1}, ValueError, r"policy dict: unknown keys \['extra'\]"),
-    ({**policies.to_dict("fp8"), "fprop": 3}, TypeError, r"fprop: expected a mapping"),
+    ({**policies.to_dict("fp8"), "fprop": 3}, TypeError, r"fprop: a GEMM is null, a format name, .* got int 3"),
     (3, TypeError, r"a policy dict or a PrecisionPolicy, got int 3"),
     (["mxfp4_all"], TypeError, r"got list"),
     (policies.get("fp8").fprop, TypeError, r"got GemmRecipe"),
