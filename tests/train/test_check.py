@@ -107,6 +107,8 @@ def test_a_config_that_does_not_fit_names_the_fsdp_that_would(tmp_path, capsys):
     (["--check", "--chip", "h999"], "config error: --chip 'h999': unknown chip; known: h100, "),
     (["--check", "--devices", "0"], "config error: --devices 0: give a device count of 1"),
     (["--devices", "8"], "config error: --devices and --chip ask --check about other "),
+    # --print-config once printed the config, --chip ignored, and exited 0
+    (["--print-config", "--chip", "h100"], "config error: --devices and --chip ask --check "),
 ])
 def test_bad_devices_or_chip_is_one_line(tmp_path, capsys, argv, message):
     assert main([*argv, "--config", MLPERF, "--out", str(tmp_path / "run")]) == 2
