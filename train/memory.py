@@ -445,8 +445,9 @@ def fsdp_sentence(shape: StepShape, budget: int) -> str:
     """The smallest fitting fsdp as a sentence (or why none fits)."""
     ans = smallest_fsdp(shape, budget)
     if ans is not None:
-        return (f"the smallest mesh.fsdp that fits is {ans.fsdp} ({ans.fsdp * shape.mesh[2]} "
-                f"devices: {ans.settings(shape)}; about {gib(ans.estimate.total)} per device)")
+        n = ans.fsdp * shape.mesh[2]
+        return (f"the smallest mesh.fsdp that fits is {ans.fsdp} ({n} device{'s' * (n != 1)}: "
+                f"{ans.settings(shape)}; about {gib(ans.estimate.total)} per device)")
     longest = longest_sequence(shape, budget)
     seq = (f"; the longest data.seq_len that fits is {longest}" if longest else
            "; not even 128 tokens per device fit")

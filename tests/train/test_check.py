@@ -92,6 +92,9 @@ def test_the_smallest_fitting_fsdp_is_a_number_at_any_sequence_length():
     longest = memory.longest_sequence(long, tiny_budget)
     assert 128 <= longest < 32768 and longest % 128 == 0
     assert text.startswith("no mesh.fsdp fits") and f"data.seq_len that fits is {longest}" in text
+    # a step that fits one device says so in the singular (it said '1 devices')
+    assert memory.fsdp_sentence(long, 2**50).startswith(
+        "the smallest mesh.fsdp that fits is 1 (1 device: --set mesh.fsdp=1 ")
 
 
 def test_a_config_that_does_not_fit_names_the_fsdp_that_would(tmp_path, capsys):
