@@ -21,6 +21,7 @@ from mxjax.backends import (
 )
 from mxjax.formats import BF16
 from mxjax.recipes import GEMMS, GemmRecipe, OperandRecipe
+from mxjax.routes.spec import Route
 
 __all__ = ["GemmSpec", "PrecisionPolicy"]
 
@@ -180,14 +181,20 @@ class PrecisionPolicy:
         anything compiles (e.g. a training run's ``--check``). ``caps``: another chip's
         capabilities (`mxjax.backends.capabilities_for`) instead of the target's.
         """
-        for gemm, recipe in self.gemms.items():
-            if recipe.is_passthrough:
-                continue
-            try:
-                route_for(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt, where=f"policy.{gemm}",
-                          caps=caps)
-            except (RuntimeError, ValueError) as e:
-                raise type(e)(f"policy.{gemm}.backend: {e}") from None
+        for gemm in GEMMS:
+            self._route(gemm, caps)
+
+    def _route(self, gemm: str, caps: Capabilities | None) -> Route | None:
+        """The route of `gemm` (a quantized one) on the chip of `caps` (None: the target's);
+        errors name the GEMM (``policy.fprop.backend: ...``). None for a pass-through GEMM."""
+        recipe = getattr(self, gemm)
+        if recipe.is_passthrough:
+            return None
+        try:
+            return route_for(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt,
+                             where=f"policy.{gemm}", caps=caps)
+        except (RuntimeError, ValueError) as e:
+            raise type(e)(f"policy.{gemm}.backend: {e}") from None
 
     def routes(self, platform: str | None = None, *,
                caps: Capabilities | None = None) -> dict[str, str]:
@@ -203,15 +210,9 @@ class PrecisionPolicy:
         """
         caps = capabilities(platform) if caps is None else caps
         out = {"chip": chip_name(caps)}
-        for gemm, recipe in self.gemms.items():
-            if recipe.is_passthrough:
-                out[gemm] = "passthrough"
-                continue
-            try:
-                out[gemm] = route_for(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt,
-                                      where=f"policy.{gemm}", caps=caps).name
-            except (RuntimeError, ValueError) as e:
-                raise type(e)(f"policy.{gemm}.backend: {e}") from None
+        for gemm in GEMMS:
+            route = self._route(gemm, caps)
+            out[gemm] = "passthrough" if route is None else route.name
         return out
 
     def replace(self, **changes: Any) -> PrecisionPolicy:
