@@ -75,8 +75,11 @@ def resolve_policy(
 
 def with_backend(policy: PrecisionPolicy | None, backend: str | None) -> PrecisionPolicy | None:
     """`policy` under the config's ``backend`` (`train.backend.apply_backend`; None:
-    unchanged; a ConfigError names a bad one), applied to every policy a run compiles."""
-    return gemm_backend.apply_backend(policy, backend)
+    unchanged; a ConfigError names a bad one), applied to every policy a run compiles.
+    'auto' keeps the backends of a policy named ``<name>@<backend>`` (`PrecisionPolicy.
+    with_backend`'s name: they were asked for), as `resolve_policy` keeps a config's."""
+    stated = gemm_backend.stated_backends(policy.name) if policy and policy.name else frozenset()
+    return gemm_backend.apply_backend(policy, backend, stated)
 
 
 def check_backends(policy: PrecisionPolicy, *, caps: Capabilities | None = None) -> None:
