@@ -357,6 +357,7 @@ class StepShape:
 
     @property
     def accum_steps(self) -> int:
+        """Micro-batches per step (``global_batch // micro_batch``, at least 1)."""
         return max(1, self.global_batch // self.micro_batch)
 
     def estimate(self) -> MemoryEstimate:
