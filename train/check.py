@@ -69,7 +69,8 @@ def _memory(cfg: Config, target: devmod.DeviceTarget) -> tuple[dict[str, Any], F
         "mesh": dict(zip(("data", "fsdp", "tensor"), mesh, strict=True)),
         "accum_steps": shape.accum_steps, "n_params": est.n_params,
         "memory_per_device": est.as_dict(), "device_memory": target.source,
-        "fits": target.budget is None or est.total <= target.budget}
+        # null when the device's memory is unknown: nothing to compare the estimate with
+        "fits": None if target.budget is None else est.total <= target.budget}
     if vocab_note:
         out["memory_note"] = vocab_note
     if target.budget is not None:

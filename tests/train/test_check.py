@@ -119,6 +119,18 @@ def test_bad_devices_or_chip_is_one_line(tmp_path, capsys, argv, message):
     assert err.startswith(message) and len(err.splitlines()) == 1
 
 
+def test_fits_is_null_when_the_devices_memory_is_unknown(tmp_path, capsys, monkeypatch):
+    """A device whose memory JAX does not report (no memory_stats) gives no budget: the
+    report said "fits": true all the same."""
+    from train import devices
+
+    monkeypatch.setattr(devices, "device_memory", lambda: (None, "unknown: no memory_stats"))
+    code, out, _ = _check(capsys, ["--config", MLPERF, "--out", str(tmp_path / "run")])
+    assert code == 2  # the missing C4, nothing about memory
+    assert out["fits"] is None and out["device_memory"] == "unknown: no memory_stats"
+    assert "smallest_fsdp" not in out
+
+
 @pytest.mark.parametrize("fraction", ["0", "1.5", "nan", "-0.5"])
 def test_a_memory_fraction_outside_0_1_is_one_line(tmp_path, capsys, monkeypatch, fraction):
     """A GPU chip's budget is its memory times XLA_PYTHON_CLIENT_MEM_FRACTION: one outside
