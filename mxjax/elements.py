@@ -95,7 +95,8 @@ def nearest_even_code(y: jnp.ndarray, elem: ElementFormat) -> tuple[jnp.ndarray,
 
 def _round_integer(y, elem: ElementFormat, mode: Rounding, u):
     """(sign bits uint32, unsaturated integer multiple n f32, exponent E int32) of y, for
-    the roundings but to nearest even (`nearest_even_code`, `nearest_even_value`)."""
+    every rounding except to nearest even (that one is `nearest_even_code` and
+    `nearest_even_value`)."""
     bits = _bits.f32_bits(y)
     a = _bits.bits_f32(bits & _bits.ABS_MASK)
     e = ((bits >> 23) & 0xFF).astype(jnp.int32) - 127

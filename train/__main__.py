@@ -125,6 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_policy_list())
         return 0
     try:
+        # before anything else: --print-config and a multi-host start would ignore them
+        if (args.devices is not None or args.chip is not None) and not args.check:
+            raise ConfigError("--devices and --chip ask --check about other hardware; "
+                              "add --check (a run uses the devices it has)")
         raw = cfgmod.read_yaml(args.config) if args.config else {}
         raw = cfgmod.apply_overrides(raw, args.set)
         if args.policy is not None:
@@ -139,9 +143,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if cfg.mesh.distributed:
             loop.init_distributed(cfg.mesh, verbose=not args.quiet)
-        if (args.devices is not None or args.chip is not None) and not args.check:
-            raise ConfigError("--devices and --chip ask --check about other hardware; "
-                              "add --check (a run uses the devices it has)")
         if args.check:
             report, findings = check.check(cfg, devices=args.devices, chip=args.chip,
                                            verbose=not args.quiet)

@@ -53,15 +53,16 @@ def apply_backend(policy: PrecisionPolicy | None, backend: str | None,
     return dataclasses.replace(policy, **gemms) if gemms else policy
 
 
-def check_speedup(policy: PrecisionPolicy) -> None:
+def check_speedup(policy: PrecisionPolicy, *, caps: Capabilities | None = None) -> None:
     """ConfigError unless every quantized GEMM's explicit backend gives a speed-up on the
-    chip compiled for (`mxjax.backends.no_speedup_reason`: e.g. 'xla_fp4' on a CPU runs
-    XLA:CPU's expansion of its dot, slower than the emulation with the same values)."""
+    chip compiled for, or the chip of ``caps`` (`mxjax.backends.no_speedup_reason`: e.g.
+    'xla_fp4' on a CPU runs XLA:CPU's expansion of its dot, slower than the emulation with
+    the same values)."""
     for gemm, recipe in policy.gemms.items():
         if recipe.is_passthrough:
             continue
         why = no_speedup_reason(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt,
-                                where=f"policy.{gemm}.backend")
+                                caps=caps, where=f"policy.{gemm}.backend")
         if why:
             raise ConfigError(why)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from mxjax.backends import capabilities_for
+from mxjax.backends import Capabilities, capabilities_for
 from mxjax.chips import Chip, compute_capability_of
 from train import backend as backend_mod
 from train import compat, memory
@@ -69,7 +69,8 @@ def _memory(cfg: Config, target: devmod.DeviceTarget) -> tuple[dict[str, Any], F
         "mesh": dict(zip(("data", "fsdp", "tensor"), mesh, strict=True)),
         "accum_steps": shape.accum_steps, "n_params": est.n_params,
         "memory_per_device": est.as_dict(), "device_memory": target.source,
-        "fits": target.budget is None or est.total <= target.budget}
+        # null when the device's memory is unknown: nothing to compare the estimate with
+        "fits": None if target.budget is None else est.total <= target.budget}
     if vocab_note:
         out["memory_note"] = vocab_note
     if target.budget is not None:
@@ -79,15 +80,13 @@ def _memory(cfg: Config, target: devmod.DeviceTarget) -> tuple[dict[str, Any], F
                                                      exit_code=2)
 
 
-def _routes(policy, backend: str | None, target: devmod.DeviceTarget) -> dict[str, Any]:
-    """What each GEMM would run on: on this host's chip, or on ``--chip``'s (what ``backend:
-    auto`` becomes there)."""
-    caps = None
-    if target.chip is not None:
-        kind = devmod.CHIPS[target.chip].device_kind
-        caps = capabilities_for(Chip(platform=target.platform, device_kind=kind,
-                                     compute_capability=compute_capability_of(kind)))
-    return backend_mod.route_record(policy, backend, caps=caps)
+def _chip_capabilities(target: devmod.DeviceTarget) -> Capabilities | None:
+    """The capabilities of ``--chip``'s chip (None: this host's, the chip compiled for)."""
+    if target.chip is None:
+        return None
+    kind = devmod.CHIPS[target.chip].device_kind
+    return capabilities_for(Chip(platform=target.platform, device_kind=kind,
+                                 compute_capability=compute_capability_of(kind)))
 
 
 def check(cfg: Config, *, devices: int | None = None, chip: str | None = None,
@@ -97,6 +96,7 @@ def check(cfg: Config, *, devices: int | None = None, chip: str | None = None,
     first finding's (0 without one). A ConfigError is raised only for bad ``--devices`` /
     ``--chip`` values."""
     target = devmod.target(devices, chip)
+    caps = _chip_capabilities(target)  # backends are judged, and routed, on that chip
     report: dict[str, Any] = {"ok": True, "out_dir": str(cfg.out_path)}
     run_findings: list[Finding] = []
     memory_finding = None
@@ -107,13 +107,14 @@ def check(cfg: Config, *, devices: int | None = None, chip: str | None = None,
         run_findings.append(_finding(e))
     if not run_findings:
         try:
-            plan = plan_mod.validate(cfg, verbose=verbose, n_devices=target.count)
+            plan = plan_mod.validate(cfg, verbose=verbose, n_devices=target.count, caps=caps)
         except (ConfigError, DataError, OSError) as e:
             run_findings.append(_finding(e))
         else:
             report.update({"policy": plan.policy_name, **plan_mod.data_facts(plan),
                            "eval_batch": plan.eval_batch,
-                           "routes": _routes(plan.policy, cfg.backend, target)})
+                           "routes": backend_mod.route_record(plan.policy, cfg.backend,
+                                                              caps=caps)})
             try:
                 report["resumes_from_step"] = compat.check_run_dir(plan)
             except (ConfigError, CheckpointError, OSError) as e:

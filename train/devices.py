@@ -71,11 +71,6 @@ class DeviceTarget:
     source: str
     chip: str | None = None
 
-    @property
-    def local(self) -> bool:
-        """Whether these are this host's own devices, as many as it has."""
-        return self.chip is None and self.count == jax.device_count()
-
 
 def _gpu_fraction() -> tuple[float, str]:
     raw = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
@@ -87,6 +82,9 @@ def _gpu_fraction() -> tuple[float, str]:
     except ValueError:
         raise ConfigError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={raw!r} is not a number; unset it "
                           "or give a fraction such as 0.9") from None
+    if not 0 < frac <= 1:  # also NaN
+        raise ConfigError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={raw!r} is not a fraction of the "
+                          "GPU's memory in (0, 1]; unset it or give one such as 0.9")
     return frac, f"XLA_PYTHON_CLIENT_MEM_FRACTION={raw}"
 
 

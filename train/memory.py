@@ -357,6 +357,7 @@ class StepShape:
 
     @property
     def accum_steps(self) -> int:
+        """Micro-batches per step (``global_batch // micro_batch``, at least 1)."""
         return max(1, self.global_batch // self.micro_batch)
 
     def estimate(self) -> MemoryEstimate:
@@ -445,8 +446,9 @@ def fsdp_sentence(shape: StepShape, budget: int) -> str:
     """The smallest fitting fsdp as a sentence (or why none fits)."""
     ans = smallest_fsdp(shape, budget)
     if ans is not None:
-        return (f"the smallest mesh.fsdp that fits is {ans.fsdp} ({ans.fsdp * shape.mesh[2]} "
-                f"devices: {ans.settings(shape)}; about {gib(ans.estimate.total)} per device)")
+        n = ans.fsdp * shape.mesh[2]
+        return (f"the smallest mesh.fsdp that fits is {ans.fsdp} ({n} device{'s' * (n != 1)}: "
+                f"{ans.settings(shape)}; about {gib(ans.estimate.total)} per device)")
     longest = longest_sequence(shape, budget)
     seq = (f"; the longest data.seq_len that fits is {longest}" if longest else
            "; not even 128 tokens per device fit")

@@ -18,6 +18,7 @@ import jax
 
 from models.llama import LlamaConfig, RopeScaling
 from mxjax import PrecisionPolicy, policies
+from mxjax.backends import Capabilities
 from train import backend as gemm_backend
 from train import data as datamod
 from train.config import Config, ConfigError
@@ -47,12 +48,14 @@ class Plan:
 
 
 def resolve_policy(
-        spec: str | Mapping[str, Any] | None, backend: str | None = None,
+        spec: str | Mapping[str, Any] | None, backend: str | None = None, *,
+        caps: Capabilities | None = None,
 ) -> tuple[PrecisionPolicy | None, str, dict[str, Any] | None]:
     """(policy or None, display name, JSON record) for a config's ``policy`` entry
     (looked up by `mxjax.policies.resolve`; its errors become ConfigErrors), its
     quantized GEMMs on `backend` when one is given (`with_backend`; the config's
-    ``backend``)."""
+    ``backend``), their backends checked on the chip compiled for or the chip of ``caps``
+    (`check_backends`)."""
     try:
         pol = policies.resolve(spec)
     except (ValueError, TypeError, KeyError) as e:
@@ -66,28 +69,32 @@ def resolve_policy(
         pol = gemm_backend.apply_backend(pol, backend, gemm_backend.stated_backends(spec))
         if backend != "auto":
             name = f"{name.split('@', 1)[0]}@{backend}"
-    check_backends(pol)
+    check_backends(pol, caps=caps)
     return pol, name, jsonable(policies.to_dict(pol))
 
 
 def with_backend(policy: PrecisionPolicy | None, backend: str | None) -> PrecisionPolicy | None:
     """`policy` under the config's ``backend`` (`train.backend.apply_backend`; None:
-    unchanged; a ConfigError names a bad one), applied to every policy a run compiles."""
-    return gemm_backend.apply_backend(policy, backend)
+    unchanged; a ConfigError names a bad one), applied to every policy a run compiles.
+    'auto' keeps the backends of a policy named ``<name>@<backend>`` (`PrecisionPolicy.
+    with_backend`'s name: they were asked for), as `resolve_policy` keeps a config's."""
+    stated = gemm_backend.stated_backends(policy.name) if policy and policy.name else frozenset()
+    return gemm_backend.apply_backend(policy, backend, stated)
 
 
-def check_backends(policy: PrecisionPolicy) -> None:
-    """Every quantized GEMM's backend can run on this device and implements its formats
-    (`PrecisionPolicy.check_backends`), as a ConfigError naming the GEMM.
+def check_backends(policy: PrecisionPolicy, *, caps: Capabilities | None = None) -> None:
+    """Every quantized GEMM's backend can run on this device (or the chip of ``caps``,
+    ``--check --chip``) and implements its formats (`PrecisionPolicy.check_backends`), and
+    gives a speed-up there (`train.backend.check_speedup`), as a ConfigError naming the GEMM.
 
     The interceptor raises the same errors at trace time; checked here so that
     ``--check`` reports them before anything compiles.
     """
     try:
-        policy.check_backends()
+        policy.check_backends(caps=caps)
     except (RuntimeError, ValueError) as e:
         raise ConfigError(str(e)) from None
-    gemm_backend.check_speedup(policy)
+    gemm_backend.check_speedup(policy, caps=caps)
 
 
 def build_model_config(config: Config, vocab_size: int,
@@ -203,7 +210,8 @@ def nominal_model_config(config: Config) -> tuple[LlamaConfig, str | None]:
         return build_model_config(config, config.data.vocab_size), note
 
 
-def validate(config: Config, *, verbose: bool = True, n_devices: int | None = None) -> Plan:
+def validate(config: Config, *, verbose: bool = True, n_devices: int | None = None,
+             caps: Capabilities | None = None) -> Plan:
     """Check everything that can be checked without compiling; prepare (cached) data.
 
     Raises ConfigError naming the problem: missing files, unknown policy, model
@@ -211,11 +219,13 @@ def validate(config: Config, *, verbose: bool = True, n_devices: int | None = No
     too few validation sequences, a model.init_from checkpoint of another
     architecture (checked when the run starts fresh: a run with a checkpoint
     resumes from it and never reads model.init_from again). The mesh is resolved for
-    `n_devices` devices (default: ``jax.device_count()``; ``--check --devices N``).
+    `n_devices` devices (default: ``jax.device_count()``; ``--check --devices N``), the
+    policy's backends for the chip of ``caps`` (default: the one compiled for; ``--check
+    --chip NAME``).
     """
     check_out_dir(config.out_path)
     datamod.check_files(config.data)
-    policy, name, record = resolve_policy(config.policy, config.backend)
+    policy, name, record = resolve_policy(config.policy, config.backend, caps=caps)
     try:
         build_model_config(config, _nominal_vocab(config))
     except TokenizerError as e:

@@ -88,7 +88,13 @@ class CompiledRun:
 
     def policy_for(self, policy: PrecisionPolicy | None) -> PrecisionPolicy | None:
         """The policy this run compiles for `policy`: its quantized GEMMs on the config's
-        ``backend`` when one is set (the ladder study's rungs and baseline too), else itself."""
+        ``backend`` when one is set (the ladder study's rungs and baseline too,
+        `train.plan.with_backend`), else itself. The plan's own policy is returned as it is:
+        `train.plan.resolve_policy` put it under the backend already, keeping the backends
+        its config entry names (a dict GEMM's ``backend: xla`` included), which applying
+        'auto' again would move."""
+        if policy is not None and policy == self.plan.policy:
+            return policy
         return with_backend(policy, self.config.backend)
 
     def has_train_step(self, policy: PrecisionPolicy | None) -> bool:

@@ -58,12 +58,14 @@ _GEMM_KEYS = {"lhs", "rhs", "hadamard", "backend"}
 def _gemm_from(d: Any, where: str) -> GemmRecipe | OperandRecipe | str | None:
     if d is None or isinstance(d, str):
         return d  # PrecisionPolicy's own forms: pass-through, or a format for both operands
-    if isinstance(d, Mapping) and "fmt" in d and not set(d) & {"lhs", "rhs"}:
+    if isinstance(d, Mapping) and "fmt" in d and not set(d) & _GEMM_KEYS:
         return _operand_from(d, where)  # one operand's fields: both operands
-    if isinstance(d, Mapping) and set(d) - _GEMM_KEYS and set(d) <= _GEMM_KEYS | _OPERAND_KEYS:
-        raise ValueError(f"{where}: a GEMM is null, a format name, one operand's fields "
-                         f"({sorted(_OPERAND_KEYS)}, fmt required) or {{lhs, rhs, hadamard, "
-                         f"backend}}; got keys {sorted(map(str, d))}")
+    forms = (f"a GEMM is null, a format name, one operand's fields ({sorted(_OPERAND_KEYS)}, "
+             "fmt required) or {lhs, rhs, hadamard, backend}")
+    if not isinstance(d, Mapping):
+        raise TypeError(f"{where}: {forms}; got {type(d).__name__} {d!r}")
+    if set(d) - _GEMM_KEYS and set(d) <= _GEMM_KEYS | _OPERAND_KEYS:
+        raise ValueError(f"{where}: {forms}; got keys {sorted(map(str, d))}")
     check_keys(d, _GEMM_KEYS, {"lhs", "rhs"}, where=where)
     had = d.get("hadamard")
     if isinstance(had, Mapping):

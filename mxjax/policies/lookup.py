@@ -63,7 +63,12 @@ def _preset(spec: str, *, stacklevel: int) -> PrecisionPolicy | None:
     if name not in PRESETS:
         return None
     policy = PRESETS[name]()
-    return policy.with_backend(backend) if at else policy
+    if not at:
+        return policy
+    try:
+        return policy.with_backend(backend)
+    except ValueError as e:  # the message names the whole spec, not just 'backend'
+        raise ValueError(f"policy {spec!r}: {e}") from None
 
 
 def resolve(spec: str | Mapping[str, Any] | PrecisionPolicy | None) -> PrecisionPolicy | None:

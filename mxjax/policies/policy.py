@@ -21,6 +21,7 @@ from mxjax.backends import (
 )
 from mxjax.formats import BF16
 from mxjax.recipes import GEMMS, GemmRecipe, OperandRecipe
+from mxjax.routes.spec import Route
 
 __all__ = ["GemmSpec", "PrecisionPolicy"]
 
@@ -171,21 +172,29 @@ class PrecisionPolicy:
         return dataclasses.replace(self, name=None if base is None else f"{base}@{backend}",
                                    **gemms)
 
-    def check_backends(self) -> None:
+    def check_backends(self, *, caps: Capabilities | None = None) -> None:
         """Raises unless every quantized GEMM's backend can run on the chip compiled for
         (``mxjax.backends.BackendUnavailableError``, a RuntimeError) and implements its
         formats (ValueError); each message names the GEMM (``policy.fprop.backend: ...``).
 
         The GEMMs raise the same errors when traced or lowered; this checks them before
-        anything compiles (e.g. a training run's ``--check``).
+        anything compiles (e.g. a training run's ``--check``). ``caps``: another chip's
+        capabilities (`mxjax.backends.capabilities_for`) instead of the target's.
         """
-        for gemm, recipe in self.gemms.items():
-            if recipe.is_passthrough:
-                continue
-            try:
-                route_for(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt, where=f"policy.{gemm}")
-            except (RuntimeError, ValueError) as e:
-                raise type(e)(f"policy.{gemm}.backend: {e}") from None
+        for gemm in GEMMS:
+            self._route(gemm, caps)
+
+    def _route(self, gemm: str, caps: Capabilities | None) -> Route | None:
+        """The route of `gemm` (a quantized one) on the chip of `caps` (None: the target's);
+        errors name the GEMM (``policy.fprop.backend: ...``). None for a pass-through GEMM."""
+        recipe = getattr(self, gemm)
+        if recipe.is_passthrough:
+            return None
+        try:
+            return route_for(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt,
+                             where=f"policy.{gemm}", caps=caps)
+        except (RuntimeError, ValueError) as e:
+            raise type(e)(f"policy.{gemm}.backend: {e}") from None
 
     def routes(self, platform: str | None = None, *,
                caps: Capabilities | None = None) -> dict[str, str]:
@@ -201,15 +210,9 @@ class PrecisionPolicy:
         """
         caps = capabilities(platform) if caps is None else caps
         out = {"chip": chip_name(caps)}
-        for gemm, recipe in self.gemms.items():
-            if recipe.is_passthrough:
-                out[gemm] = "passthrough"
-                continue
-            try:
-                out[gemm] = route_for(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt,
-                                      where=f"policy.{gemm}", caps=caps).name
-            except (RuntimeError, ValueError) as e:
-                raise type(e)(f"policy.{gemm}.backend: {e}") from None
+        for gemm in GEMMS:
+            route = self._route(gemm, caps)
+            out[gemm] = "passthrough" if route is None else route.name
         return out
 
     def replace(self, **changes: Any) -> PrecisionPolicy:

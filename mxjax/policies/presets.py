@@ -225,6 +225,9 @@ def names() -> tuple[str, ...]:
 
 def summary(name: str) -> str:
     """What preset `name` is, in one line: its builder's first docstring paragraph
-    (``python -m train --list-policies`` prints one per preset). KeyError if unknown."""
+    (``python -m train --list-policies`` prints one per preset). A KeyError names an
+    unknown `name` and the valid ones."""
+    if name not in PRESETS:
+        raise KeyError(f"summary: unknown preset {name!r}; valid names: {', '.join(PRESETS)}")
     doc = inspect.getdoc(PRESETS[name]) or ""
     return " ".join(doc.split("\n\n", 1)[0].split()).replace("``", "")

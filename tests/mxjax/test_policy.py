@@ -170,10 +170,14 @@ def test_resolve_no_policy():
     ("nope@xla", ValueError, r"unknown preset 'nope@xla'; valid names"),  # never 'none@xla'
     ("x" * 500, ValueError, r"unknown preset 'x{55}\.\.\.'; valid names"),  # kept short
     ("", ValueError, r"unknown preset ''"),
+    # a known preset on an unknown backend: the message names the spec, not just 'backend'
+    ("mxfp4_all@xla_fp9", ValueError, r"policy 'mxfp4_all@xla_fp9': backend: expected one of"),
+    ("fp8@", ValueError, r"policy 'fp8@': backend: expected one of .*, got ''"),
     ("MXFP4_ALL", ValueError, r"unknown preset 'MXFP4_ALL'; did you mean 'mxfp4_all'"),
     ({"fprop": {"lhs": "mxfp4"}}, ValueError, r"fprop: missing keys \['rhs'\]"),
     ({**policies.to_dict("fp8"), "extra": 1}, ValueError, r"policy dict: unknown keys \['extra'\]"),
-    ({**policies.to_dict("fp8"), "fprop": 3}, TypeError, r"fprop: expected a mapping"),
+    ({**policies.to_dict("fp8"), "fprop": 3}, TypeError,
+     r"fprop: a GEMM is null, a format name, .* got int 3"),
     (3, TypeError, r"a policy dict or a PrecisionPolicy, got int 3"),
     (["mxfp4_all"], TypeError, r"got list"),
     (policies.get("fp8").fprop, TypeError, r"got GemmRecipe"),

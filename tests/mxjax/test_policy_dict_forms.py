@@ -47,13 +47,25 @@ def test_yaml_shorthand_of_the_readme():
     ({"lhs": "mxfp4"}, ValueError, r"fprop: missing keys \['rhs'\]"),
     ({"scale_rule": "even"}, ValueError, (r"fprop: a GEMM is null, a format name, one "
                                          r"operand's fields")),
-    ({"fmt": "mxfp4", "hadamard": 16}, ValueError, r"fprop: unknown keys \['hadamard'\]"),
-    (3, TypeError, r"fprop: expected a mapping, got 3"),
+    # one operand's fields mixed with a GEMM's: the forms a GEMM takes, not 'unknown keys'
+    ({"fmt": "mxfp4", "hadamard": 16}, ValueError,
+     r"fprop: a GEMM is null, a format name, .* got keys \['fmt', 'hadamard'\]"),
+    ({"fmt": "mxfp4", "rounding": "bogus"}, ValueError, r"rounding: unknown 'bogus'"),
+    # not a mapping: the forms too (it once said 'expected a mapping', though a string or
+    # null is one as well)
+    (3, TypeError, r"fprop: a GEMM is null, a format name, .* got int 3"),
     ("mxfp9", ValueError, r"fprop='mxfp9': fmt: unknown format 'mxfp9'"),
 ])
 def test_bad_dict_gemms_name_the_gemm(gemm, exc, match):
     with pytest.raises(exc, match=match):
         policies.from_dict({"fprop": gemm})
+
+
+def test_summary_of_an_unknown_preset_names_the_valid_ones():
+    assert policies.summary("mxfp4_all_h16").startswith("The paper's recipe")
+    with pytest.raises(KeyError, match=r"summary: unknown preset 'mxfp4'; valid names: "
+                                       r"passthrough, fp8, "):
+        policies.summary("mxfp4")
 
 
 _operands = st.builds(

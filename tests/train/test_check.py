@@ -92,6 +92,9 @@ def test_the_smallest_fitting_fsdp_is_a_number_at_any_sequence_length():
     longest = memory.longest_sequence(long, tiny_budget)
     assert 128 <= longest < 32768 and longest % 128 == 0
     assert text.startswith("no mesh.fsdp fits") and f"data.seq_len that fits is {longest}" in text
+    # a step that fits one device says so in the singular (it said '1 devices')
+    assert memory.fsdp_sentence(long, 2**50).startswith(
+        "the smallest mesh.fsdp that fits is 1 (1 device: --set mesh.fsdp=1 ")
 
 
 def test_a_config_that_does_not_fit_names_the_fsdp_that_would(tmp_path, capsys):
@@ -107,11 +110,37 @@ def test_a_config_that_does_not_fit_names_the_fsdp_that_would(tmp_path, capsys):
     (["--check", "--chip", "h999"], "config error: --chip 'h999': unknown chip; known: h100, "),
     (["--check", "--devices", "0"], "config error: --devices 0: give a device count of 1"),
     (["--devices", "8"], "config error: --devices and --chip ask --check about other "),
+    # --print-config once printed the config, --chip ignored, and exited 0
+    (["--print-config", "--chip", "h100"], "config error: --devices and --chip ask --check "),
 ])
 def test_bad_devices_or_chip_is_one_line(tmp_path, capsys, argv, message):
     assert main([*argv, "--config", MLPERF, "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(message) and len(err.splitlines()) == 1
+
+
+def test_fits_is_null_when_the_devices_memory_is_unknown(tmp_path, capsys, monkeypatch):
+    """A device whose memory JAX does not report (no memory_stats) gives no budget: the
+    report said "fits": true all the same."""
+    from train import devices
+
+    monkeypatch.setattr(devices, "device_memory", lambda: (None, "unknown: no memory_stats"))
+    code, out, _ = _check(capsys, ["--config", MLPERF, "--out", str(tmp_path / "run")])
+    assert code == 2  # the missing C4, nothing about memory
+    assert out["fits"] is None and out["device_memory"] == "unknown: no memory_stats"
+    assert "smallest_fsdp" not in out
+
+
+@pytest.mark.parametrize("fraction", ["0", "1.5", "nan", "-0.5"])
+def test_a_memory_fraction_outside_0_1_is_one_line(tmp_path, capsys, monkeypatch, fraction):
+    """A GPU chip's budget is its memory times XLA_PYTHON_CLIENT_MEM_FRACTION: one outside
+    (0, 1] once gave a budget of 0 bytes, 1.5x the chip's or NaN, without a word."""
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", fraction)
+    argv = ["--check", "--chip", "h100", "--config", MLPERF, "--out", str(tmp_path / "run")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"config error: XLA_PYTHON_CLIENT_MEM_FRACTION={fraction!r} is not a "
+                   "fraction of the GPU's memory in (0, 1]; unset it or give one such as 0.9")
 
 
 def test_a_tokenizer_larger_than_the_model_is_named_as_such(tmp_path, data_cache, capsys):
@@ -174,3 +203,16 @@ def test_check_names_each_gemms_route_here_and_on_the_chip_asked_about(trained, 
     assert [here["routes"][g] for g in gemms] == ["xla"] * 3
     assert "B200" in b200["routes"]["chip"]
     assert [b200["routes"][g] for g in gemms] == ["xla_fp4"] * 3
+
+
+def test_an_explicit_backend_is_judged_on_the_chip_asked_about(trained, capsys, tmp_path):
+    """`backend: xla_fp4` gives no speed-up on this CPU (the run refuses it, exit 2) but is
+    the FP4 units of a B200: --check --chip b200 judges it there, not on the host."""
+    _out, args = trained
+    args = [*args, "--set", "policy=mxfp4_all", "--set", "backend=xla_fp4",
+            "--set", f"out_dir={tmp_path / 'new'}"]
+    code, here, err = _check(capsys, args)
+    assert code == 2 and here["ok"] is False and "gives no speed-up on 'cpu'" in err[0]
+    code, b200, err = _check(capsys, [*args, "--chip", "b200"])
+    assert (code, err, b200["ok"]) == (0, [], True)
+    assert [b200["routes"][g] for g in ("fprop", "dgrad", "wgrad")] == ["xla_fp4"] * 3

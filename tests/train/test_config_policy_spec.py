@@ -136,14 +136,15 @@ def test_compiled_run_compiles_every_policy_on_the_config_backend():
 
     from train.run import CompiledRun
 
-    run = types.SimpleNamespace(config=C.from_dict({"backend": "xla_fp8"}))
+    no_plan = types.SimpleNamespace(policy=None)  # a run of another policy than these
+    run = types.SimpleNamespace(config=C.from_dict({"backend": "xla_fp8"}), plan=no_plan)
     got = CompiledRun.policy_for(run, H16)
     assert got == H16.with_backend("xla_fp8") and got.name == "mxfp4_all_h16@xla_fp8"
     assert CompiledRun.policy_for(run, None) is None
-    default = types.SimpleNamespace(config=C.from_dict({}))
+    default = types.SimpleNamespace(config=C.from_dict({}), plan=no_plan)
     got = CompiledRun.policy_for(default, H16)
     assert got == H16.with_backend("auto") and got.name == "mxfp4_all_h16"
-    plain = types.SimpleNamespace(config=C.from_dict({"backend": None}))
+    plain = types.SimpleNamespace(config=C.from_dict({"backend": None}), plan=no_plan)
     assert CompiledRun.policy_for(plain, H16) is H16
 
 
@@ -195,3 +196,25 @@ def test_cli_policy_dict_reaches_the_run(tmp_path, capsys):
     import yaml
 
     assert yaml.safe_load(printed)["policy"] == {"name": "mine", "fprop": "mxfp4"}
+
+
+@pytest.mark.parametrize("spec", [
+    "mxfp4_all_h16@xla",
+    {"name": "mine", "fprop": {"lhs": "mxfp4", "rhs": "mxfp4", "backend": "xla"}},
+])
+def test_the_compiled_policy_keeps_the_backend_the_entry_names(spec):
+    """`backend: auto` leaves a GEMM whose backend the policy entry names; the run compiles
+    `CompiledRun.policy_for(plan.policy)`, which once applied 'auto' again and moved those
+    GEMMs off the 'xla' they asked for (on a GPU: onto the FP8/FP4 route, the route record
+    still saying 'xla')."""
+    from types import SimpleNamespace
+
+    from train.run import CompiledRun
+
+    pol = plan_mod.resolve_policy(spec, "auto")[0]
+    assert pol.fprop.backend == "xla"
+    run = SimpleNamespace(plan=SimpleNamespace(policy=pol), config=SimpleNamespace(backend="auto"))
+    assert CompiledRun.policy_for(run, pol) == pol
+    # a rung named '<name>@xla' (the study's) keeps it too; a preset as written goes 'auto'
+    assert plan_mod.with_backend(policies.get("mxfp4_all_h16@xla"), "auto").fprop.backend == "xla"
+    assert plan_mod.with_backend(H16, "auto").fprop.backend == "auto"

@@ -62,9 +62,16 @@ def write_tokenizer(sources: Sequence[str], out: str | Path, *, vocab_size: int,
     """Train a byte-level BPE of `vocab_size` ids on the documents of `sources` (files or
     globs; at most `max_docs` of them) and write it to `out` as a tokenizer.json.
 
-    ConfigError: no source matches, `out` exists (without `force`) or is a directory, or
-    the sources hold no document; DataError: a bad file (named, with its line).
+    ConfigError: `vocab_size` below 257 or `max_docs` below 1, no source matches, `out`
+    exists (without `force`) or is a directory, or the sources hold no document; DataError:
+    a bad file (named, with its line).
     """
+    if vocab_size < 257:
+        raise ConfigError(f"--vocab-size {vocab_size}: a byte-level BPE needs at least 257 ids "
+                          "(256 bytes and <|endoftext|>); give 257 or more, e.g. 8192")
+    if max_docs is not None and max_docs < 1:
+        raise ConfigError(f"--max-docs {max_docs}: give a document count of 1 or more, or "
+                          "leave it out to train on every document")
     path = Path(out)
     if path.is_dir():
         raise ConfigError(f"--out {path} is a directory; name the file to write, e.g. "

@@ -76,3 +76,19 @@ def test_parquet_under_the_prepared_loader_names_the_grain_loader(tmp_path, data
         S.detect_format(tmp_path / "docs.parquet")
     with pytest.raises(S.DataError, match="data.loader prepared reads plain text"):
         S.detect_format(tmp_path / "docs.csv")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--max-docs", "-1"], "error: --max-docs -1: give a document count of 1 or more"),
+    (["--max-docs", "0"], "error: --max-docs 0: give a document count of 1 or more"),
+    (["--vocab-size", "200"], "error: --vocab-size 200: a byte-level BPE needs at least 257"),
+])
+def test_tokenizer_command_names_a_bad_count_in_one_line(tmp_path, capsys, argv, message):
+    """A negative --max-docs once raised islice's ValueError as a traceback, and 0 said the
+    sources hold no document; both, and a too small --vocab-size, name the argument."""
+    (tmp_path / "a.txt").write_text("one paragraph\n\nanother paragraph\n")
+    code = data_main(["tokenizer", "--source", str(tmp_path / "a.txt"), "--vocab-size", "300",
+                      "--out", str(tmp_path / "tokenizer.json"), *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith(message) and len(err.splitlines()) == 1
+    assert not (tmp_path / "tokenizer.json").exists()
