@@ -265,7 +265,8 @@ def route_for(backend: str, lhs_fmt, rhs_fmt, *, where: str = "backend",
     route = ROUTES[resolve_backend(backend, caps)]
     if route.serves(lhs_fmt, rhs_fmt):
         return route
-    pairs = " or ".join(f"{f.upper()} x {f.upper()}" for f in route.formats)
+    each = " | ".join(f.upper() for f in route.formats)
+    pairs = f"{each} x {each}" if len(route.formats) == 1 else f"({each}) x ({each})"
     raise ValueError(
         f"{where}: backend {backend!r} implements {pairs} only, "
         f"got {F.get(lhs_fmt).name} x {F.get(rhs_fmt).name}; use backend='xla' or 'auto'"
@@ -307,9 +308,10 @@ def no_speedup_reason(backend: str, lhs_fmt, rhs_fmt, *, caps: Capabilities | No
     auto = route_for("auto", lhs_fmt, rhs_fmt, caps=caps)
     if route is ROUTES["xla"] or auto is not ROUTES["xla"]:
         return ""
+    evidence = ", ".join(auto_choice(caps, lhs_fmt, rhs_fmt).evidence)
     return (f"{where}: backend {backend!r} gives no speed-up on {chip_name(caps)!r}: "
             "'auto' takes the emulation ('xla') for this GEMM there "
-            f"(mxjax.backends.AUTO_CHOICES, evidence {', '.join(auto_choice(caps).evidence)}), and "
+            f"(mxjax.backends.AUTO_CHOICES, evidence {evidence}), and "
             f"{backend!r} would compute the same values no faster"
             + (" (XLA:CPU expands its FP8/FP4 dot into ordinary arithmetic)"
                if caps.platform == "cpu" else "")

@@ -159,8 +159,10 @@ def test_route_rejects_other_formats():
                              GemmRecipe(lhs=E4, rhs=OperandRecipe(fmt=mxjax.MXFP4)),
                              None, None, None)
     policy = policies.get("nvfp4").with_backend("xla_mxfp8")
-    with pytest.raises(ValueError, match="'xla_mxfp8' implements MXFP8_E4M3 x MXFP8_E4M3 or"):
+    either = r"\(MXFP8_E4M3 \| MXFP8_E5M2\)"  # mixed pairs are served too (dY in E5M2)
+    with pytest.raises(ValueError, match=rf"'xla_mxfp8' implements {either} x {either} only"):
         policy.check_backends()
+    assert xla_mxfp8.ROUTE.serves("mxfp8_e5m2", "mxfp8_e4m3")
 
 
 def test_capabilities_of_xla_mxfp8():
