@@ -16,9 +16,10 @@ from bench.costmodel import calibration as cal
 from bench.costmodel import rates as R
 
 # (run, committed compile, measured row of that run's file); fp8 was timed by the first run.
-# Run a's emulation, xla_fp8 and Pallas-quantizer layers are not compiled yet (their compiles
-# ran past the session's time): the Pallas kernel is checked alone, below.
 LAYER_ROWS = [
+    ("a", "layer_8b_mxfp4_all_h16", "mxfp4_all_h16"),
+    ("a", "layer_8b_mxfp4_all_h16_at_xla_fp8_xla_quantizer",
+     "mxfp4_all_h16@xla_fp8 (xla quantizer)"),
     ("b", "layer_8b_bf16", "bf16"),
     ("b", "layer_8b_mxfp4_all_h16", "mxfp4_all_h16"),
     ("b", "layer_8b_mxfp4_all_h16_at_xla_fp8", "mxfp4_all_h16@xla_fp8"),
@@ -81,6 +82,33 @@ def test_the_pallas_quantize_kernel_is_explained_without_a_parameter(stem, name)
     print(f"{stem}: {kernel}, occupancy {C.occupancy(kernel, _rates().limits):.3f}: model "
           f"{model * 1e6:.0f} us, measured {measured:.0f} us")
     assert abs(model * 1e6 / measured - 1) <= TOLERANCE
+
+
+def test_the_pallas_quantizers_6x_on_the_layer_is_its_triton_kernels():
+    """Run a's layer with xla_fp8's Pallas quantizer measured 6.0x bf16 (120.7 ms against
+    20.05). The model gives 4.3x (90.7 ms, -25%: the one H200 row outside +-15%), and its
+    39 Triton kernels (charged by occupancy and spills, no parameter) take 76% of it; by
+    their bytes alone, as the peak roofline charges them, the program would be under 2x
+    bf16. The kernels alone, timed on the device, land within 10% (the test above), so the
+    missing 30 ms is in the layer, not in how a kernel is charged (docs/PERFORMANCE.md)."""
+    run = C.COMPILED_DIR / "h200-2026-12-04-a"
+    ks, counts = C.load_counts(run / "layer_8b_mxfp4_all_h16_at_xla_fp8")
+    bf16 = C.program_seconds(*C.load_counts(C.COMPILED_DIR / "h200-2026-12-04-b" /
+                                            "layer_8b_bf16"), _rates())
+    total = C.program_seconds(ks, counts, _rates())
+    n, triton = C.seconds_by_class(ks, counts, _rates())["triton kernels"]
+    bare = C.program_seconds(ks, C.Counts(fusion_instructions=counts.fusion_instructions,
+                                          triton={}), _rates())
+    measured = cal.load(cal.CALIBRATION_DIR / "h200-2026-12-04-a.json").layer_ms(
+        "mxfp4_all_h16@xla_fp8 (pallas quantizer)")
+    model_ms = (total + _rates().host_s) * 1e3
+    print(f"pallas quantizer layer: model {model_ms:.1f} ms ({model_ms / measured - 1:+.1%} "
+          f"of {measured} measured) = {total / bf16:.2f}x bf16; {n} Triton kernels "
+          f"{triton * 1e3:.1f} ms; at their bytes {bare * 1e3:.1f} ms")
+    assert 0.70 < model_ms / measured < 0.85  # the recorded miss; a change either way shows
+    assert 4.0 < total / bf16 < 7.0
+    assert n == 39 and triton > 0.7 * total
+    assert bare / bf16 < 2.0
 
 
 def _cost(target, policy, seconds):
