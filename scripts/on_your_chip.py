@@ -64,9 +64,10 @@ def _gpu_row(chip: str, backend: str, fig: measurements.Figure) -> str:
 def _calibrated_row(chip: str, fig: measurements.Figure) -> str:
     measured = ", ".join(f"`{label}` {_ratio(fig, label, 'bf16')} bf16"
                          for label, _ in fig.values if label != "bf16")
-    return (f"| {chip}, calibrated | the peak roofline's kernels at the H200 run's measured rates "
-            f"| {measured or 'bf16 alone so far'}; the MXFP4 routes not yet on this model "
-            f"| {_source(fig)} |")
+    rates = ("the H200 run's measured rates" if chip == "H200" else
+             "the H200's measured fractions of the B200's peaks")
+    return (f"| {chip}, calibrated | the peak roofline's kernels at {rates} "
+            f"| {measured or 'bf16 alone so far'} | {_source(fig)} |")
 
 
 def render() -> str:

@@ -6,6 +6,7 @@ kernel class, and the errors of bad arguments or a missing GPU."""
 from __future__ import annotations
 
 import copy
+import gzip
 import json
 import re
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.device import estimate, harness, measurements_file, profile
+from bench.device import estimate, harness, measurements_file, profile, trace
 from bench.device.sections import gemm_rates
 
 DATA = Path(__file__).resolve().parent / "data" / "traces"
@@ -164,3 +165,31 @@ def test_dry_run_of_every_default_policy(tmp_path):
     assert [r["policy"] for r in doc["layers"]] == [
         "bf16/fused", "fp8/fused", "mxfp4_all_h16@auto/fused", "nvfp4@auto/fused",
         "mxfp8@auto/fused"]
+
+
+def test_the_estimate_beside_each_class_is_the_calibrated_model():
+    """The 8B fp8 layer as the H200 run compiled it (committed HLO and instruction counts):
+    the per-class estimate sums to the calibrated model's time, not the peak roofline's."""
+    from bench.costmodel import accelerator_cost, aot, calibrated
+
+    stem = calibrated.COMPILED_DIR / "h200-2026-12-04-b" / "layer_8b_fp8"
+    ks, counts = calibrated.load_counts(stem)
+    with gzip.open(f"{stem}.hlo.txt.gz", "rt") as fh:
+        text = fh.read()
+    est = estimate.model_estimate_us(text, "h200", counts=counts)
+    rates = calibrated.rates_for("h200")
+    assert sum(est.values()) == pytest.approx(
+        calibrated.program_seconds(ks, counts, rates) * 1e6)
+    peak = accelerator_cost.rates_roofline(ks, aot.TARGETS["h200"]) * 1e6
+    assert sum(est.values()) > 1.5 * peak  # the H200 ran FP8 GEMMs at 46% of FP8's peak
+    classes = trace.hlo_classes(text)
+    for cls in ("gemm e4m3xe4m3", "gemm e5m2xe4m3"):  # 46% of FP8's peak, not 100%
+        at_peak = sum(accelerator_cost.rates_roofline([k], aot.TARGETS["h200"])
+                      for k in ks if classes.get(k.name) == cls) * 1e6
+        assert est[cls] > 1.8 * at_peak, (cls, est[cls], at_peak)
+    # Without the dump's counts, fusions are charged by their bytes: less, never more.
+    bare = estimate.model_estimate_us(text, "h200")
+    assert bare["fusion/quantize"] < est["fusion/quantize"]
+    assert "calibrated" in estimate.MODEL_NAME
+    with pytest.raises(ValueError, match="not both"):
+        estimate.model_estimate_us(text, "h200", dump="/nonexistent", counts=counts)

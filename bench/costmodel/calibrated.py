@@ -50,6 +50,8 @@ COMPILED_DIR = cal.CALIBRATION_DIR / "compiled"
 # read + written; the file records it as GB/s.
 CEILINGS_COPY_BYTES = 2 * 4 * 2**28
 SIZE = 8192  # the GEMM rows' M = N = K
+# The chip whose measured fractions of peak a chip without its own measurement takes.
+REFERENCE_CHIP = "h200"
 # Kernel classes of the per-class table, in print order.
 KERNEL_CLASSES = ("gemm bf16", "gemm fp8", "gemm fp4", "gemm other", "attention",
                   "triton kernels", "fusions, ALU-bound", "fusions, memory-bound", "copies",
@@ -102,6 +104,10 @@ class CalibratedRates:
     host_s: float  # per timed call (added to a program's time to compare with a timing)
     limits: GpuLimits
     basis: str
+
+    def fraction(self, cls: str) -> float:
+        """This chip's rate of GEMM class ``cls`` over its published peak."""
+        return self.gemm_rate(cls) / R.rates_for(self.chip).rate(cls)[0]
 
     def gemm_rate(self, cls: str) -> float:
         """FLOP/s of a GEMM of rate class ``cls`` (a class without units on the chip at the
@@ -309,73 +315,183 @@ def _solve(f, lo: float, hi: float) -> float:
     return math.sqrt(lo * hi)
 
 
-def derive(chip: str = "h200", directory: Path = cal.CALIBRATION_DIR) -> CalibratedRates:
-    """The calibrated rates of ``chip``: derived from the H200's measurement files of
-    2026-12-04 (runs a and b, the only device runs so far) and their compiled
-    microbenchmarks; for another chip, the H200's fractions of its published peaks applied
-    to the chip's. A new run's file is read once its rows are named here."""
-    runs = {r.path.stem: r for r in cal.for_chip("h200", directory)}
-    first = runs["h200-2026-12-04-a"]
-    second = runs["h200-2026-12-04-b"]
-    compiled = Path(directory) / "compiled"
-    h200 = R.rates_for("h200")
-    limits = gpu_limits("h200")
-    launch = R.LAUNCH_S
-    # 1. Copy bandwidth and host overhead from two copies: t = bytes / bw + host.
-    small_ks, _ = load_counts(compiled / "h200-2026-12-04-a" / "copy_bf16")
-    small_bytes = sum(k.bytes for k in small_ks)
-    small_s = first.kernel(COPY_ROW).total_us * 1e-6
-    big_s = CEILINGS_COPY_BYTES / (first.copy_bandwidth_gbs * 1e9)
-    bw = (CEILINGS_COPY_BYTES - small_bytes) / (big_s - small_s)
-    host = small_s - small_bytes / bw - launch
-    # 2. bf16 GEMM at 8192^3.
+def derive(chip: str = "h200", directory: Path = cal.CALIBRATION_DIR, *,
+           runs: tuple[str, ...] | None = None) -> CalibratedRates:
+    """The calibrated rates of ``chip`` from the measurement files in ``directory``.
+
+    Which file gives each rate (bench/README.md, "Calibration files"): every schema-valid
+    ``<chip>-<date>[-<tag>].json`` of the chip is read, and each rate comes from the newest
+    file (provenance date, then name) that measured it, or only from the files whose stems
+    ``runs`` names (an explicit choice). A row whose microbenchmark is compiled under
+    ``compiled/<stem>/`` was timed per call (bench/gpu.py): its time is taken less the host's
+    overhead and its other kernels; a row without one is a rate as bench/device writes it
+    (batched calls, the host hidden). What no file of the chip measured takes the
+    `REFERENCE_CHIP`'s measured fraction of the same peak (``basis`` names each source).
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise cal.CalibrationError(f"{directory}: no calibration directory")
+    newest = _chip_runs(chip, directory, runs)
+    ref = None if chip == REFERENCE_CHIP else derive(REFERENCE_CHIP, directory)
+    peaks = R.rates_for(chip)
+    limits = gpu_limits(chip)
+    sources: dict[str, str] = {}
+
+    def missing(what: str):
+        if ref is None:
+            raise cal.CalibrationError(
+                f"{directory}: no {chip} calibration file{' of ' + str(runs) if runs else ''} "
+                f"measures {_WHAT[what]}; a GPU run's bench/device/profile.py writes one "
+                "(bench/README.md, 'Calibration files', names the rows each rate needs)")
+        sources[what] = f"the {REFERENCE_CHIP}'s, not measured on the {chip}"
+
+    # Launch: the device profile's chain of tiny kernels, else the assumption.
+    run = next((r for r in newest if r.launch_overhead_us), None)
+    launch = run.launch_overhead_us * 1e-6 if run else R.LAUNCH_S
+    sources["launch"] = run.path.name if run else "assumed (mxjax/measurements.json)"
+    # Copy bandwidth and host overhead. Two copies timed per call (the small one compiled)
+    # give both (t = bytes / bw + host); a batched copy gives the bandwidth alone.
+    bw = host = None
+    two = next((r for r in newest if r.copy_bandwidth_gbs and _row(r, COPY_ROW)
+                and _compiled(directory, r, "copy_bf16")), None)
+    if two is not None:
+        small_ks, _ = load_counts(_compiled(directory, two, "copy_bf16"))
+        small_bytes = sum(k.bytes for k in small_ks)
+        small_s = _row(two, COPY_ROW).total_us * 1e-6
+        big_s = CEILINGS_COPY_BYTES / (two.copy_bandwidth_gbs * 1e9)
+        bw = (CEILINGS_COPY_BYTES - small_bytes) / (big_s - small_s)
+        host = small_s - small_bytes / bw - launch
+        sources["copy"] = sources["host"] = two.path.name
+    run = next((r for r in newest if r.copy_bandwidth_gbs), None)
+    if run is not None and run is not two:  # a newer batched copy
+        bw = run.copy_bandwidth_gbs * 1e9
+        sources["copy"] = run.path.name
+    if bw is None:
+        missing("copy")
+        bw = peaks.hbm_bytes_per_s * ref.copy_bytes_per_s / R.rates_for(REFERENCE_CHIP
+                                                                        ).hbm_bytes_per_s
+    if host is None:
+        missing("host")
+        host = ref.host_s
+    # bf16 GEMM at 8192^3.
     flops = 2 * SIZE**3
-    bf16_row = next(g for g in first.gemms if g.operands == "bf16" and g.m == SIZE)
-    bf16 = flops / (flops / (bf16_row.tflops * 1e12) - host - launch)
-    partial = CalibratedRates(chip="h200", gemm_flops_per_s=(("bf16", bf16),),
+    measured: dict[str, float] = {}
+    run = next((r for r in newest if _gemms(r, ("bf16",))), None)
+    if run is not None:
+        rows = _gemms(run, ("bf16",))
+        if _compiled(directory, run, "gemm_bf16"):
+            measured["bf16"] = flops / (flops / (rows[0].tflops * 1e12) - host - launch)
+        else:
+            measured["bf16"] = max(g.tflops for g in rows) * 1e12
+        sources["bf16"] = run.path.name
+    else:
+        missing("bf16")
+    bf16 = measured.get("bf16") or peaks.rate("bf16")[0] * ref.fraction("bf16")
+    partial = CalibratedRates(chip=chip, gemm_flops_per_s=(("bf16", bf16),),
                               attention_flops_per_s=bf16, copy_bytes_per_s=bw, issue_per_s=1.0,
                               launch_s=launch, host_s=host, limits=limits, basis="")
-    # 3. The fusions' issue rate: XLA's two quantize passes (the second run's code).
-    ks, counts = load_counts(compiled / "h200-2026-12-04-b" / "quantize_xla_row")
-    measured = second.kernel(XLA_QUANTIZE_ROW).total_us * 1e-6 - host
+    # The fusions' issue rate: XLA's two quantize passes, the one parameter solved for.
+    run = next((r for r in newest if _row(r, XLA_QUANTIZE_ROW)
+                and _compiled(directory, r, "quantize_xla_row")), None)
+    if run is not None:
+        ks, counts = load_counts(_compiled(directory, run, "quantize_xla_row"))
+        timed = _row(run, XLA_QUANTIZE_ROW).total_us * 1e-6 - host
 
-    def excess(rate):
-        r = dataclasses.replace(partial, issue_per_s=rate)
-        return program_seconds(ks, counts, r) - measured
+        def excess(rate):
+            r = dataclasses.replace(partial, issue_per_s=rate)
+            return program_seconds(ks, counts, r) - timed
 
-    issue = _solve(excess, 1e11, 1e15)
+        issue = _solve(excess, 1e11, 1e15)
+        sources["issue"] = run.path.name
+    else:
+        missing("issue")
+        issue = limits.lane_ops_per_s * ref.issue_per_s / ref.limits.lane_ops_per_s
     partial = dataclasses.replace(partial, issue_per_s=issue)
-    # 4. FP8 GEMM: mx_dot(xla_fp8) less its other kernels.
-    ks, counts = load_counts(compiled / "h200-2026-12-04-a" / "gemm_xla_fp8")
-    fp8_row = next(g for g in first.gemms if g.operands == "e5m2xe4m3" and g.m == SIZE)
-    others = sum(kernel_seconds(k, counts, partial) for k in ks if not k.gemms)
-    gemm_s = flops / (fp8_row.tflops * 1e12) - host - others - launch
-    fp8 = flops / gemm_s
-    fraction = {"bf16": bf16 / h200.rate("bf16")[0], "fp8": fp8 / h200.rate("fp8")[0]}
-    basis = (f"measured on the H200 (bench/costmodel/calibration/h200-2026-12-04-*.json, "
-             f"jax 0.11.2): GEMMs bf16 {bf16 / 1e12:.0f} TFLOP/s ({fraction['bf16']:.0%} of "
-             f"peak), FP8 {fp8 / 1e12:.0f} ({fraction['fp8']:.0%}; FP4 at FP8's fraction); copy "
-             f"{bw / 1e12:.2f} TB/s ({bw / h200.hbm_bytes_per_s:.0%}); XLA fusions "
+    # FP8 GEMM: mx_dot(xla_fp8) timed per call less its other kernels, or the device
+    # profile's FP8 rows at HIGHEST (promoted accumulation: fp8's dgrad and wgrad).
+    run = next((r for r in newest if _fp8_rows(directory, r)), None)
+    if run is not None:
+        rows = _fp8_rows(directory, run)
+        stem = _compiled(directory, run, "gemm_xla_fp8")
+        if stem:
+            ks, counts = load_counts(stem)
+            others = sum(kernel_seconds(k, counts, partial) for k in ks if not k.gemms)
+            gemm_s = flops / (rows[0].tflops * 1e12) - host - others - launch
+            measured["fp8"] = flops / gemm_s
+        else:
+            measured["fp8"] = max(g.tflops for g in rows) * 1e12
+        sources["fp8"] = run.path.name
+    else:
+        missing("fp8")
+    # FP4: cuDNN's block-scaled NVFP4 rows (Blackwell), else FP8's fraction of the FP4 peak.
+    run = next((r for r in newest if _gemms(r, ("nvfp4",))), None)
+    if run is not None:
+        measured["fp4"] = max(g.tflops for g in _gemms(run, ("nvfp4",))) * 1e12
+        sources["fp4"] = run.path.name
+    fraction = {c: measured[c] / peaks.rate(c)[0] if c in measured else ref.fraction(c)
+                for c in ("bf16", "fp8")}
+    if "fp4" not in measured and dict(peaks.matrix_flops).get("fp4"):
+        sources["fp4"] = "at FP8's fraction of its peak"
+    gemm = tuple((c, measured[c] if c in measured else f * fraction[_FRACTION_OF[c]])
+                 for c, f in peaks.matrix_flops if c in _FRACTION_OF)
+    hbm = peaks.hbm_bytes_per_s
+    basis = (f"{chip}: GEMMs bf16 {bf16 / 1e12:.0f} TFLOP/s ({fraction['bf16']:.0%} of peak; "
+             f"{sources['bf16']}), FP8 {dict(gemm)['fp8'] / 1e12:.0f} ({fraction['fp8']:.0%}; "
+             f"{sources['fp8']})"
+             + (f", FP4 {dict(gemm)['fp4'] / 1e12:.0f} ({sources['fp4']})"
+                if "fp4" in dict(gemm) else "")
+             + f"; copy {bw / 1e12:.2f} TB/s ({bw / hbm:.0%}; {sources['copy']}); XLA fusions "
              f"{issue / 1e12:.1f}e12 PTX instructions/s ({issue / limits.lane_ops_per_s:.0%} of "
-             f"the lanes); host {host * 1e6:.0f} us per timed call. Assumed: launch "
-             f"{launch * 1e6:.0f} us per kernel, attention at bf16's fraction")
-    if chip == "h200":
-        return dataclasses.replace(
-            partial, gemm_flops_per_s=(("bf16", bf16), ("tf32", bf16 / 2), ("fp8", fp8)),
-            attention_flops_per_s=bf16, basis=basis)
-    peaks = R.rates_for(chip)
-    chip_limits = gpu_limits(chip)
-    of = {"fp4": "fp8", "fp8": "fp8", "int8": "fp8", "bf16": "bf16", "tf32": "bf16"}
-    return CalibratedRates(
-        chip=chip,
-        gemm_flops_per_s=tuple((c, f * fraction[of[c]]) for c, f in peaks.matrix_flops
-                               if c in of),
-        attention_flops_per_s=peaks.rate("bf16")[0] * fraction["bf16"],
-        copy_bytes_per_s=peaks.hbm_bytes_per_s * bw / h200.hbm_bytes_per_s,
-        issue_per_s=chip_limits.lane_ops_per_s * issue / limits.lane_ops_per_s,
-        launch_s=launch, host_s=host, limits=chip_limits,
-        basis=f"{chip}: not measured; the H200's fractions of each published peak applied "
-              f"to the {chip}'s. " + basis)
+             f"the lanes; {sources['issue']}); host {host * 1e6:.0f} us per timed call "
+             f"({sources['host']}); launch {launch * 1e6:.1f} us per kernel "
+             f"({sources['launch']}). Assumed: attention at bf16's fraction")
+    return dataclasses.replace(partial, gemm_flops_per_s=gemm, basis=basis)
+
+
+_WHAT = {"copy": "the copy bandwidth", "host": "the host's per-call overhead (two copies)",
+         "bf16": "a bf16 GEMM at 8192^3", "fp8": "an FP8 GEMM at 8192^3",
+         "issue": f"the XLA quantize passes ({XLA_QUANTIZE_ROW!r}, compiled)"}
+# The measured class whose fraction of peak a GEMM class without its own measurement takes.
+_FRACTION_OF = {"fp4": "fp8", "fp8": "fp8", "int8": "fp8", "bf16": "bf16", "tf32": "bf16"}
+
+
+def _chip_runs(chip: str, directory: Path, runs: tuple[str, ...] | None
+               ) -> tuple[cal.Calibration, ...]:
+    """The chip's files, newest first; only those whose stems ``runs`` names when given."""
+    have = tuple(c for c in cal.load_all(directory) if c.chip == chip)
+    if runs is not None:
+        unknown = sorted(set(runs) - {c.path.stem for c in have})
+        if unknown:
+            raise cal.CalibrationError(
+                f"{directory}: runs={unknown} name no {chip} calibration file there; it has "
+                f"{sorted(c.path.stem for c in have)}")
+        have = tuple(c for c in have if c.path.stem in runs)
+    return tuple(sorted(have, key=lambda c: (c.provenance.date, c.path.name), reverse=True))
+
+
+def _compiled(directory: Path, run: cal.Calibration, program: str) -> Path | None:
+    """The committed compile of ``program`` as ``run`` timed it, or None."""
+    stem = directory / "compiled" / run.path.stem / program
+    found = all(Path(f"{stem}{s}").exists() for s in (".hlo.txt.gz", ".counts.json"))
+    return stem if found else None
+
+
+def _row(run: cal.Calibration, name: str) -> cal.KernelTime | None:
+    return next((k for k in run.kernels if k.name == name), None)
+
+
+def _gemms(run: cal.Calibration, operands: tuple[str, ...]) -> list[cal.GemmRate]:
+    """``run``'s GEMM rows of those operand classes at 8192^3."""
+    return [g for g in run.gemms if g.operands in operands and g.m == g.n == g.k == SIZE]
+
+
+def _fp8_rows(directory: Path, run: cal.Calibration) -> list[cal.GemmRate]:
+    """The FP8 rows `derive` reads: the per-call ``mx_dot(xla_fp8)`` row where its compile
+    is committed, else the device profile's rows at HIGHEST."""
+    if _compiled(directory, run, "gemm_xla_fp8"):
+        return _gemms(run, ("e5m2xe4m3",))
+    return [g for g in _gemms(run, ("e4m3xe4m3", "e5m2xe4m3"))
+            if g.setting.startswith("HIGHEST")]
 
 
 @functools.cache

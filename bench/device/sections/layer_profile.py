@@ -9,8 +9,9 @@ at least `MIN_ROUNDS` of them: the median and its ratio to the bf16 row.
 
 Then each timed row is called `PROFILED_CALLS` times inside ``jax.profiler.trace``; the
 trace (`bench.device.trace`) gives each kernel's device time, classed by the compiled
-program's HLO (`bench.device.trace.hlo_classes`), and the cost model's estimate per
-class (`bench.device.estimate.model_estimate_us`) is printed beside it.
+program's HLO (`bench.device.trace.hlo_classes`), and the calibrated cost model's estimate
+per class (`bench.device.estimate.model_estimate_us`, reading the instruction counts of the
+compile's XLA dump) is printed beside it.
 """
 
 from __future__ import annotations
@@ -48,8 +49,10 @@ class LayerResult:
     estimate_us: dict = dataclasses.field(default_factory=dict)  # class -> us per call
 
 
-def _build(row: LayerRow, size: str, seq: int):
-    from bench.costmodel import programs
+def _build(row: LayerRow, size: str, seq: int, dump: Path):
+    """The row's compiled program (its XLA dump, PTX and thunk sequence, under ``dump``:
+    the model's instruction counts) and its abstract arguments."""
+    from bench.costmodel import programs, ptx_cost
     from mxjax import policies
 
     policy = policies.get(row.preset)
@@ -57,7 +60,7 @@ def _build(row: LayerRow, size: str, seq: int):
         policy = policy.with_backend(row.backend)
     fn, abstract = programs.layer_program(policy, 1, seq, size=size,
                                           attention_impl=row.attention)
-    return jax.jit(fn).lower(*abstract).compile(), abstract
+    return jax.jit(fn).lower(*abstract).compile(ptx_cost.dump_options(dump)), abstract
 
 
 def _profile(compiled, args, log_dir: Path) -> list:
@@ -79,6 +82,7 @@ def layer_profile_section(table: Table, rows_spec: list[LayerRow], *, size: str,
     live: dict[int, tuple] = {}  # index -> (compiled, args, times)
     args_cache: dict = {}
     pace = Pace(deadline)
+    dump_root = Path(tempfile.mkdtemp(prefix="mxjax-dump-"))  # removed with the profiles'
     for i, res in enumerate(results):
         if i > 0 and not pace.ok(reserve=MIN_ROUNDS * 0.5):  # the first row: always
             res.why = "skipped (time budget)"
@@ -86,7 +90,7 @@ def layer_profile_section(table: Table, rows_spec: list[LayerRow], *, size: str,
         t0 = time.perf_counter()
         log(f"layer: compiling {res.row.label}")
         try:
-            compiled, abstract = _build(res.row, size, seq)
+            compiled, abstract = _build(res.row, size, seq, dump_root / str(i))
             key = str(jax.tree.map(lambda a: (a.shape, str(a.dtype)), abstract))
             if key not in args_cache:
                 args_cache[key] = programs.concrete_args(abstract)
@@ -124,7 +128,8 @@ def layer_profile_section(table: Table, rows_spec: list[LayerRow], *, size: str,
             t0 = time.perf_counter()
             try:
                 res.kernels = _profile(compiled, args, log_root / str(i))
-                res.estimate_us = estimate.model_estimate_us(compiled.as_text(), chip)
+                res.estimate_us = estimate.model_estimate_us(compiled.as_text(), chip,
+                                                             dump=dump_root / str(i))
             except Exception as e:  # noqa: BLE001 - the profile's failure is a note
                 res.why = f"profile: {short_error(e)}"
                 log(f"layer profile {res.row.label}: {res.why}")
@@ -132,6 +137,7 @@ def layer_profile_section(table: Table, rows_spec: list[LayerRow], *, size: str,
                 profile_pace.took(time.perf_counter() - t0)
     finally:
         shutil.rmtree(log_root, ignore_errors=True)
+        shutil.rmtree(dump_root, ignore_errors=True)
     _publish(table, results, chip)
     live.clear()
     args_cache.clear()
