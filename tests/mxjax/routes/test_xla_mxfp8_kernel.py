@@ -1,0 +1,112 @@
+"""The one-pass MXFP8 operand kernel (Pallas interpreter) against mxjax.quantize.
+
+The kernel's f8 codes and E8M0 bytes must be `mxjax.quantize`'s of the rotated operand,
+byte for byte, in both directions of a pair and along one axis with a contraction that is
+not a multiple of the block: E4M3 and E5M2, RCEIL/FLOOR/EVEN scales, the Hadamard,
+NaN/Inf blocks, saturation, subnormal scales and elements, all-zero blocks. Compile
+budget: one kernel per (shape, dtype, recipe); the cases share them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mxjax
+from mxjax import OperandRecipe, policies
+from mxjax import formats as F
+from mxjax.routes import xla_mxfp8_kernel as K
+from tests.mxjax.kernels._kernel_testutil import hadamard, hard_matrix, quantize
+
+RCEIL_E4M3 = policies.get("mxfp8").fprop.lhs  # E4M3, RCEIL, nearest even
+FLOOR_E5M2_RTZ = OperandRecipe(fmt=F.MXFP8_E5M2, scale_rule=F.ScaleRule.FLOOR,
+                               rounding=F.Rounding.TOWARD_ZERO)
+EVEN_E4M3_H32 = OperandRecipe(fmt=F.MXFP8_E4M3, scale_rule=F.ScaleRule.EVEN)
+SHAPE = (96, 160)  # padded to whole 128 x 128 tiles inside the kernel
+CONFIGS = {  # name -> (dtype, op, h, signs seed)
+    "bf16_e4m3_rceil": (jnp.bfloat16, RCEIL_E4M3, None, None),
+    "f32_e5m2_floor_rtz_h16": (jnp.float32, FLOOR_E5M2_RTZ, 16, 3),
+    "bf16_e4m3_even_h32": (jnp.bfloat16, EVEN_E4M3_H32, 32, None),
+}
+
+
+def _signs(h, seed):
+    return None if seed is None else mxjax.fixed_signs(seed, h)
+
+
+@functools.cache
+def _pair_fn(op, h, seed):
+    return jax.jit(functools.partial(K.mxfp8_operand_pair, op=op, hadamard_size=h,
+                                     signs=_signs(h, seed), interpret=True))
+
+
+def _reference(x, op, h, seed, axis):
+    """mxjax.quantize of the f32 operand rotated along `axis`: (codes [F, K], E8M0 bytes
+    [F, K/32]) in the kernel's [F, K] layout."""
+    xf = jnp.asarray(x, jnp.float32)
+    if h is not None:
+        xf = hadamard(xf, h, axis=axis, signs=_signs(h, seed))
+    q = quantize(xf, op.fmt, axis=axis, scale_rule=op.scale_rule, rounding=op.rounding)
+    codes, scales = np.asarray(q.codes), np.asarray(q.scales)
+    return (codes, scales) if axis == 1 else (codes.T, scales.T)
+
+
+def _assert_kernel_is_reference(got, want):
+    codes, scales = (np.asarray(v) for v in got)
+    want_codes, want_scales = want
+    np.testing.assert_array_equal(scales, want_scales)
+    np.testing.assert_array_equal(codes, want_codes)
+
+
+def _edges(dtype, seed=0):
+    """hard_matrix's specials (NaN, ±Inf, f32 subnormals, -0, 3e38, an all-zero row) plus
+    a band of blocks 125 binades down (E8M0's clamped subnormal scales, subnormal
+    elements) and one near f32's top (saturation under RCEIL/EVEN's capped exponent)."""
+    x = hard_matrix(np.random.default_rng(seed), SHAPE, spread=3.0, specials=True)
+    x[40:48, :] *= np.float32(2.0 ** -125)
+    x[60, 33:64] = np.float32(3.3e38)
+    return jnp.asarray(x).astype(dtype)
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_pair_is_mxjax_quantize_in_both_directions(config):
+    dtype, op, h, seed = CONFIGS[config]
+    x = _edges(dtype)
+    row, col = _pair_fn(op, h, seed)(x)
+    assert row[0].shape == (96, 160) and row[1].shape == (96, 5)
+    assert col[0].shape == (160, 96) and col[1].shape == (160, 3)
+    _assert_kernel_is_reference(row, _reference(x, op, h, seed, 1))
+    _assert_kernel_is_reference(col, _reference(x, op, h, seed, 0))
+    assert (np.asarray(row[1]) == 255).any() and (np.asarray(row[1]) < 20).any()
+
+
+def test_one_direction_with_a_contraction_not_a_multiple_of_the_block():
+    # K = 100 along axis 1 (padded to 128: zero codes, scale byte 127).
+    x = _edges(jnp.float32)[:40, :100]
+    got = jax.jit(functools.partial(K.mxfp8_operand, axis=1, op=RCEIL_E4M3,
+                                    hadamard_size=None, signs=None, interpret=True))(x)
+    assert got[0].shape == (40, 128)
+    _assert_kernel_is_reference(got, _reference(x, RCEIL_E4M3, None, None, 1))
+
+
+def test_takes_kernel_and_bad_arguments():
+    sr = OperandRecipe(fmt=F.MXFP8_E4M3, rounding=F.Rounding.STOCHASTIC)
+    assert K.takes_kernel(RCEIL_E4M3, None, jnp.bfloat16)
+    assert K.takes_kernel(FLOOR_E5M2_RTZ, 32, jnp.float32)
+    assert not K.takes_kernel(sr, None, jnp.bfloat16)
+    assert not K.takes_kernel(RCEIL_E4M3, 64, jnp.bfloat16)
+    assert not K.takes_kernel(RCEIL_E4M3, None, jnp.float16)
+    assert not K.takes_kernel(OperandRecipe(fmt=F.MXFP4), None, jnp.float32)
+    x = jnp.zeros((64, 64), jnp.float32)
+    with pytest.raises(ValueError, match="axis"):
+        K.mxfp8_operand(x, 2, RCEIL_E4M3, hadamard_size=None, signs=None)
+    with pytest.raises(ValueError, match="x2: expected a 2-D"):
+        K.mxfp8_operand(x[None], 1, RCEIL_E4M3, hadamard_size=None, signs=None)
+    with pytest.raises(ValueError, match="deterministic rounding"):
+        K.mxfp8_operand(x, 1, sr, hadamard_size=None, signs=None)
+    with pytest.raises(ValueError, match="contraction length 40"):
+        K.mxfp8_operand_pair(x[:40], RCEIL_E4M3, hadamard_size=None, signs=None)
