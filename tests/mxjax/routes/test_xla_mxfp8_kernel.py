@@ -110,3 +110,26 @@ def test_takes_kernel_and_bad_arguments():
         K.mxfp8_operand(x, 1, sr, hadamard_size=None, signs=None)
     with pytest.raises(ValueError, match="contraction length 40"):
         K.mxfp8_operand_pair(x[:40], RCEIL_E4M3, hadamard_size=None, signs=None)
+
+
+def test_route_with_the_kernel_is_the_in_place_form():
+    """The mxfp8 preset's fprop (X [M, K] · W [K, N]; W by the pair, X with K = 100 along
+    one axis) and an f32 operand cast to bf16 in the kernel, with and without it."""
+    from mxjax.routes import xla_mxfp8
+
+    recipe = policies.get("mxfp8").fprop
+    rng = np.random.default_rng(5)
+    a = jnp.asarray(hard_matrix(rng, (48, 96), spread=3.0, specials=False))
+    b = jnp.asarray(hard_matrix(rng, (96, 64), spread=3.0, specials=False))
+    dims = (((1,), (0,)), ((), ()))
+    bf16 = (jnp.bfloat16, jnp.bfloat16)
+
+    def route(a, b, kernel):
+        return xla_mxfp8.mxfp8_gemm(a, b, dims, recipe, None, None, None,
+                                    operand_dtypes=bf16, out_dtype=jnp.float32,
+                                    kernel=kernel, interpret=True)
+
+    got = jax.jit(functools.partial(route, kernel=True))(a, b)
+    want = jax.jit(functools.partial(route, kernel=False))(a, b)
+    assert np.isfinite(np.asarray(want)).all()
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -148,3 +148,27 @@ def test_takes_kernel_and_bad_arguments():
     with pytest.raises(ValueError, match="compiled: PTX's div.rn has no interpreter form"):
         K.nvfp4_operand(x, 1, RNE, hadamard_size=None, signs=None, compiled=True,
                         interpret=True)
+
+
+@pytest.mark.parametrize("gemm", ["fprop", "wgrad"])
+def test_route_with_the_kernel_is_the_xla_form(gemm):
+    """The nvfp4 preset's fprop (X [M, K] · W [K, N]: W by the pair, X along one axis)
+    and wgrad (dY and X contracted over M, H16 with fixed signs: dY's stochastic rounding
+    by the XLA form from the same key, X by the kernel), with and without the kernel."""
+    from mxjax.routes import xla_nvfp4
+    from mxjax.routes.spec import in_place_route_gemm
+
+    recipe = getattr(policies.get("nvfp4"), gemm)
+    rng = np.random.default_rng(5)
+    a = jnp.asarray(hard_matrix(rng, (64, 96), spread=3.0, specials=False), jnp.bfloat16)
+    b = jnp.asarray(hard_matrix(rng, (96, 128) if gemm == "fprop" else (64, 128), spread=3.0,
+                                specials=False), jnp.bfloat16)
+    dims = (((1,), (0,)), ((), ())) if gemm == "fprop" else (((0,), (0,)), ((), ()))
+    key = jax.random.key(7)
+    kw = {"dims": dims, "recipe": recipe, "key": key, "out_dtype": jnp.float32}
+    with_kernel = jax.jit(lambda a, b: in_place_route_gemm(
+        functools.partial(xla_nvfp4.nvfp4_kernel_gemm, interpret=True), a, b, **kw))
+    xla_form = jax.jit(lambda a, b: xla_nvfp4.ROUTE.gemm(a, b, gemm_name=gemm, **kw))
+    got, want = with_kernel(a, b), xla_form(a, b)
+    assert np.isfinite(np.asarray(want)).all()
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
