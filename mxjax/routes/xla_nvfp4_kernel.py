@@ -37,7 +37,7 @@ from mxjax.elements import decode_magnitude, round_to_grid
 from mxjax.formats import E2M1, E4M3, Rounding
 from mxjax.rotation import hadamard
 from mxjax.routes import xla_fp4_kernel as fp4k
-from mxjax.scaling import E4M3BlocksTensorScale, _tensor_scale
+from mxjax.scaling import E4M3BlocksTensorScale
 
 __all__ = ["Nvfp4Codec", "nvfp4_operand", "nvfp4_operand_pair", "takes_kernel",
            "tensor_scale"]
@@ -72,8 +72,7 @@ def tensor_scale(x2: jax.Array, axis: int, *, hadamard_size: int | None, signs,
             x = jnp.pad(x, widths)
         x = hadamard(x, hadamard_size, axis=axis, signs=signs)
     amax_bits = jnp.max(_bits.f32_bits(x) & _bits.ABS_MASK)
-    return _tensor_scale(amax_bits, E2M1.max_normal * E4M3.max_normal,
-                         _SCHEME.tensor_floor_exp)
+    return _SCHEME.tensor_scale(amax_bits)
 
 
 def _div_rn(a, b):
