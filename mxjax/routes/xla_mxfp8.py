@@ -11,7 +11,10 @@ operand transposed into ``[batch..., F, K]`` in bf16, then mxjax's quantizer. Th
 quantizes each operand where it is instead, as 'xla_fp4' does for MXFP4
 (`mxjax.emulation.in_place.mx_operand_values`: the block amax in one fused pass, the
 scale, the rounding and the f8 encode in a second that writes one byte per element),
-and lays the f8 codes (not the bf16 input) out as ``[B, F, K]`` for the dot.
+and lays the f8 codes (not the bf16 input) out as ``[B, F, K]`` for the dot. Lowered for
+a GPU, the operands the one-pass kernel takes (`mxjax.routes.xla_mxfp8_kernel`:
+deterministic rounding, no batch axes) come from it instead: one read, both directions
+(`kernel_operand`), the same bits.
 
 **Values.** The in-place values are `mxjax.quantize`'s bit for bit (stochastic
 rounding's uniforms drawn in the canonical shape from the same key,

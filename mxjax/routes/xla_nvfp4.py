@@ -30,7 +30,13 @@ passes that read them. The tensor amax must be known before any block is scaled,
 NVFP4 operand is read at least twice. Quantizing the operands in place instead (their
 16-blocks as bit axes of their own layout, only the one-byte codes transposed, the same
 bits) was estimated slower on the 8B layer (B200 rates roofline, 9.57 ms against this
-form's 9.12 ms), so the route keeps the canonical operands. No Pallas kernel yet.
+form's 9.12 ms), so the route keeps the canonical operands.
+
+**On a GPU** (`nvfp4_kernel_gemm`) the operands the one-pass kernel takes
+(`mxjax.routes.xla_nvfp4_kernel`: deterministic rounding, no batch axes) are quantized in
+their own layout: the tensor scale by one reduction, then codes and scales by one read,
+both directions from one call where two GEMMs quantize the operand alike (the weight in
+fprop and dgrad). Stochastically rounded operands keep the XLA form. The same bits.
 
 Deviceless compiles (``tests/accelerators/test_deviceless_block_formats.py``): on B200
 every GEMM of the 4096^3 matmul's train step is ``__cudnn$blockScaledDot`` on f4e2m1fn
