@@ -16,11 +16,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import mxjax
 from mxjax import OperandRecipe, policies
 from mxjax import formats as F
 from mxjax.routes import xla_mxfp8_kernel as K
-from tests.mxjax.kernels._kernel_testutil import hadamard, hard_matrix, quantize
+from tests.mxjax.kernels._kernel_testutil import hard_matrix
+from tests.mxjax.routes._operand_kernel_testutil import (
+    assert_refuses_bad_arguments,
+    check_pair,
+    reference,
+)
 
 RCEIL_E4M3 = policies.get("mxfp8").fprop.lhs  # E4M3, RCEIL, nearest even
 FLOOR_E5M2_RTZ = OperandRecipe(fmt=F.MXFP8_E5M2, scale_rule=F.ScaleRule.FLOOR,
@@ -34,30 +38,9 @@ CONFIGS = {  # name -> (dtype, op, h, signs seed)
 }
 
 
-def _signs(h, seed):
-    return None if seed is None else mxjax.fixed_signs(seed, h)
-
-
-@functools.cache
-def _pair_fn(op, h, seed):
-    return jax.jit(functools.partial(K.mxfp8_operand_pair, op=op, hadamard_size=h,
-                                     signs=_signs(h, seed), interpret=True))
-
-
-def _reference(x, op, h, seed, axis):
-    """mxjax.quantize of the f32 operand rotated along `axis`: (codes [F, K], E8M0 bytes
-    [F, K/32]) in the kernel's [F, K] layout."""
-    xf = jnp.asarray(x, jnp.float32)
-    if h is not None:
-        xf = hadamard(xf, h, axis=axis, signs=_signs(h, seed))
-    q = quantize(xf, op.fmt, axis=axis, scale_rule=op.scale_rule, rounding=op.rounding)
-    codes, scales = np.asarray(q.codes), np.asarray(q.scales)
-    return (codes, scales) if axis == 1 else (codes.T, scales.T)
-
-
 def _assert_kernel_is_reference(got, want):
     codes, scales = (np.asarray(v) for v in got)
-    want_codes, want_scales = want
+    want_codes, want_scales, _ = want
     np.testing.assert_array_equal(scales, want_scales)
     np.testing.assert_array_equal(codes, want_codes)
 
@@ -75,12 +58,10 @@ def _edges(dtype, seed=0):
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_pair_is_mxjax_quantize_in_both_directions(config):
     dtype, op, h, seed = CONFIGS[config]
-    x = _edges(dtype)
-    row, col = _pair_fn(op, h, seed)(x)
+    row, col = check_pair(K.mxfp8_operand_pair, _edges(dtype), op, h, seed,
+                          _assert_kernel_is_reference)
     assert row[0].shape == (96, 160) and row[1].shape == (96, 5)
     assert col[0].shape == (160, 96) and col[1].shape == (160, 3)
-    _assert_kernel_is_reference(row, _reference(x, op, h, seed, 1))
-    _assert_kernel_is_reference(col, _reference(x, op, h, seed, 0))
     assert (np.asarray(row[1]) == 255).any() and (np.asarray(row[1]) < 20).any()
 
 
@@ -90,7 +71,7 @@ def test_one_direction_with_a_contraction_not_a_multiple_of_the_block():
     got = jax.jit(functools.partial(K.mxfp8_operand, axis=1, op=RCEIL_E4M3,
                                     hadamard_size=None, signs=None, interpret=True))(x)
     assert got[0].shape == (40, 128)
-    _assert_kernel_is_reference(got, _reference(x, RCEIL_E4M3, None, None, 1))
+    _assert_kernel_is_reference(got, reference(x, RCEIL_E4M3, None, None, 1))
 
 
 def test_takes_kernel_and_bad_arguments():
@@ -101,15 +82,7 @@ def test_takes_kernel_and_bad_arguments():
     assert not K.takes_kernel(RCEIL_E4M3, 64, jnp.bfloat16)
     assert not K.takes_kernel(RCEIL_E4M3, None, jnp.float16)
     assert not K.takes_kernel(OperandRecipe(fmt=F.MXFP4), None, jnp.float32)
-    x = jnp.zeros((64, 64), jnp.float32)
-    with pytest.raises(ValueError, match="axis"):
-        K.mxfp8_operand(x, 2, RCEIL_E4M3, hadamard_size=None, signs=None)
-    with pytest.raises(ValueError, match="x2: expected a 2-D"):
-        K.mxfp8_operand(x[None], 1, RCEIL_E4M3, hadamard_size=None, signs=None)
-    with pytest.raises(ValueError, match="deterministic rounding"):
-        K.mxfp8_operand(x, 1, sr, hadamard_size=None, signs=None)
-    with pytest.raises(ValueError, match="contraction length 40"):
-        K.mxfp8_operand_pair(x[:40], RCEIL_E4M3, hadamard_size=None, signs=None)
+    assert_refuses_bad_arguments(K.mxfp8_operand, K.mxfp8_operand_pair, RCEIL_E4M3, sr)
 
 
 def test_route_with_the_kernel_is_the_in_place_form():

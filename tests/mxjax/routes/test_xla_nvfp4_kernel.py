@@ -16,11 +16,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import mxjax
 from mxjax import OperandRecipe, policies
 from mxjax import formats as F
 from mxjax.routes import xla_nvfp4_kernel as K
-from tests.mxjax.kernels._kernel_testutil import hadamard, hard_matrix, quantize
+from tests.mxjax.kernels._kernel_testutil import hard_matrix
+from tests.mxjax.routes._operand_kernel_testutil import (
+    assert_refuses_bad_arguments,
+    check_pair,
+    pair_fn,
+    reference,
+    signs,
+)
 
 RNE = policies.get("nvfp4").fprop.lhs  # NVFP4, nearest even
 RTZ = OperandRecipe(fmt=F.NVFP4, rounding=F.Rounding.TOWARD_ZERO)
@@ -31,27 +37,8 @@ CONFIGS = {  # name -> (dtype, op, h, signs seed)
 }
 
 
-def _signs(h, seed):
-    return None if seed is None else mxjax.fixed_signs(seed, h)
-
-
-@functools.cache
 def _pair_fn(op, h, seed):
-    return jax.jit(functools.partial(K.nvfp4_operand_pair, op=op, hadamard_size=h,
-                                     signs=_signs(h, seed), interpret=True))
-
-
-def _reference(x, op, h, seed, axis):
-    """mxjax.quantize of the f32 operand rotated along `axis`: (codes [F, K/2], E4M3
-    bytes [F, K/16], tensor scale) in the kernel's [F, K] layout."""
-    xf = jnp.asarray(x, jnp.float32)
-    if h is not None:
-        xf = hadamard(xf, h, axis=axis, signs=_signs(h, seed))
-    q = quantize(xf, op.fmt, axis=axis, scale_rule=op.scale_rule, rounding=op.rounding)
-    codes, scales = np.asarray(q.codes), np.asarray(q.scales)
-    if axis == 0:
-        codes, scales = codes.T, scales.T
-    return codes, scales, np.asarray(q.tensor_scale)
+    return pair_fn(K.nvfp4_operand_pair, op, h, seed)
 
 
 def _assert_kernel_is_reference(got, want):
@@ -88,9 +75,7 @@ def _edges(x):
 def test_pair_is_mxjax_quantize_in_both_directions(config):
     dtype, op, h, seed = CONFIGS[config]
     x = jnp.asarray(_edges(_data(dtype))).astype(dtype)
-    row, col = _pair_fn(op, h, seed)(x)
-    _assert_kernel_is_reference(row, _reference(x, op, h, seed, 1))
-    _assert_kernel_is_reference(col, _reference(x, op, h, seed, 0))
+    row, _ = check_pair(K.nvfp4_operand_pair, x, op, h, seed, _assert_kernel_is_reference)
     assert (np.asarray(row[1]) == 0).any()  # zero block scales were exercised
     assert ((np.asarray(row[1]) > 0) & (np.asarray(row[1]) < 8)).any()  # subnormal
 
@@ -101,7 +86,7 @@ def test_a_non_finite_tensor_is_nan_scaled_as_the_quantizer_writes_it(special):
     x = _data(dtype).at[5, 7].set(special)
     row, col = _pair_fn(op, h, seed)(x)
     for got, axis in ((row, 1), (col, 0)):
-        _assert_kernel_is_reference(got, _reference(x, op, h, seed, axis))
+        _assert_kernel_is_reference(got, reference(x, op, h, seed, axis))
         assert np.isnan(np.asarray(got[2])) and (np.asarray(got[1]) == 0x7F).all()
 
 
@@ -109,9 +94,7 @@ def test_tensor_scale_floor_and_zero_tensor():
     dtype, op, h, seed = CONFIGS["bf16_h16_signs"]
     tiny = (_data(jnp.float32) * 2.0 ** -120).astype(dtype)  # amax / 2688 below 2^-116
     for x in (tiny, jnp.zeros(SHAPE, dtype)):
-        row, col = _pair_fn(op, h, seed)(x)
-        _assert_kernel_is_reference(row, _reference(x, op, h, seed, 1))
-        _assert_kernel_is_reference(col, _reference(x, op, h, seed, 0))
+        check_pair(K.nvfp4_operand_pair, x, op, h, seed, _assert_kernel_is_reference)
     assert float(_pair_fn(op, h, seed)(tiny)[0][2]) == 2.0 ** -116
 
 
@@ -122,11 +105,11 @@ def test_one_direction_with_a_contraction_not_a_multiple_of_the_block():
     got = jax.jit(functools.partial(K.nvfp4_operand, axis=1, op=RNE, hadamard_size=None,
                                     signs=None, interpret=True))(x)
     assert got[0].shape == (40, 64)
-    _assert_kernel_is_reference(got, _reference(x, RNE, None, None, 1))
+    _assert_kernel_is_reference(got, reference(x, RNE, None, None, 1))
     got = jax.jit(functools.partial(K.nvfp4_operand, axis=0, op=RNE, hadamard_size=16,
-                                    signs=_signs(16, 0), interpret=True))(x)
+                                    signs=signs(16, 0), interpret=True))(x)
     xp = jnp.pad(x, ((0, 8), (0, 0)))
-    _assert_kernel_is_reference(got, _reference(xp, RNE, 16, 0, 0))
+    _assert_kernel_is_reference(got, reference(xp, RNE, 16, 0, 0))
 
 
 def test_takes_kernel_and_bad_arguments():
@@ -136,15 +119,8 @@ def test_takes_kernel_and_bad_arguments():
     assert not K.takes_kernel(RNE, 32, jnp.bfloat16)
     assert not K.takes_kernel(RNE, None, jnp.float16)
     assert not K.takes_kernel(OperandRecipe(fmt=F.MXFP4), None, jnp.float32)
+    assert_refuses_bad_arguments(K.nvfp4_operand, K.nvfp4_operand_pair, RNE, sr)
     x = jnp.zeros((64, 64), jnp.float32)
-    with pytest.raises(ValueError, match="axis"):
-        K.nvfp4_operand(x, 2, RNE, hadamard_size=None, signs=None)
-    with pytest.raises(ValueError, match="x2: expected a 2-D"):
-        K.nvfp4_operand(x[None], 1, RNE, hadamard_size=None, signs=None)
-    with pytest.raises(ValueError, match="deterministic rounding"):
-        K.nvfp4_operand(x, 1, sr, hadamard_size=None, signs=None)
-    with pytest.raises(ValueError, match="contraction length 40"):
-        K.nvfp4_operand_pair(x[:40], RNE, hadamard_size=None, signs=None)
     with pytest.raises(ValueError, match="compiled: PTX's div.rn has no interpreter form"):
         K.nvfp4_operand(x, 1, RNE, hadamard_size=None, signs=None, compiled=True,
                         interpret=True)
