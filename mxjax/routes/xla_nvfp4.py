@@ -149,19 +149,17 @@ def _block_scaled(lhs, rhs, recipe) -> jax.Array:
 
 
 def nvfp4_kernel_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
-                      operand_dtypes=None, out_dtype=None, compiled: bool = False,
-                      interpret: bool = False) -> jax.Array:
+                      operand_dtypes=None, out_dtype=None, pair_rhs: bool = False,
+                      compiled: bool = False, interpret: bool = False) -> jax.Array:
     """``dot_general(a, b, dims)`` under an NVFP4 recipe, operands by the one-pass kernel.
 
     Each operand the kernel takes (`mxjax.routes.xla_nvfp4_kernel.takes_kernel`: no
     stochastic rounding, h in {None, 16}; `xla_fp4.kernel_view`: no batch axes, the free
     axes on one side of the contraction) is quantized in its own layout by
-    `kernel_operand`: its tensor scale by one reduction, its codes and scales by one read
-    (both directions from one kernel call where both sizes are multiples of 32 and the
-    signs are fixed: the other GEMM that reads the operand with the same recipe makes the
-    identical call, which XLA merges). Any other operand takes `nvfp4_operand` on its
-    canonical, rotated layout (the same uniforms for stochastic rounding). The same
-    elements, scales and tensor scales as `nvfp4_gemm`'s either way.
+    `kernel_operand`: its tensor scale by one reduction, its codes and scales by one read.
+    Any other operand takes `nvfp4_operand` on its canonical, rotated layout (the same
+    uniforms for stochastic rounding). The same elements, scales and tensor scales as
+    `nvfp4_gemm`'s either way.
 
     Args:
       a, b: the GEMM's operands, ``dims`` lax dimension numbers.
@@ -171,6 +169,12 @@ def nvfp4_kernel_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, si
       operand_dtypes: None or a pair of dtypes (or None) a and b are cast to first (the
         kernel reads an f32 operand cast to bf16 as it is and rounds it itself).
       out_dtype: the f32 result is cast to this (None: f32).
+      pair_rhs: quantize b in both directions by one kernel call (both sizes multiples
+        of 32, fixed signs): the other GEMM that reads b with the same recipe makes the
+        identical call, which XLA merges. `_gemm` sets it for the weight in fprop and
+        dgrad without a Hadamard (NVIDIA's recipe quantizes W alike in both); X and dY,
+        whose wgrad copy has the H16 the other GEMM's lacks, are quantized per GEMM
+        (a pair would write a copy no GEMM reads).
       compiled: the kernel divides by PTX's ``div.rn.f32`` (GPU lowering).
       interpret: run the kernel in the Pallas interpreter (CPU tests).
     Returns:
@@ -190,7 +194,7 @@ def nvfp4_kernel_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, si
             x3 = hadamard(x3, h, axis=-1, signs=signs)
         return nvfp4_operand(x3, op, key)
 
-    def operand(view, op, key, x, batch, contract, dtype):
+    def operand(view, op, key, x, batch, contract, dtype, pair):
         from mxjax.routes import xla_nvfp4_kernel as kernel  # Pallas: loaded on first use
 
         bf16_values = (dtype is not None and jnp.dtype(dtype) == jnp.bfloat16
@@ -199,15 +203,15 @@ def nvfp4_kernel_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, si
         x2 = kernel_view(kview)
         if x2 is None or not kernel.takes_kernel(op, h, x2[0].dtype):
             return canonical(view, op, key)
-        pair = fixed_signs and all(n % _K_MULTIPLE == 0 for n in x2[0].shape)
+        pair = pair and fixed_signs and all(n % _K_MULTIPLE == 0 for n in x2[0].shape)
         return kernel_operand(*x2, op, hadamard_size=h, signs=signs, pair=pair,
                               bf16_values=bf16_values, compiled=compiled,
                               interpret=interpret)
 
     (ca, cb), (ba, bb) = dims
     da, db = operand_dtypes or (None, None)
-    out = _block_scaled(operand(va, recipe.lhs, k_lhs, a0, ba, ca, da),
-                        operand(vb, recipe.rhs, k_rhs, b0, bb, cb, db), recipe)
+    out = _block_scaled(operand(va, recipe.lhs, k_lhs, a0, ba, ca, da, False),
+                        operand(vb, recipe.rhs, k_rhs, b0, bb, cb, db, pair_rhs), recipe)
     return out if out_dtype is None else out.astype(out_dtype)
 
 
@@ -239,12 +243,12 @@ def kernel_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, s
 
 def _gemm(a, b, *, dims, recipe, key, gemm_name, operand_dtypes=None, out_dtype=None,
           platform=None) -> jax.Array:
-    del gemm_name
     if platform == "gpu":
         # The one-pass operand kernel (mxjax.routes.xla_nvfp4_kernel) where it takes an
         # operand; the same bits as the XLA form below.
-        return in_place_route_gemm(functools.partial(nvfp4_kernel_gemm, compiled=True), a, b,
-                                   dims=dims, recipe=recipe, key=key,
+        pair_rhs = gemm_name in ("fprop", "dgrad") and recipe.hadamard is None
+        route = functools.partial(nvfp4_kernel_gemm, pair_rhs=pair_rhs, compiled=True)
+        return in_place_route_gemm(route, a, b, dims=dims, recipe=recipe, key=key,
                                    operand_dtypes=operand_dtypes, out_dtype=out_dtype)
     a3, b3 = canonical_operands(*cast_operands(a, b, operand_dtypes), dims)
     a3, b3, k_lhs, k_rhs = quantizer_operands(a3, b3, recipe, key)

@@ -143,7 +143,8 @@ def test_route_with_the_kernel_is_the_xla_form(gemm):
     key = jax.random.key(7)
     kw = {"dims": dims, "recipe": recipe, "key": key, "out_dtype": jnp.float32}
     with_kernel = jax.jit(lambda a, b: in_place_route_gemm(
-        functools.partial(xla_nvfp4.nvfp4_kernel_gemm, interpret=True), a, b, **kw))
+        functools.partial(xla_nvfp4.nvfp4_kernel_gemm, pair_rhs=gemm == "fprop",
+                          interpret=True), a, b, **kw))
     xla_form = jax.jit(lambda a, b: xla_nvfp4.ROUTE.gemm(a, b, gemm_name=gemm, **kw))
     got, want = with_kernel(a, b), xla_form(a, b)
     assert np.isfinite(np.asarray(want)).all()
