@@ -75,7 +75,7 @@ TARGETS = {"nvfp4": {"bf16": 0.6, "fp8": 0.8, "peer:jax_nvfp4": 1.0},
            "mxfp8": {"bf16": 0.8, "peer:jax_mxfp8": 1.0}}
 # What the estimate meets (recorded in mxjax/measurements.json with the figures). With the
 # one-pass operand kernels (8B layer, rates roofline): mxfp8@auto 0.69x bf16 and faster
-# than jax.nn's mxfp8 (4.61 ms against 5.28); nvfp4@auto about 0.99x bf16 (its dY, rounded
+# than jax.nn's mxfp8 (4.61 ms against 5.28); nvfp4@auto 0.95x bf16 (its dY, rounded
 # stochastically, still takes the XLA form): none of its targets.
 MET: dict[str, set[str]] = {"nvfp4": set(), "mxfp8": {"bf16", "peer:jax_mxfp8"}}
 
