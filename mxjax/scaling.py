@@ -276,11 +276,17 @@ class E4M3BlocksTensorScale:
     def split(self, xm):
         return xm.reshape(xm.shape[:-1] + (xm.shape[-1] // self.block_size, self.block_size))
 
+    def tensor_scale(self, amax_bits):
+        """The f32 tensor scale of a tensor whose amax has these abs bits (uint32):
+        amax / (max element * max E4M3) floored at 2^tensor_floor_exp, 1 for zero, NaN
+        for a non-finite amax."""
+        return _tensor_scale(amax_bits, self.element.max_normal * self.scale_element.max_normal,
+                             self.tensor_floor_exp)
+
     def prepare(self, xb, rule, prescale, dtype=jnp.float32):
         abs_bits = _bits.f32_bits(xb) & _bits.ABS_MASK
         t_bits = _tensor_amax_bits(abs_bits)
-        t = _tensor_scale(t_bits, self.element.max_normal * self.scale_element.max_normal,
-                          self.tensor_floor_exp)
+        t = self.tensor_scale(t_bits)
         amax = _bits.bits_f32(jnp.max(abs_bits, axis=-1, keepdims=True))
         finite = t_bits < _bits.EXP_INF
         six_t = lax.optimization_barrier(

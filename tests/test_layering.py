@@ -94,11 +94,15 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     #  - what a route declares (spec); the routes: the emulation ('xla'), 'triton', and
     #    the MXFP4 routes over the emulation's in-place operands: 'xla_fp8' (carried in
     #    FP8), then 'xla_fp4' (NVFP4, sharing xla_fp8's window and result scaling; its
-    #    operand kernel below it).
+    #    operand kernel below it); the one-pass NVFP4/MXFP8 operand kernels on the
+    #    generic kernel of xla_fp4_kernel; 'xla_nvfp4' and 'xla_mxfp8' on xla_fp4's
+    #    operand views.
     "mxjax.routes": (
         ("spec", "xla_fp4_kernel"),
-        ("xla", "triton", "xla_fp8", "xla_nvfp4"),
-        ("xla_fp4", "xla_mxfp8"),
+        ("xla", "triton", "xla_fp8", "xla_nvfp4_kernel", "xla_mxfp8_kernel"),
+        ("xla_fp4",),
+        ("xla_nvfp4",),
+        ("xla_mxfp8",),
     ),
     "models": (("sharding",), ("attention",), ("llama",), ("hf_config", "hf_files"), ("hf",)),
     #  - the config and the run's extension points first; then the pieces that need only

@@ -41,8 +41,10 @@ without the SR pre-scale, bf16 or f32 input. Other operands take the route's XLA
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -53,8 +55,10 @@ from mxjax import _bits, elements
 from mxjax.elements import round_to_value
 from mxjax.formats import E2M1, Rounding
 
-__all__ = ["NONFINITE_SENTINEL", "TILE", "has_e2m1_cvt", "mxfp4_operand", "mxfp4_operand_pair",
-           "nearest_even_code", "quantize_slices", "takes_kernel"]
+__all__ = ["NONFINITE_SENTINEL", "TILE", "Mxfp4Codec", "abs_max_bits", "check_contraction",
+           "check_matrix", "has_e2m1_cvt", "mxfp4_operand", "mxfp4_operand_pair",
+           "nearest_even_code", "quantize_slices", "rotate_slices", "run_codec",
+           "signs_array", "takes_kernel"]
 
 _MX = 32
 _NV = 16  # NVFP4's scale block: the MMA's scales are per 16 elements
@@ -119,6 +123,34 @@ def _cvt_e2m1x2(even, odd):
     return out
 
 
+def abs_max_bits(values):
+    """The uint32 abs bits of the largest magnitude among f32 arrays of one shape (elementwise
+    across the list: a block's amax when the list holds its slices)."""
+    return functools.reduce(jnp.maximum, [_bits.f32_bits(v) & _bits.ABS_MASK for v in values])
+
+
+def rotate_slices(xs, hadamard_size, signs, *, last_stage=True):
+    """The Hadamard butterflies on 32 slices (``xs[j]``: element j of every 32-group), not
+    normalized: the signs multiply, then stage t pairs elements ``i`` and ``i + 2^t`` of
+    each h-group (``a + b``, ``a - b``), the stages of `mxjax.hadamard` in its order.
+    ``last_stage=False`` leaves the last one out (the caller takes the block amax from
+    its pairs). No rotation (h None): the slices as they are."""
+    z = list(xs)
+    h = hadamard_size
+    if h is None:
+        return z
+    if signs is not None:
+        z = [v * signs[j % h] for j, v in enumerate(z)]
+    k = h.bit_length() - 1
+    for t in range(k if last_stage else k - 1):
+        step = 1 << t
+        for j in range(_MX):
+            if not j & step:
+                a, b = z[j], z[j + step]
+                z[j], z[j + step] = a + b, a - b
+    return z
+
+
 def quantize_slices(xs, op, hadamard_size, signs, e2m1_cvt=False):
     """The block quantizer on 32 slices: ``xs[j]`` holds element j of every block.
 
@@ -138,29 +170,18 @@ def quantize_slices(xs, op, hadamard_size, signs, e2m1_cvt=False):
     """
     h = hadamard_size
     fast = op.rounding is Rounding.NEAREST_EVEN and not op.sr_prescale
-    z = list(xs)
-    if h is not None and signs is not None:
-        z = [v * signs[j % h] for j, v in enumerate(z)]
+    z = rotate_slices(xs, h, signs, last_stage=False)
     if h is None:
         r = z
-        amax_bits = functools.reduce(jnp.maximum, [_bits.f32_bits(v) & _bits.ABS_MASK
-                                                   for v in z])
+        amax_bits = abs_max_bits(z)
         norm = 1.0
     else:
-        k = h.bit_length() - 1
-        for t in range(k - 1):
-            step = 1 << t
-            for j in range(_MX):
-                if not j & step:
-                    a, b = z[j], z[j + step]
-                    z[j], z[j + step] = a + b, a - b
         half = h // 2
         lows = [j for j in range(_MX) if not j & half]
         sums = [_bits.bits_f32(_bits.f32_bits(z[j]) & _bits.ABS_MASK)
                 + _bits.bits_f32(_bits.f32_bits(z[j + half]) & _bits.ABS_MASK) for j in lows]
         norm = 1.0 / math.sqrt(h)
-        amax_bits = functools.reduce(jnp.maximum, [_bits.f32_bits(v) & _bits.ABS_MASK
-                                                   for v in sums])
+        amax_bits = abs_max_bits(sums)
         amax_bits = _bits.f32_bits(_bits.bits_f32(amax_bits) * jnp.float32(norm))
         r = list(z)
         for j in lows:
@@ -233,35 +254,63 @@ def _stats(s, live, nonfinite):
     return s_max, jnp.max(jnp.where(live, -s, -_NO_LIVE))
 
 
-def _kernel(*refs, directions, op, hadamard_size, pairs, has_signs, bf16_values, e2m1_cvt):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Mxfp4Codec:
+    """What the kernel writes for an MXFP4 operand (`quantize_slices`): 16 code bytes and
+    each 32-block's E8M0 byte twice (NVFP4's per-16 layout) per 32-group, and the window
+    statistics (s_max, -s_min)."""
+
+    op: object
+    hadamard_size: int | None
+    e2m1_cvt: bool = False
+    name: ClassVar[str] = "mxfp4_operand"
+    code_columns: ClassVar[int] = _MX // 2
+    scale_columns: ClassVar[int] = 2
+    n_stats: ClassVar[int] = 2
+    has_param: ClassVar[bool] = False
+
+    def encode(self, xs, signs, param):
+        del param
+        packed, s, live, nonfinite = quantize_slices(xs, self.op, self.hadamard_size, signs,
+                                                     self.e2m1_cvt)
+        scale_bytes = jnp.where(nonfinite, 255, s + 127)
+        return packed, [scale_bytes, scale_bytes], list(_stats(s, live, nonfinite))
+
+
+def _kernel(*refs, directions, codec, pairs, has_signs, bf16_values):
+    """One tile, every direction: the codec's code and scale columns stored with stride into
+    the [F, K] layout, and one row of its statistics (each reduced by a max)."""
     x_ref, *rest = refs
     signs_ref = rest.pop(0) if has_signs else None
-    *outs, stats_ref = rest
+    params_ref = rest.pop(0) if codec.has_param else None
+    stats_ref = rest.pop() if codec.n_stats else None
+    outs = rest
     nb = TILE // _MX
     signs = None
     if has_signs:
-        signs = [signs_ref[i] for i in range(hadamard_size)]
+        signs = [signs_ref[i] for i in range(codec.hadamard_size)]
     stats = []
-    for direction, (codes_ref, scales_ref) in zip(directions, zip(outs[::2], outs[1::2])):
+    for d, (direction, (codes_ref, scales_ref)) in enumerate(
+            zip(directions, zip(outs[::2], outs[1::2]))):
+        param = params_ref[d] if codec.has_param else None
         sets = _slices(x_ref, direction, pairs, bf16_values)
-        s_max = neg_s_min = None
+        totals = None
         for c, xs in enumerate(sets):
-            packed, s, live, nonfinite = quantize_slices(xs, op, hadamard_size, signs, e2m1_cvt)
-            scale_bytes = jnp.where(nonfinite, 255, s + 127).astype(jnp.uint8)
+            codes, scales, tile_stats = codec.encode(xs, signs, param)
             # Free rows of the [F, K] output this set fills: all, or every other one.
             rows = slice(None) if len(sets) == 1 else pl.ds(c, TILE // 2, stride=2)
             if direction == 0:  # slices [nb, F] -> the [F, K] layout
-                packed = [p.T for p in packed]
-                scale_bytes = scale_bytes.T
-            for p, byte in enumerate(packed):
-                codes_ref[rows, pl.ds(p, nb, stride=_MX // 2)] = byte.astype(jnp.uint8)
-            # Each block's byte twice, once per 16-half: NVFP4's scale layout.
-            for half in range(2):
-                scales_ref[rows, pl.ds(half, nb, stride=2)] = scale_bytes
-            hi, neg_lo = _stats(s, live, nonfinite)
-            s_max = hi if s_max is None else jnp.maximum(s_max, hi)
-            neg_s_min = neg_lo if neg_s_min is None else jnp.maximum(neg_s_min, neg_lo)
-        stats += [s_max, neg_s_min]
+                codes = [v.T for v in codes]
+                scales = [v.T for v in scales]
+            for p, byte in enumerate(codes):
+                codes_ref[rows, pl.ds(p, nb, stride=len(codes))] = byte.astype(jnp.uint8)
+            for p, byte in enumerate(scales):
+                scales_ref[rows, pl.ds(p, nb, stride=len(scales))] = byte.astype(jnp.uint8)
+            totals = tile_stats if totals is None else [
+                jnp.maximum(a, b) for a, b in zip(totals, tile_stats)]
+        stats += totals
+    if not stats:
+        return
     # One stats row per tile, reduced by one max over all tiles.
     column = lax.broadcasted_iota(jnp.int32, (1, len(stats)), 1)
     row = jnp.full((1, len(stats)), stats[-1], jnp.int32)
@@ -274,24 +323,44 @@ def _check(x2, op, hadamard_size, e2m1_cvt, interpret):
     if e2m1_cvt and interpret:
         raise ValueError("e2m1_cvt: PTX's cvt has no interpreter form; pass e2m1_cvt=False "
                          "with interpret=True")
-    if x2.ndim != 2:
-        raise ValueError(f"x2: expected a 2-D array, got shape {x2.shape}")
+    check_matrix(x2)
     if not takes_kernel(op, hadamard_size, x2.dtype):
         raise ValueError(f"op, hadamard_size, x2: the kernel takes MXFP4 with h in "
                          f"(None, 16, 32), deterministic rounding and a bf16 or f32 operand; "
                          f"got {op!r}, h={hadamard_size}, {x2.dtype}")
 
 
-# Jitted (its trace cached per operand type and recipe): two GEMMs that quantize the same
+def check_matrix(x2):
+    """Refuses an operand that is not 2-D."""
+    if x2.ndim != 2:
+        raise ValueError(f"x2: expected a 2-D array, got shape {x2.shape}")
+
+
+# Jitted (its trace cached per operand type and codec): two GEMMs that quantize the same
 # operand the same way make the same call, whose kernel then lowers to the same Triton
 # module, locations included (they hold the traceback of the trace), so XLA merges the
 # two calls (CSE). Traced anew in each GEMM, the tracebacks would differ.
-@functools.partial(jax.jit, static_argnames=("directions", "op", "hadamard_size", "interpret",
-                                             "bf16_values", "e2m1_cvt"))
-def _quantize(x2, signs, *, directions, op, hadamard_size, interpret, bf16_values=False,
-              e2m1_cvt=False):
-    """The kernel over x2 padded with zeros to whole tiles: per direction (codes, scale
-    bytes, s_max, s_min), codes and scales laid out [F, K] (F, K the tile-padded sizes)."""
+@functools.partial(jax.jit, static_argnames=("directions", "codec", "interpret",
+                                             "bf16_values"))
+def run_codec(x2, signs, params, *, directions, codec, interpret, bf16_values=False):
+    """The one-pass kernel of a codec over x2 padded with zeros to whole tiles.
+
+    Args:
+      x2: bf16 or f32 ``[R, C]``.
+      signs: the Hadamard's f32 ``[h]`` signs or None.
+      params: f32 ``[len(directions)]``, one scalar per direction for a codec that takes
+        one (NVFP4's tensor scale), else None.
+      directions: the axes to quantize along, in order: 1 (blocks along rows), 0 (along
+        columns).
+      codec: what to compute and write per tile (`Mxfp4Codec` and the NVFP4/MXFP8
+        codecs); hashable.
+      interpret: run in the Pallas interpreter.
+      bf16_values: round an f32 x2 to bf16 in the kernel first.
+    Returns:
+      per direction ``(codes, scale bytes, stats)``: uint8 ``[F, K * code_columns / 32]``
+      and ``[F, K * scale_columns / 32]`` (F, K the tile-padded sizes) and the codec's
+      int32 statistics ``[n_stats]`` (each a max over tiles).
+    """
     r, c = (-(-n // TILE) * TILE for n in x2.shape)
     x2 = jnp.pad(x2, ((0, r - x2.shape[0]), (0, c - x2.shape[1])))
     grid = (r // TILE, c // TILE)
@@ -302,42 +371,62 @@ def _quantize(x2, signs, *, directions, op, hadamard_size, interpret, bf16_value
     in_specs = [pl.BlockSpec((TILE, TILE // 2 if pairs else TILE), lambda i, j: (i, j))]
     if signs is not None:
         inputs.append(signs)
-        in_specs.append(pl.BlockSpec((hadamard_size,), lambda i, j: (0,)))
+        in_specs.append(pl.BlockSpec((codec.hadamard_size,), lambda i, j: (0,)))
+    if codec.has_param:
+        inputs.append(jnp.asarray(params, jnp.float32).reshape(len(directions)))
+        in_specs.append(pl.BlockSpec((len(directions),), lambda i, j: (0,)))
+    code_w, scale_w = codec.code_columns, codec.scale_columns
     out_shape, out_specs = [], []
     for direction in directions:
         f, k = (r, c) if direction == 1 else (c, r)
-        out_shape += [jax.ShapeDtypeStruct((f, k // 2), jnp.uint8),
-                      jax.ShapeDtypeStruct((f, k // _NV), jnp.uint8)]
+        out_shape += [jax.ShapeDtypeStruct((f, k * code_w // _MX), jnp.uint8),
+                      jax.ShapeDtypeStruct((f, k * scale_w // _MX), jnp.uint8)]
         index = (lambda i, j: (i, j)) if direction == 1 else (lambda i, j: (j, i))
-        out_specs += [pl.BlockSpec((TILE, TILE // 2), index),
-                      pl.BlockSpec((TILE, TILE // _NV), index)]
-    n_stats = 2 * len(directions)
-    out_shape.append(jax.ShapeDtypeStruct((grid[0], grid[1] * n_stats), jnp.int32))
-    out_specs.append(pl.BlockSpec((1, n_stats), lambda i, j: (i, j)))
-    params = None
+        out_specs += [pl.BlockSpec((TILE, TILE * code_w // _MX), index),
+                      pl.BlockSpec((TILE, TILE * scale_w // _MX), index)]
+    n_stats = codec.n_stats * len(directions)
+    if n_stats:
+        out_shape.append(jax.ShapeDtypeStruct((grid[0], grid[1] * n_stats), jnp.int32))
+        out_specs.append(pl.BlockSpec((1, n_stats), lambda i, j: (i, j)))
+    compiler_params = None
     if not interpret:
         from jax.experimental.pallas import triton as plt
 
-        params = plt.CompilerParams(num_warps=_NUM_WARPS, num_stages=1)
-    *outs, stats = pl.pallas_call(
-        functools.partial(_kernel, directions=directions, op=op, hadamard_size=hadamard_size,
-                          pairs=pairs, has_signs=signs is not None,
-                          bf16_values=bf16_values and x2.dtype == jnp.float32,
-                          e2m1_cvt=e2m1_cvt),
+        compiler_params = plt.CompilerParams(num_warps=_NUM_WARPS, num_stages=1)
+    outs = pl.pallas_call(
+        functools.partial(_kernel, directions=directions, codec=codec, pairs=pairs,
+                          has_signs=signs is not None,
+                          bf16_values=bf16_values and x2.dtype == jnp.float32),
         out_shape=tuple(out_shape),
         grid=grid,
         in_specs=in_specs,
         out_specs=tuple(out_specs),
         interpret=interpret,
-        compiler_params=params,
-        name="mxfp4_operand",
+        compiler_params=compiler_params,
+        name=codec.name,
     )(*inputs)
-    totals = jnp.max(stats.reshape(-1, n_stats), axis=0)
-    return [(outs[2 * d], outs[2 * d + 1], totals[2 * d], -totals[2 * d + 1])
+    if n_stats:
+        *outs, stats = outs
+        totals = jnp.max(stats.reshape(-1, n_stats), axis=0)
+    else:
+        totals = jnp.zeros((0,), jnp.int32)
+    m = codec.n_stats
+    return [(outs[2 * d], outs[2 * d + 1], totals[m * d:m * (d + 1)])
             for d in range(len(directions))]
 
 
-def _signs_array(signs, hadamard_size):
+def _quantize(x2, signs, *, directions, op, hadamard_size, interpret, bf16_values=False,
+              e2m1_cvt=False):
+    """MXFP4 per direction: (codes, scale bytes, s_max, s_min), laid out [F, K] (F, K the
+    tile-padded sizes)."""
+    codec = Mxfp4Codec(op=op, hadamard_size=hadamard_size, e2m1_cvt=e2m1_cvt)
+    out = run_codec(x2, signs, None, directions=directions, codec=codec, interpret=interpret,
+                    bf16_values=bf16_values)
+    return [(codes, scales, stats[0], -stats[1]) for codes, scales, stats in out]
+
+
+def signs_array(signs, hadamard_size):
+    """The rotation's signs as the kernel's f32 ``[h]`` input, or None."""
     if signs is None or hadamard_size is None:
         return None
     return jnp.asarray(signs, jnp.float32).reshape(hadamard_size)
@@ -374,8 +463,8 @@ def mxfp4_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, si
     if axis not in (0, 1):
         raise ValueError(f"axis: expected 0 or 1, got {axis!r}")
     _check(x2, op, hadamard_size, e2m1_cvt, interpret)
-    _check_contraction(x2.shape[axis], hadamard_size)
-    (out,) = _quantize(x2, _signs_array(signs, hadamard_size), directions=(axis,), op=op,
+    check_contraction(x2.shape[axis], hadamard_size)
+    (out,) = _quantize(x2, signs_array(signs, hadamard_size), directions=(axis,), op=op,
                        hadamard_size=hadamard_size, interpret=interpret,
                        bf16_values=bf16_values, e2m1_cvt=e2m1_cvt)
     return _trimmed(out, x2.shape[1 - axis], x2.shape[axis])
@@ -396,15 +485,16 @@ def mxfp4_operand_pair(x2: jax.Array, op, *, hadamard_size: int | None, signs,
     """
     _check(x2, op, hadamard_size, e2m1_cvt, interpret)
     for k in x2.shape:
-        _check_contraction(k, hadamard_size)
-    row, col = _quantize(x2, _signs_array(signs, hadamard_size), directions=(1, 0), op=op,
+        check_contraction(k, hadamard_size)
+    row, col = _quantize(x2, signs_array(signs, hadamard_size), directions=(1, 0), op=op,
                          hadamard_size=hadamard_size, interpret=interpret,
                          bf16_values=bf16_values, e2m1_cvt=e2m1_cvt)
     r, c = x2.shape
     return _trimmed(row, r, c), _trimmed(col, c, r)
 
 
-def _check_contraction(k: int, hadamard_size):
+def check_contraction(k: int, hadamard_size):
+    """Refuses a contraction that is not a whole number of 32-groups and Hadamard blocks."""
     if k % _MX or (hadamard_size and k % hadamard_size):
         raise ValueError(f"x2: contraction length {k} is not a multiple of 32 and of the "
                          f"Hadamard size {hadamard_size} (pad first)")

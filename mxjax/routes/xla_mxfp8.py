@@ -11,7 +11,10 @@ operand transposed into ``[batch..., F, K]`` in bf16, then mxjax's quantizer. Th
 quantizes each operand where it is instead, as 'xla_fp4' does for MXFP4
 (`mxjax.emulation.in_place.mx_operand_values`: the block amax in one fused pass, the
 scale, the rounding and the f8 encode in a second that writes one byte per element),
-and lays the f8 codes (not the bf16 input) out as ``[B, F, K]`` for the dot.
+and lays the f8 codes (not the bf16 input) out as ``[B, F, K]`` for the dot. Lowered for
+a GPU, the operands the one-pass kernel takes (`mxjax.routes.xla_mxfp8_kernel`:
+deterministic rounding, no batch axes) come from it instead: one read, both directions
+(`kernel_operand`), the same bits.
 
 **Values.** The in-place values are `mxjax.quantize`'s bit for bit (stochastic
 rounding's uniforms drawn in the canonical shape from the same key,
@@ -41,10 +44,12 @@ from mxjax import _bits
 from mxjax.emulation import in_place
 from mxjax.routes import xla_fp8
 from mxjax.routes.spec import Route, in_place_route_gemm
+from mxjax.routes.xla_fp4 import kernel_view
 from mxjax.routes.xla_nvfp4 import blackwell_block_scaled
 from mxjax.scaling import SR_UNSCALE
 
-__all__ = ["F8_DTYPES", "ROUTE", "in_place_operand", "mxfp8_gemm", "takes_mxfp8"]
+__all__ = ["F8_DTYPES", "ROUTE", "in_place_operand", "kernel_operand", "mxfp8_gemm",
+           "takes_mxfp8"]
 
 F8_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 _MX_BLOCK = 32
@@ -93,7 +98,8 @@ def in_place_operand(view, op, key, *, k_out: int, hadamard_size: int | None, si
 
 
 def mxfp8_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
-               operand_dtypes=None, out_dtype=None) -> jax.Array:
+               operand_dtypes=None, out_dtype=None, kernel: bool = False,
+               interpret: bool = False) -> jax.Array:
     """``dot_general(a, b, dims)`` under an MXFP8 recipe on the block-scaled dot.
 
     Args:
@@ -103,17 +109,42 @@ def mxfp8_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
       signs: the Hadamard's ±1 vector or None.
       operand_dtypes: None or a pair of dtypes (or None) a and b are cast to first.
       out_dtype: the f32 result is cast to this (None: f32).
+      kernel: quantize each operand the one-pass kernel takes
+        (`mxjax.routes.xla_mxfp8_kernel.takes_kernel`, `xla_fp4.kernel_view`) by it
+        (`kernel_operand`: one read, both directions where the signs are fixed and both
+        sizes are multiples of the step), the others in place; the same bits either way.
+        `_gemm` sets it when lowering for a GPU.
+      interpret: run the kernel in the Pallas interpreter (CPU tests).
     Returns:
       ``[B, Fa, Fb]`` (batch and free axes flattened), f32 or out_dtype, times each
       operand's SR unscale.
     """
+    a0, b0 = a, b  # before the operand casts: the kernel rounds an f32 operand to bf16 itself
     _, _, va, vb, h = xla_fp8.in_place_views(a, b, dims, recipe, operand_dtypes, "xla_mxfp8",
                                              takes=takes_mxfp8, formats="MXFP8 x MXFP8")
     step = max(_MX_BLOCK, h or 1)
     k = va.x.shape[va.axis]
     kw = {"k_out": -(-k // step) * step, "hadamard_size": h, "signs": signs}
-    ae, asc = in_place_operand(va, recipe.lhs, k_lhs, **kw)
-    be, bsc = in_place_operand(vb, recipe.rhs, k_rhs, **kw)
+    fixed_signs = recipe.hadamard is None or not recipe.hadamard.randomized
+
+    def operand(view, op, key, x, batch, contract, dtype):
+        if kernel:
+            from mxjax.routes import xla_mxfp8_kernel as one_pass  # Pallas: on first use
+
+            bf16_values = (dtype is not None and jnp.dtype(dtype) == jnp.bfloat16
+                           and x.dtype == jnp.float32)
+            kview = in_place.contraction_view(x, batch, contract) if bf16_values else view
+            x2 = kernel_view(kview)
+            if x2 is not None and one_pass.takes_kernel(op, h, x2[0].dtype):
+                pair = fixed_signs and all(n % step == 0 for n in x2[0].shape)
+                return kernel_operand(*x2, op, hadamard_size=h, signs=signs, pair=pair,
+                                      bf16_values=bf16_values, interpret=interpret)
+        return in_place_operand(view, op, key, **kw)
+
+    (ca, cb), (ba, bb) = dims
+    da, db = operand_dtypes or (None, None)
+    ae, asc = operand(va, recipe.lhs, k_lhs, a0, ba, ca, da)
+    be, bsc = operand(vb, recipe.rhs, k_rhs, b0, bb, cb, db)
     if xla_fp8.narrow_result(recipe, out_dtype):
         # cuDNN rounds its f32 sums to bf16 itself: 2 bytes per result, not 4 and a pass
         # (no factor follows, so the same bits as rounding the f32 result).
@@ -125,10 +156,38 @@ def mxfp8_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
     return out if out_dtype is None else out.astype(out_dtype)
 
 
+def kernel_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, signs,
+                   pair: bool = False, bf16_values: bool = False, interpret: bool = False):
+    """`in_place_operand`'s result for a 2-D operand by the one-pass kernel
+    (`mxjax.routes.xla_mxfp8_kernel`): (f8 elements ``[1, F, Kp]``, ``float8_e8m0fnu``
+    scales ``[1, F, Kp // 32]``), Kp the contraction padded to 32 and the Hadamard size.
+
+    ``pair``: quantize x2 along both axes in one kernel call and take this axis' copy (the
+    other GEMM that reads x2 with the same recipe makes the identical call, which XLA
+    merges); both sizes multiples of 32 and of the Hadamard size.
+    """
+    from mxjax.routes import xla_mxfp8_kernel as one_pass  # Pallas: loaded on first use
+
+    kw = {"hadamard_size": hadamard_size, "signs": signs, "bf16_values": bf16_values,
+          "interpret": interpret}
+    if pair:
+        row, col = one_pass.mxfp8_operand_pair(x2, op, **kw)
+        codes, scale_bytes = row if axis == 1 else col
+    else:
+        codes, scale_bytes = one_pass.mxfp8_operand(x2, axis, op, **kw)
+    f = codes.shape[0]
+    elements = lax.bitcast_convert_type(codes, F8_DTYPES[op.fmt.element.name])
+    scales = lax.bitcast_convert_type(scale_bytes, jnp.float8_e8m0fnu)
+    return elements.reshape(1, f, -1), scales.reshape(1, f, -1)
+
+
 def _gemm(a, b, *, dims, recipe, key, gemm_name, operand_dtypes=None, out_dtype=None,
           platform=None) -> jax.Array:
-    del gemm_name, platform  # one program: XLA lowers scaled_matmul per chip
-    return in_place_route_gemm(mxfp8_gemm, a, b, dims=dims, recipe=recipe, key=key,
+    del gemm_name
+    # On a GPU the one-pass operand kernel (mxjax.routes.xla_mxfp8_kernel), where it takes
+    # an operand; the same bits as the in-place XLA form.
+    route = functools.partial(mxfp8_gemm, kernel=platform == "gpu")
+    return in_place_route_gemm(route, a, b, dims=dims, recipe=recipe, key=key,
                                operand_dtypes=operand_dtypes, out_dtype=out_dtype)
 
 

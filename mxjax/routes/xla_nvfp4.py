@@ -30,7 +30,13 @@ passes that read them. The tensor amax must be known before any block is scaled,
 NVFP4 operand is read at least twice. Quantizing the operands in place instead (their
 16-blocks as bit axes of their own layout, only the one-byte codes transposed, the same
 bits) was estimated slower on the 8B layer (B200 rates roofline, 9.57 ms against this
-form's 9.12 ms), so the route keeps the canonical operands. No Pallas kernel yet.
+form's 9.12 ms), so the route keeps the canonical operands.
+
+**On a GPU** (`nvfp4_kernel_gemm`) the operands the one-pass kernel takes
+(`mxjax.routes.xla_nvfp4_kernel`: deterministic rounding, no batch axes) are quantized in
+their own layout: the tensor scale by one reduction, then codes and scales by one read,
+both directions from one call where two GEMMs quantize the operand alike (the weight in
+fprop and dgrad). Stochastically rounded operands keep the XLA form. The same bits.
 
 Deviceless compiles (``tests/accelerators/test_deviceless_block_formats.py``): on B200
 every GEMM of the 4096^3 matmul's train step is ``__cudnn$blockScaledDot`` on f4e2m1fn
@@ -39,18 +45,25 @@ operands, and none is a bf16 GEMM.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from mxjax.chips import Chip
+from mxjax.emulation import in_place
 from mxjax.emulation.in_place import cast_operands
 from mxjax.operands import canonical_operands, quantizer_operands
 from mxjax.quantization import quantize_with
-from mxjax.routes.spec import NO_GPU_TARGET, Route
+from mxjax.rotation import hadamard
+from mxjax.routes import xla_fp8
+from mxjax.routes.spec import NO_GPU_TARGET, Route, in_place_route_gemm
+from mxjax.routes.xla_fp4 import kernel_view
 from mxjax.scaling import SR_UNSCALE
 
-__all__ = ["ROUTE", "nvfp4_gemm", "nvfp4_operand", "takes_nvfp4"]
+__all__ = ["ROUTE", "kernel_operand", "nvfp4_gemm", "nvfp4_kernel_gemm", "nvfp4_operand",
+           "takes_nvfp4"]
 
 _NV_BLOCK = 16
 # cuDNN's block-scaled dot takes FP4 operands whose K is a multiple of 32.
@@ -118,19 +131,125 @@ def nvfp4_gemm(a3: jax.Array, b3: jax.Array, recipe, k_lhs, k_rhs) -> jax.Array:
     if a3.ndim != b3.ndim or a3.shape[:-2] != b3.shape[:-2] or a3.shape[-1] != b3.shape[-1]:
         raise ValueError(f"a3, b3: expected [batch..., Fa, K] and [batch..., Fb, K], got "
                          f"{a3.shape} and {b3.shape}")
-    ae, asc, ta = nvfp4_operand(a3, recipe.lhs, k_lhs)
-    be, bsc, tb = nvfp4_operand(b3, recipe.rhs, k_rhs)
+    out = _block_scaled(nvfp4_operand(a3, recipe.lhs, k_lhs),
+                        nvfp4_operand(b3, recipe.rhs, k_rhs), recipe)
+    return out.reshape(a3.shape[:-2] + (a3.shape[-2], b3.shape[-2]))
+
+
+def _block_scaled(lhs, rhs, recipe) -> jax.Array:
+    """scaled_matmul of two NVFP4 operands ``(elements, scales, tensor scale)`` times the
+    tensor scales (lhs's, then rhs's) and each SR unscale: f32 ``[B, Fa, Fb]``."""
+    (ae, asc, ta), (be, bsc, tb) = lhs, rhs
     out = jax.nn.scaled_matmul(ae, be, asc, bsc, preferred_element_type=jnp.float32)
     out = out * ta * tb
     for op in (recipe.lhs, recipe.rhs):
         if op.sr_prescale:
             out = out * jnp.float32(SR_UNSCALE)
-    return out.reshape(a3.shape[:-2] + (a3.shape[-2], b3.shape[-2]))
+    return out
+
+
+def nvfp4_kernel_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
+                      operand_dtypes=None, out_dtype=None, pair_rhs: bool = False,
+                      compiled: bool = False, interpret: bool = False) -> jax.Array:
+    """``dot_general(a, b, dims)`` under an NVFP4 recipe, operands by the one-pass kernel.
+
+    Each operand the kernel takes (`mxjax.routes.xla_nvfp4_kernel.takes_kernel`: no
+    stochastic rounding, h in {None, 16}; `xla_fp4.kernel_view`: no batch axes, the free
+    axes on one side of the contraction) is quantized in its own layout by
+    `kernel_operand`: its tensor scale by one reduction, its codes and scales by one read.
+    Any other operand takes `nvfp4_operand` on its canonical, rotated layout (the same
+    uniforms for stochastic rounding). The same elements, scales and tensor scales as
+    `nvfp4_gemm`'s either way.
+
+    Args:
+      a, b: the GEMM's operands, ``dims`` lax dimension numbers.
+      recipe: a GemmRecipe that `takes_nvfp4`.
+      k_lhs, k_rhs: the rounding keys (stochastic rounding) or None.
+      signs: the Hadamard's ±1 vector or None.
+      operand_dtypes: None or a pair of dtypes (or None) a and b are cast to first (the
+        kernel reads an f32 operand cast to bf16 as it is and rounds it itself).
+      out_dtype: the f32 result is cast to this (None: f32).
+      pair_rhs: quantize b in both directions by one kernel call (both sizes multiples
+        of 32, fixed signs): the other GEMM that reads b with the same recipe makes the
+        identical call, which XLA merges. `_gemm` sets it for the weight in fprop and
+        dgrad without a Hadamard (NVIDIA's recipe quantizes W alike in both); X and dY,
+        whose wgrad copy has the H16 the other GEMM's lacks, are quantized per GEMM
+        (a pair would write a copy no GEMM reads).
+      compiled: the kernel divides by PTX's ``div.rn.f32`` (GPU lowering).
+      interpret: run the kernel in the Pallas interpreter (CPU tests).
+    Returns:
+      ``[B, Fa, Fb]`` (batch and free axes flattened), f32 or out_dtype.
+    """
+    a0, b0 = a, b
+    _, _, va, vb, h = xla_fp8.in_place_views(a, b, dims, recipe, operand_dtypes, "xla_nvfp4",
+                                             takes=takes_nvfp4, formats="NVFP4 x NVFP4")
+    k = va.x.shape[va.axis]
+    fixed_signs = recipe.hadamard is None or not recipe.hadamard.randomized
+
+    def canonical(view, op, key):
+        # f32, as `canonical_operands` hands the operands to the rotation
+        x3 = in_place.canonical_layout(view.x, view, k).astype(jnp.float32)
+        if h is not None:
+            x3 = jnp.pad(x3, ((0, 0), (0, 0), (0, (-k) % h)))
+            x3 = hadamard(x3, h, axis=-1, signs=signs)
+        return nvfp4_operand(x3, op, key)
+
+    def operand(view, op, key, x, batch, contract, dtype, pair):
+        from mxjax.routes import xla_nvfp4_kernel as kernel  # Pallas: loaded on first use
+
+        bf16_values = (dtype is not None and jnp.dtype(dtype) == jnp.bfloat16
+                       and x.dtype == jnp.float32)
+        kview = in_place.contraction_view(x, batch, contract) if bf16_values else view
+        x2 = kernel_view(kview)
+        if x2 is None or not kernel.takes_kernel(op, h, x2[0].dtype):
+            return canonical(view, op, key)
+        pair = pair and fixed_signs and all(n % _K_MULTIPLE == 0 for n in x2[0].shape)
+        return kernel_operand(*x2, op, hadamard_size=h, signs=signs, pair=pair,
+                              bf16_values=bf16_values, compiled=compiled,
+                              interpret=interpret)
+
+    (ca, cb), (ba, bb) = dims
+    da, db = operand_dtypes or (None, None)
+    out = _block_scaled(operand(va, recipe.lhs, k_lhs, a0, ba, ca, da, False),
+                        operand(vb, recipe.rhs, k_rhs, b0, bb, cb, db, pair_rhs), recipe)
+    return out if out_dtype is None else out.astype(out_dtype)
+
+
+def kernel_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, signs,
+                   pair: bool = False, bf16_values: bool = False, compiled: bool = False,
+                   interpret: bool = False):
+    """`nvfp4_operand`'s result for a 2-D operand by the one-pass kernel
+    (`mxjax.routes.xla_nvfp4_kernel`): ``(float4_e2m1fn [1, F, Kp], float8_e4m3fn
+    [1, F, Kp // 16], f32 tensor scale)``, Kp the contraction padded to 32.
+
+    ``pair``: quantize x2 along both axes in one kernel call and take this axis' copy
+    (both sizes multiples of 32).
+    """
+    from mxjax.routes import xla_nvfp4_kernel as kernel  # Pallas: loaded on first use
+
+    kw = {"hadamard_size": hadamard_size, "signs": signs, "bf16_values": bf16_values,
+          "compiled": compiled, "interpret": interpret}
+    if pair:
+        row, col = kernel.nvfp4_operand_pair(x2, op, **kw)
+        codes, scale_bytes, t = row if axis == 1 else col
+    else:
+        codes, scale_bytes, t = kernel.nvfp4_operand(x2, axis, op, **kw)
+    f = codes.shape[0]
+    # u8 -> f4 bitcast: XLA puts the first element in the low nibble, as the kernel packs.
+    elements = lax.bitcast_convert_type(codes, jnp.float4_e2m1fn).reshape(1, f, -1)
+    scales = lax.bitcast_convert_type(scale_bytes, jnp.float8_e4m3fn).reshape(1, f, -1)
+    return elements, scales, t
 
 
 def _gemm(a, b, *, dims, recipe, key, gemm_name, operand_dtypes=None, out_dtype=None,
           platform=None) -> jax.Array:
-    del gemm_name, platform  # one program: XLA lowers scaled_matmul per chip
+    if platform == "gpu":
+        # The one-pass operand kernel (mxjax.routes.xla_nvfp4_kernel) where it takes an
+        # operand; the same bits as the XLA form below.
+        pair_rhs = gemm_name in ("fprop", "dgrad") and recipe.hadamard is None
+        route = functools.partial(nvfp4_kernel_gemm, pair_rhs=pair_rhs, compiled=True)
+        return in_place_route_gemm(route, a, b, dims=dims, recipe=recipe, key=key,
+                                   operand_dtypes=operand_dtypes, out_dtype=out_dtype)
     a3, b3 = canonical_operands(*cast_operands(a, b, operand_dtypes), dims)
     a3, b3, k_lhs, k_rhs = quantizer_operands(a3, b3, recipe, key)
     out = nvfp4_gemm(a3, b3, recipe, k_lhs, k_rhs)
