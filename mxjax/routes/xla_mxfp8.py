@@ -11,10 +11,11 @@ operand transposed into ``[batch..., F, K]`` in bf16, then mxjax's quantizer. Th
 quantizes each operand where it is instead, as 'xla_fp4' does for MXFP4
 (`mxjax.emulation.in_place.mx_operand_values`: the block amax in one fused pass, the
 scale, the rounding and the f8 encode in a second that writes one byte per element),
-and lays the f8 codes (not the bf16 input) out as ``[B, F, K]`` for the dot. Lowered for
-a GPU, the operands the one-pass kernel takes (`mxjax.routes.xla_mxfp8_kernel`:
-deterministic rounding, no batch axes) come from it instead: one read, both directions
-(`kernel_operand`), the same bits.
+and lays the f8 codes (not the bf16 input) out as ``[B, F, K]`` for the dot.
+``mxfp8_gemm(kernel=True)`` takes the operands the one-pass kernel takes
+(`mxjax.routes.xla_mxfp8_kernel`: deterministic rounding, no batch axes) from it instead:
+one read, both directions (`kernel_operand`), the same bits. The route's GEMM does not
+(yet): the calibrated cost model rates the kernel slower on a B200 (`_gemm`).
 
 **Values.** The in-place values are `mxjax.quantize`'s bit for bit (stochastic
 rounding's uniforms drawn in the canonical shape from the same key,
@@ -113,7 +114,7 @@ def mxfp8_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
         (`mxjax.routes.xla_mxfp8_kernel.takes_kernel`, `xla_fp4.kernel_view`) by it
         (`kernel_operand`: one read, both directions where the signs are fixed and both
         sizes are multiples of the step), the others in place; the same bits either way.
-        `_gemm` sets it when lowering for a GPU.
+        The route's GEMM leaves it off (`_gemm` says why).
       interpret: run the kernel in the Pallas interpreter (CPU tests).
     Returns:
       ``[B, Fa, Fb]`` (batch and free axes flattened), f32 or out_dtype, times each
@@ -183,11 +184,14 @@ def kernel_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, s
 
 def _gemm(a, b, *, dims, recipe, key, gemm_name, operand_dtypes=None, out_dtype=None,
           platform=None) -> jax.Array:
-    del gemm_name
-    # On a GPU the one-pass operand kernel (mxjax.routes.xla_mxfp8_kernel), where it takes
-    # an operand; the same bits as the in-place XLA form.
-    route = functools.partial(mxfp8_gemm, kernel=platform == "gpu")
-    return in_place_route_gemm(route, a, b, dims=dims, recipe=recipe, key=key,
+    del gemm_name, platform  # one program: XLA lowers scaled_matmul per chip
+    # The in-place XLA form, not the one-pass kernel (`mxfp8_gemm(kernel=True)`, the same
+    # bits): on the B200 the peak roofline gives the kernel 4.61 ms against 7.27 (8B layer),
+    # but the calibrated model, which charges Triton kernels by their SASS at their
+    # occupancy (within 4-9% of the H200's Pallas kernels), 27.34 against 12.96: its
+    # arithmetic issues slower than the XLA passes' bytes move. Until a device or cheaper
+    # arithmetic settles it, 'auto' runs the form the better-founded model prefers.
+    return in_place_route_gemm(mxfp8_gemm, a, b, dims=dims, recipe=recipe, key=key,
                                operand_dtypes=operand_dtypes, out_dtype=out_dtype)
 
 
