@@ -7,9 +7,18 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import mxjax
 from tests.mxjax.kernels._kernel_testutil import hadamard, quantize
+
+
+def configs(names, default: str) -> list:
+    """`names` as pytest params, all but `default` marked slow: the interpreter compiles
+    each config's kernel (~10 s on 2 cores), so the default run checks one and
+    ``make test-slow`` the others."""
+    return [pytest.param(n, marks=() if n == default else pytest.mark.slow)
+            for n in sorted(names)]
 
 
 def signs(h, seed):
