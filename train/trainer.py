@@ -422,11 +422,14 @@ class Trainer:
                 if stop:
                     break
         finally:
-            self.loader.close()
             prog.close()
             writer.close()
             if ckpt is not None:
                 ckpt.close()
+            # Last: after a stop signal raised inside the pipeline's read, stopping its
+            # workers is the step most likely to wait; the metrics and the checkpoint are
+            # on disk before it.
+            self.loader.close()
         if status == "completed":
             message = (f"trained {step} step{'s' * (step != 1)} "
                        f"({step * self.tokens_per_step} tokens)")

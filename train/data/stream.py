@@ -43,7 +43,11 @@ can come: a `DataError` naming them, not an endless loop (`probe_shards`, run by
 ``--check`` and at every start, names such shards first).
 
 Workers ignore SIGINT/SIGTERM (the trainer saves, then closes them) and end themselves when
-the training process is gone (`_watch_parent`).
+the training process is gone (`_watch_parent`). In the training process a Ctrl-C that
+comes while the loader is inside grain (reading a batch, taking or setting a state,
+closing) raises its KeyboardInterrupt when that call has returned, not inside it
+(`interrupts_held`): raised mid-call it could leave grain's queues and locks half-used,
+and the `close` that follows would wait on them for ever. A second Ctrl-C raises at once.
 
 The pieces live in their own modules: `train.data.records` reads a shard's documents,
 `train.data.grain_pipeline` holds the grain datasets of steps 1-3 (imported only when a
@@ -63,8 +67,10 @@ import functools
 import hashlib
 import json
 import os
+import signal
 import sys
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +127,32 @@ def _pipeline() -> Any:
                           ) from None
     grain_pipeline.mark_absl_flags_parsed()
     return grain_pipeline
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """A Ctrl-C (SIGINT) inside the block raises KeyboardInterrupt when the block ends, a
+    second one at once. Only where Python's own SIGINT handler is in place, in the main
+    thread (elsewhere, or under the trainer's `train.preemption.StopSignals`, the block
+    runs as it is)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    held: list[int] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        if held:
+            raise KeyboardInterrupt
+        held.append(signum)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        raise KeyboardInterrupt
 
 
 # ------------------------------------------------------------------------- the spec
@@ -224,6 +256,10 @@ class StreamLoader:
         if step != self._next:
             raise RuntimeError(f"the grain loader streams: the next batch is step {self._next}'s,"
                                f" not step {step}'s (restore a state to move)")
+        with interrupts_held():
+            return self._read(step)
+
+    def _read(self, step: int) -> np.ndarray:
         it = self._iter()
         if self._before is None or self._before[0] != step:
             self._before = (step, it.get_state())
@@ -249,7 +285,8 @@ class StreamLoader:
         if self._before is not None and self._before[0] == step:
             inner = self._before[1]
         elif step == self._next:
-            inner = self._iter().get_state()
+            with interrupts_held():
+                inner = self._iter().get_state()
         else:
             raise RuntimeError(f"no loader state for step {step} (next step {self._next})")
         return {"version": STATE_VERSION, "step": int(step), "shards": self.shards_digest(),
@@ -271,9 +308,10 @@ class StreamLoader:
             raise DataError("the checkpoint's data-loader state is of another list of shards "
                             "for this process; it cannot be resumed exactly")
         self.close()
-        self._it = self._ds.__iter__()
-        self._it.set_state(state["iterator"])
-        self._next, self._before = step, None
+        with interrupts_held():
+            self._it = self._ds.__iter__()
+            self._it.set_state(state["iterator"])
+            self._next, self._before = step, None
 
     def checkpoint_record(self, step: int) -> dict[str, Any]:
         """What a checkpoint at `step` records: every process's stream state
@@ -309,7 +347,7 @@ class StreamLoader:
         """Stop the worker processes (also done at garbage collection)."""
         it, self._it = self._it, None
         if it is not None:
-            with contextlib.suppress(Exception):
+            with interrupts_held(), contextlib.suppress(Exception):
                 _close_tree(it)
 
 

@@ -27,6 +27,7 @@ from tests.train.train_testutil import ROOT
 from train.config import ConfigError
 from train.data import stream
 from train.data.sources import DataError
+from train.preemption import StopSignals
 
 T = 32
 
@@ -334,6 +335,64 @@ def test_ctrl_c_reaches_no_worker(shards):
     assert "closed" in out, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     assert "leaked shared_memory" not in err, err[-3000:]
+
+
+class _InterruptedOnce:
+    """A grain iterator stand-in whose first read takes a Ctrl-C in its middle."""
+
+    def __init__(self, inner):
+        self.inner, self.reads, self.sent = inner, 0, False
+
+    def __next__(self):
+        if not self.sent:
+            self.sent = True
+            signal.raise_signal(signal.SIGINT)
+        self.reads += 1
+        return next(self.inner)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_ctrl_c_inside_a_read_lands_after_it(shards):
+    """A KeyboardInterrupt raised inside grain's reads could leave its queues and locks
+    half-used, and the close after it hang (a Ctrl-C under load once waited 180 s): the
+    loader reads the whole batch, then raises, and can still be saved and closed."""
+    reference = _loader(shards, _good(shards))
+    expected = [reference.batch(0), reference.batch(1)]
+    reference.close()
+    loader = _loader(shards, _good(shards))
+    np.testing.assert_array_equal(loader.batch(0), expected[0])
+    loader._it = _InterruptedOnce(loader._iter())
+    with pytest.raises(KeyboardInterrupt):
+        loader.batch(1)
+    assert loader._it.reads == 2 and loader._next == 2  # the batch was read through
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    state = loader.state_for(1)  # the state before the interrupted batch: resumable
+    loader.close()
+    again = _loader(shards, _good(shards))
+    again.restore(state, 1)
+    np.testing.assert_array_equal(again.batch(1), expected[1])
+    again.close()
+
+
+def test_a_second_ctrl_c_interrupts_at_once():
+    reached = []
+    with pytest.raises(KeyboardInterrupt), stream.interrupts_held():
+        signal.raise_signal(signal.SIGINT)
+        reached.append("held")
+        signal.raise_signal(signal.SIGINT)
+        reached.append("past the second")
+    assert reached == ["held"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_interrupts_held_leaves_the_trainers_handler_alone():
+    """Under the trainer's StopSignals a Ctrl-C is its stop request, at once as before."""
+    with StopSignals(log=lambda msg: None) as stop, stream.interrupts_held():
+        signal.raise_signal(signal.SIGINT)
+        assert stop.requested == "SIGINT"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_worker_chunks_never_travel_in_shared_memory(shards):
