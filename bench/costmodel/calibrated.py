@@ -8,7 +8,8 @@ overlap, plus a launch each::
     cuDNN fused attention               flops / (bf16 peak x bf16's measured fraction)
     XLA fusion                          PTX instructions x threads / measured issue rate
     Triton (Pallas) kernel              SASS x threads / (lane peak x its occupancy), or its
-                                        register spills at the copy bandwidth
+                                        register spills at the copy bandwidth, in whole
+                                        waves of resident blocks
     every kernel, at least              bytes read + written / measured copy bandwidth
 
 and a timed call adds the host's per-call overhead. `derive` reads every rate from the
@@ -20,8 +21,9 @@ them (`bench/costmodel/calibration/compiled/`, compiled at the commit and jax th
 - issue rate of XLA fusions: XLA's two quantize passes on one bf16[8192, 14336] operand,
   the one parameter solved for (their kernels at the copy bandwidth and this rate);
 - FP8 GEMM: ``mx_dot(xla_fp8)`` at 8192^3 less the host overhead and its other kernels;
-- Triton kernels: no parameter (the GPU spec's lanes, registers and threads per SM and the
-  kernel's ptxas resources); checked against the Pallas quantize kernel timed alone.
+- Triton kernels: no parameter (the GPU spec's SMs, lanes, registers and threads per SM, the
+  kernel's ptxas resources and grid); checked against the Pallas quantize kernels timed
+  alone and the 8B layer that runs 39 of them.
 
 Not measured, assumed: the launch (``assumption.kernel_launch_s`` of mxjax/measurements.json)
 and the attention's rate (bf16's fraction). A chip without measurements (B200) takes the
@@ -41,9 +43,9 @@ from bench.costmodel import calibration as cal
 from bench.costmodel import hlo_kernels as hk
 from bench.costmodel import rates as R
 
-__all__ = ["KERNEL_CLASSES", "CalibratedRates", "Counts", "TritonKernel", "derive",
-           "kernel_class", "kernel_seconds", "load_counts", "occupancy", "program_seconds",
-           "rates_for", "seconds_by_class"]
+__all__ = ["KERNEL_CLASSES", "CalibratedRates", "Counts", "TritonKernel", "blocks_per_core",
+           "derive", "kernel_class", "kernel_seconds", "load_counts", "occupancy",
+           "program_seconds", "rates_for", "seconds_by_class", "wave_factor", "waves"]
 
 COMPILED_DIR = cal.CALIBRATION_DIR / "compiled"
 # The ceilings section's copy (bench/device/gpu.py, full sizes): x + 1 on f32[2^28], bytes
@@ -138,14 +140,33 @@ def gpu_limits(target_name: str) -> GpuLimits:
                      lane_ops_per_s=target.alu_ops_per_s)
 
 
-def occupancy(t: TritonKernel, limits: GpuLimits) -> float:
-    """Resident threads per SM over the SM's limit: blocks bounded by registers (allocated
-    per warp in units of 256), threads and shared memory."""
+def blocks_per_core(t: TritonKernel, limits: GpuLimits) -> int:
+    """Resident blocks per SM: bounded by registers (allocated per warp in units of 256),
+    threads and shared memory."""
     regs = math.ceil(t.registers * 32 / 256) * 256 * (t.block_threads // 32)
     blocks = min(limits.registers_per_core // max(regs, 1),
                  limits.threads_per_core // t.block_threads,
                  limits.shared_per_core // t.shared_bytes if t.shared_bytes else 32, 32)
-    return max(blocks, 1) * t.block_threads / limits.threads_per_core
+    return max(blocks, 1)
+
+
+def occupancy(t: TritonKernel, limits: GpuLimits) -> float:
+    """Resident threads per SM over the SM's limit (`blocks_per_core` blocks)."""
+    return blocks_per_core(t, limits) * t.block_threads / limits.threads_per_core
+
+
+def waves(t: TritonKernel, limits: GpuLimits) -> int:
+    """How many rounds of resident blocks the grid takes (the last one possibly partial)."""
+    slots = blocks_per_core(t, limits) * limits.cores
+    return math.ceil(t.threads / t.block_threads / slots)
+
+
+def wave_factor(t: TritonKernel, limits: GpuLimits) -> float:
+    """Whole waves' threads over the grid's: a partial wave (a grid smaller than the chip's
+    resident blocks, or its tail) takes a full wave's time, since each resident block's
+    time is its own instruction and memory latency chain, not a share of a saturated chip."""
+    slots = blocks_per_core(t, limits) * limits.cores
+    return waves(t, limits) * slots * t.block_threads / t.threads
 
 
 def kernel_class(k: hk.Kernel, counts: Counts, rates: CalibratedRates) -> str:
@@ -177,7 +198,7 @@ def kernel_seconds(k: hk.Kernel, counts: Counts, rates: CalibratedRates) -> floa
         issue = tk.threads * tk.sass / (rates.limits.lane_ops_per_s
                                         * occupancy(tk, rates.limits))
         spills = (k.bytes + tk.threads * tk.spill_bytes) / rates.copy_bytes_per_s
-        t = max(issue, spills)
+        t = max(issue, spills) * wave_factor(tk, rates.limits)
     elif k.category == "fusion":
         t = max(t, counts.fusion_instructions.get(k.name, 0) / rates.issue_per_s)
     return t + rates.launch_s
