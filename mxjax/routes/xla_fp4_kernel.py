@@ -13,8 +13,10 @@ rotated f32 operand and the route's operands the XLA form's, bit for bit
 transposes a register tile in order to reach a block's elements: Triton lowers those
 through shared-memory layout conversions (the previous one-pass kernel,
 `mxjax.kernels.fused_quantize`, ran 3-10x slower than XLA's passes on an H200). Instead it
-loads a 128 x 128 tile as 32 strided slices, slice ``j`` holding element ``j`` of every
-32-block (``x[:, j::32]`` along rows, ``x[j::32, :]`` along columns), so the Hadamard
+loads a tile (`Launch`: 128 x 128, or 128 x 64 on Hopper and Blackwell, where fewer
+registers per thread let more blocks share an SM) as 32 strided slices, slice ``j``
+holding element ``j`` of every 32-block (``x[:, j::32]`` along rows, ``x[j::32, :]``
+along columns), so the Hadamard
 butterfly, the block amax, the scale and the rounding are elementwise operations between
 slices of one layout. A bf16 operand is read as uint32 pairs: along rows, 16 slices of
 two elements each (4-byte loads 64 bytes apart, the cache lines shared by the 16 loads);
@@ -55,21 +57,75 @@ from mxjax import _bits, elements
 from mxjax.elements import round_to_value
 from mxjax.formats import E2M1, Rounding
 
-__all__ = ["NONFINITE_SENTINEL", "TILE", "Mxfp4Codec", "abs_max_bits", "check_contraction",
-           "check_matrix", "has_e2m1_cvt", "mxfp4_operand", "mxfp4_operand_pair",
-           "nearest_even_code", "quantize_slices", "rotate_slices", "run_codec",
-           "signs_array", "takes_kernel"]
+__all__ = ["DEFAULT_LAUNCH", "NONFINITE_SENTINEL", "TILE", "Launch", "Mxfp4Codec",
+           "abs_max_bits", "check_contraction", "check_matrix", "has_e2m1_cvt", "launch_for",
+           "mxfp4_operand", "mxfp4_operand_pair", "nearest_even_code", "quantize_slices",
+           "rotate_slices", "run_codec", "signs_array", "takes_kernel"]
 
 _MX = 32
 _NV = 16  # NVFP4's scale block: the MMA's scales are per 16 elements
-# Square tiles (both directions of a pair from one tile), 8 warps: at most 64 f32 values
-# of a slice set per thread (PTX: bench/quantize_cost.py --kernel --pair).
-TILE = 128
-_NUM_WARPS = 8
+TILE = 128  # the default tile's rows and columns (`Launch`)
 # s_max of a tile holding a non-finite block: above every exactness bound.
 NONFINITE_SENTINEL = 1 << 20
 _NO_LIVE = 1 << 21
 _MIN_EXP, _MAX_EXP = -126, 127
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Launch:
+    """How `run_codec` tiles and launches a kernel; the codes are the same bit for bit
+    under every launch (each block lies in one tile, the statistics are maxima).
+
+    ``rows`` x ``cols``: the tile (multiples of 32; a pair's two directions both come
+    from one tile). ``row_parts``: blocks along rows (direction 1) are processed in this
+    many chunks of the tile's rows, one after the other; ``col_parts``: blocks along
+    columns (direction 0) in chunks of its columns. A thread then holds 1/parts of the
+    32-slice set at a time: fewer live registers, the same instructions as long as each
+    chunk's slices still span the block's threads (smaller ones are replicated across
+    threads). ``num_warps``, ``num_stages``: Triton's.
+    """
+
+    rows: int = TILE
+    cols: int = TILE
+    row_parts: int = 1
+    col_parts: int = 1
+    num_warps: int = 8
+    num_stages: int = 1
+
+    def __post_init__(self):
+        for name in ("rows", "cols"):
+            n = getattr(self, name)
+            if n % _MX or n & (n - 1):
+                raise ValueError(f"{name}: expected a power of two >= 32, got {n}")
+        for name, n in (("row_parts", self.rows), ("col_parts", self.cols // 2)):
+            p = getattr(self, name)
+            if p < 1 or p & (p - 1) or p > n:
+                raise ValueError(f"{name}: expected a power of two up to {n}, got {p}")
+
+
+# Square 128-tiles, 8 warps, all slices at once: 64 f32 values of a slice set per thread
+# (the interpreter's launch, and a GPU's without an entry in `_LAUNCHES`).
+DEFAULT_LAUNCH = Launch()
+# Hopper and Blackwell: 128 x 64 tiles, 4 warps, rows in 2 chunks. Every slice load is then
+# one element per thread in both directions (along rows a 64-row chunk, [64, 2] words;
+# along columns [4, 32]), so a thread holds 32 values of a set, not 64: ptxas gives it 80
+# registers, not 102 (B200; 96, not 99, on the H200), and 6 blocks of 128 threads fit an
+# SM (37.5% occupancy) where 2 of 256 did (25%), for the same SASS per element. The
+# calibrated model's pair kernel at [8192, 4096]: 126 -> 83 us on the B200, 213 -> 168 on
+# the H200 (bench/operand_kernel_launch.py). Column chunks would make the loads along
+# columns narrower than the block's threads (replicated: more SASS); 16 warps on 128-tiles
+# replicate them too (112 registers, 1 block); loading the odd columns' set again after the
+# even one's stores held more registers, not fewer.
+_TUNED = Launch(rows=128, cols=64, row_parts=2, num_warps=4)
+_LAUNCHES: dict[tuple[int, int], Launch] = {(9, 0): _TUNED, (10, 0): _TUNED}
+
+
+def launch_for(compute_capability: tuple[int, int] | None) -> Launch:
+    """The launch of the kernels compiled for a GPU of this compute capability (by major
+    version; `DEFAULT_LAUNCH` for others)."""
+    if compute_capability is None:
+        return DEFAULT_LAUNCH
+    return _LAUNCHES.get((compute_capability[0], 0), DEFAULT_LAUNCH)
 
 
 def has_e2m1_cvt(compute_capability: tuple[int, int] | None) -> bool:
@@ -215,24 +271,25 @@ def quantize_slices(xs, op, hadamard_size, signs, e2m1_cvt=False):
     return packed, s, live, nonfinite
 
 
-def _slices(x_ref, direction: int, pairs: bool, bf16_values: bool):
-    """The tile's 32 slices for one direction: lists of f32 arrays, one list per set of
-    columns the loads produce (bf16 pairs read as uint32 give two sets column-wise: the
-    even and the odd columns).
+def _slices(x_ref, direction: int, pairs: bool, bf16_values: bool, chunk):
+    """One chunk of the tile's 32 slices for one direction: lists of f32 arrays, one list
+    per set of columns the loads produce (bf16 pairs read as uint32 give two sets
+    column-wise: the even and the odd columns).
 
-    direction 1 (blocks along the tile's columns): slice j = ``x[:, j::32]``, [T, T/32];
-    direction 0 (blocks along its rows): slice j = ``x[j::32, :]``, [T/32, T] (or [T/32,
-    T/2] per set of columns for pairs).
+    direction 1 (blocks along the tile's columns): slice j = ``x[chunk, j::32]``, the
+    chunk a range of rows; direction 0 (blocks along its rows): slice j = ``x[j::32,
+    chunk]``, the chunk a range of columns (of uint32 pairs for pairs).
     """
-    nb = TILE // _MX
+    rows, width = x_ref.shape
     if not pairs:
         def value(v):  # an f32 operand, rounded to bf16 first when the GEMM casts it
             v = v.astype(jnp.bfloat16) if bf16_values else v
             return v.astype(jnp.float32)
 
         if direction == 1:
-            return [[value(x_ref[:, pl.ds(j, nb, stride=_MX)]) for j in range(_MX)]]
-        return [[value(x_ref[pl.ds(j, nb, stride=_MX), :]) for j in range(_MX)]]
+            return [[value(x_ref[chunk, pl.ds(j, width // _MX, stride=_MX)])
+                     for j in range(_MX)]]
+        return [[value(x_ref[pl.ds(j, rows // _MX, stride=_MX), chunk]) for j in range(_MX)]]
 
     def split(w):  # uint32 of a bf16 pair -> (element 2i, element 2i + 1) as f32
         return _bits.bits_f32(w << 16), _bits.bits_f32((w >> 16) << 16)
@@ -240,9 +297,12 @@ def _slices(x_ref, direction: int, pairs: bool, bf16_values: bool):
     if direction == 1:
         xs = []
         for i in range(_MX // 2):
-            xs += split(x_ref[:, pl.ds(i, nb, stride=_MX // 2)])
+            xs += split(x_ref[chunk, pl.ds(i, 2 * width // _MX, stride=_MX // 2)])
         return [xs]
-    even, odd = zip(*(split(x_ref[pl.ds(j, nb, stride=_MX), :]) for j in range(_MX)))
+    # (Loading the odd set again after the even one is stored held more registers, not
+    # fewer: ptxas schedules by its own measure.)
+    even, odd = zip(*(split(x_ref[pl.ds(j, rows // _MX, stride=_MX), chunk])
+                      for j in range(_MX)))
     return [list(even), list(odd)]
 
 
@@ -277,15 +337,15 @@ class Mxfp4Codec:
         return packed, [scale_bytes, scale_bytes], list(_stats(s, live, nonfinite))
 
 
-def _kernel(*refs, directions, codec, pairs, has_signs, bf16_values):
+def _kernel(*refs, directions, codec, pairs, has_signs, bf16_values, row_parts, col_parts):
     """One tile, every direction: the codec's code and scale columns stored with stride into
-    the [F, K] layout, and one row of its statistics (each reduced by a max)."""
+    the [F, K] layout, and one row of its statistics (each reduced by a max). Each
+    direction runs over its slices in chunks (`Launch`)."""
     x_ref, *rest = refs
     signs_ref = rest.pop(0) if has_signs else None
     params_ref = rest.pop(0) if codec.has_param else None
     stats_ref = rest.pop() if codec.n_stats else None
     outs = rest
-    nb = TILE // _MX
     signs = None
     if has_signs:
         signs = [signs_ref[i] for i in range(codec.hadamard_size)]
@@ -293,21 +353,29 @@ def _kernel(*refs, directions, codec, pairs, has_signs, bf16_values):
     for d, (direction, (codes_ref, scales_ref)) in enumerate(
             zip(directions, zip(outs[::2], outs[1::2]))):
         param = params_ref[d] if codec.has_param else None
-        sets = _slices(x_ref, direction, pairs, bf16_values)
+        # The chunks: ranges of the tile's rows (direction 1) or of its columns (0).
+        parts = row_parts if direction == 1 else col_parts
+        n = x_ref.shape[0 if direction == 1 else 1] // parts
         totals = None
-        for c, xs in enumerate(sets):
-            codes, scales, tile_stats = codec.encode(xs, signs, param)
-            # Free rows of the [F, K] output this set fills: all, or every other one.
-            rows = slice(None) if len(sets) == 1 else pl.ds(c, TILE // 2, stride=2)
-            if direction == 0:  # slices [nb, F] -> the [F, K] layout
-                codes = [v.T for v in codes]
-                scales = [v.T for v in scales]
-            for p, byte in enumerate(codes):
-                codes_ref[rows, pl.ds(p, nb, stride=len(codes))] = byte.astype(jnp.uint8)
-            for p, byte in enumerate(scales):
-                scales_ref[rows, pl.ds(p, nb, stride=len(scales))] = byte.astype(jnp.uint8)
-            totals = tile_stats if totals is None else [
-                jnp.maximum(a, b) for a, b in zip(totals, tile_stats)]
+        for q in range(parts):
+            chunk = pl.ds(q * n, n)
+            sets = _slices(x_ref, direction, pairs, bf16_values, chunk)
+            for c, xs in enumerate(sets):
+                codes, scales, tile_stats = codec.encode(xs, signs, param)
+                # Free rows of the [F, K] output this set fills: the chunk's, or every
+                # other one of the chunk's pairs.
+                rows = chunk if len(sets) == 1 else pl.ds(2 * q * n + c, n, stride=2)
+                if direction == 0:  # slices [K/32, F] -> the [F, K] layout
+                    codes = [v.T for v in codes]
+                    scales = [v.T for v in scales]
+                nb = codes[0].shape[1]  # blocks per row of the tile's output
+                for p, byte in enumerate(codes):
+                    codes_ref[rows, pl.ds(p, nb, stride=len(codes))] = byte.astype(jnp.uint8)
+                for p, byte in enumerate(scales):
+                    scales_ref[rows, pl.ds(p, nb, stride=len(scales))] = byte.astype(
+                        jnp.uint8)
+                totals = tile_stats if totals is None else [
+                    jnp.maximum(a, b) for a, b in zip(totals, tile_stats)]
         stats += totals
     if not stats:
         return
@@ -336,13 +404,8 @@ def check_matrix(x2):
         raise ValueError(f"x2: expected a 2-D array, got shape {x2.shape}")
 
 
-# Jitted (its trace cached per operand type and codec): two GEMMs that quantize the same
-# operand the same way make the same call, whose kernel then lowers to the same Triton
-# module, locations included (they hold the traceback of the trace), so XLA merges the
-# two calls (CSE). Traced anew in each GEMM, the tracebacks would differ.
-@functools.partial(jax.jit, static_argnames=("directions", "codec", "interpret",
-                                             "bf16_values"))
-def run_codec(x2, signs, params, *, directions, codec, interpret, bf16_values=False):
+def run_codec(x2, signs, params, *, directions, codec, interpret, bf16_values=False,
+              launch: Launch | None = None):
     """The one-pass kernel of a codec over x2 padded with zeros to whole tiles.
 
     Args:
@@ -356,19 +419,40 @@ def run_codec(x2, signs, params, *, directions, codec, interpret, bf16_values=Fa
         codecs); hashable.
       interpret: run in the Pallas interpreter.
       bf16_values: round an f32 x2 to bf16 in the kernel first.
+      launch: the tiles and Triton's launch parameters (the same bits under any); None:
+        `DEFAULT_LAUNCH` in the interpreter, else `launch_for` the GPU traced for.
     Returns:
       per direction ``(codes, scale bytes, stats)``: uint8 ``[F, K * code_columns / 32]``
       and ``[F, K * scale_columns / 32]`` (F, K the tile-padded sizes) and the codec's
       int32 statistics ``[n_stats]`` (each a max over tiles).
     """
-    r, c = (-(-n // TILE) * TILE for n in x2.shape)
+    if launch is None:
+        if interpret:
+            launch = DEFAULT_LAUNCH
+        else:
+            from mxjax.chips import target_chip
+
+            launch = launch_for(target_chip("gpu").compute_capability)
+    return _run_codec(x2, signs, params, directions=directions, codec=codec,
+                      interpret=interpret, bf16_values=bf16_values, launch=launch)
+
+
+# Jitted (its trace cached per operand type and codec): two GEMMs that quantize the same
+# operand the same way make the same call, whose kernel then lowers to the same Triton
+# module, locations included (they hold the traceback of the trace), so XLA merges the
+# two calls (CSE). Traced anew in each GEMM, the tracebacks would differ.
+@functools.partial(jax.jit, static_argnames=("directions", "codec", "interpret",
+                                             "bf16_values", "launch"))
+def _run_codec(x2, signs, params, *, directions, codec, interpret, bf16_values, launch):
+    tr, tc = launch.rows, launch.cols
+    r, c = -(-x2.shape[0] // tr) * tr, -(-x2.shape[1] // tc) * tc
     x2 = jnp.pad(x2, ((0, r - x2.shape[0]), (0, c - x2.shape[1])))
-    grid = (r // TILE, c // TILE)
+    grid = (r // tr, c // tc)
     pairs = x2.dtype == jnp.bfloat16
     if pairs:  # free in XLA: a bitcast of the row-major buffer
         x2 = lax.bitcast_convert_type(x2.reshape(r, c // 2, 2), jnp.uint32)
     inputs = [x2]
-    in_specs = [pl.BlockSpec((TILE, TILE // 2 if pairs else TILE), lambda i, j: (i, j))]
+    in_specs = [pl.BlockSpec((tr, tc // 2 if pairs else tc), lambda i, j: (i, j))]
     if signs is not None:
         inputs.append(signs)
         in_specs.append(pl.BlockSpec((codec.hadamard_size,), lambda i, j: (0,)))
@@ -382,8 +466,9 @@ def run_codec(x2, signs, params, *, directions, codec, interpret, bf16_values=Fa
         out_shape += [jax.ShapeDtypeStruct((f, k * code_w // _MX), jnp.uint8),
                       jax.ShapeDtypeStruct((f, k * scale_w // _MX), jnp.uint8)]
         index = (lambda i, j: (i, j)) if direction == 1 else (lambda i, j: (j, i))
-        out_specs += [pl.BlockSpec((TILE, TILE * code_w // _MX), index),
-                      pl.BlockSpec((TILE, TILE * scale_w // _MX), index)]
+        tf, tk = (tr, tc) if direction == 1 else (tc, tr)
+        out_specs += [pl.BlockSpec((tf, tk * code_w // _MX), index),
+                      pl.BlockSpec((tf, tk * scale_w // _MX), index)]
     n_stats = codec.n_stats * len(directions)
     if n_stats:
         out_shape.append(jax.ShapeDtypeStruct((grid[0], grid[1] * n_stats), jnp.int32))
@@ -392,10 +477,12 @@ def run_codec(x2, signs, params, *, directions, codec, interpret, bf16_values=Fa
     if not interpret:
         from jax.experimental.pallas import triton as plt
 
-        compiler_params = plt.CompilerParams(num_warps=_NUM_WARPS, num_stages=1)
+        compiler_params = plt.CompilerParams(num_warps=launch.num_warps,
+                                             num_stages=launch.num_stages)
     outs = pl.pallas_call(
         functools.partial(_kernel, directions=directions, codec=codec, pairs=pairs,
-                          has_signs=signs is not None,
+                          has_signs=signs is not None, row_parts=launch.row_parts,
+                          col_parts=launch.col_parts,
                           bf16_values=bf16_values and x2.dtype == jnp.float32),
         out_shape=tuple(out_shape),
         grid=grid,
@@ -416,12 +503,12 @@ def run_codec(x2, signs, params, *, directions, codec, interpret, bf16_values=Fa
 
 
 def _quantize(x2, signs, *, directions, op, hadamard_size, interpret, bf16_values=False,
-              e2m1_cvt=False):
+              e2m1_cvt=False, launch=None):
     """MXFP4 per direction: (codes, scale bytes, s_max, s_min), laid out [F, K] (F, K the
     tile-padded sizes)."""
     codec = Mxfp4Codec(op=op, hadamard_size=hadamard_size, e2m1_cvt=e2m1_cvt)
     out = run_codec(x2, signs, None, directions=directions, codec=codec, interpret=interpret,
-                    bf16_values=bf16_values)
+                    bf16_values=bf16_values, launch=launch)
     return [(codes, scales, stats[0], -stats[1]) for codes, scales, stats in out]
 
 
@@ -438,7 +525,8 @@ def _trimmed(result, f: int, k: int):
 
 
 def mxfp4_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, signs,
-                  bf16_values: bool = False, e2m1_cvt: bool = False, interpret: bool = False):
+                  bf16_values: bool = False, e2m1_cvt: bool = False, interpret: bool = False,
+                  launch: Launch | None = None):
     """One MXFP4 operand in one read: codes and scales laid out ``[F, K]`` for the MMA.
 
     Args:
@@ -452,6 +540,7 @@ def mxfp4_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, si
       e2m1_cvt: convert to E2M1 by PTX's ``cvt.rn.satfinite.e2m1x2.f32`` (Blackwell:
         `has_e2m1_cvt`), the same codes in fewer instructions; not with ``interpret``.
       interpret: run in the Pallas interpreter (CPU tests).
+      launch: the kernel's tiles and launch (`run_codec`); the same bits under any.
     Returns:
       ``(codes, scale_bytes, s_max, s_min)``: uint8 ``[F, K // 2]`` (element 2p in the
       low nibble of byte p), uint8 ``[F, K // 16]`` (each 32-block's E8M0 byte,
@@ -466,19 +555,20 @@ def mxfp4_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, si
     check_contraction(x2.shape[axis], hadamard_size)
     (out,) = _quantize(x2, signs_array(signs, hadamard_size), directions=(axis,), op=op,
                        hadamard_size=hadamard_size, interpret=interpret,
-                       bf16_values=bf16_values, e2m1_cvt=e2m1_cvt)
+                       bf16_values=bf16_values, e2m1_cvt=e2m1_cvt, launch=launch)
     return _trimmed(out, x2.shape[1 - axis], x2.shape[axis])
 
 
 def mxfp4_operand_pair(x2: jax.Array, op, *, hadamard_size: int | None, signs,
                        bf16_values: bool = False, e2m1_cvt: bool = False,
-                       interpret: bool = False):
+                       interpret: bool = False, launch: Launch | None = None):
     """Both of x2's MXFP4 operands from one read: blocks along its rows and along its
     columns (the backward's two copies of an operand).
 
     Args:
       x2: bf16 or f32 ``[R, C]``, R and C multiples of 32 and of the Hadamard size.
-      op, hadamard_size, signs, bf16_values, e2m1_cvt, interpret: as for `mxfp4_operand`.
+      op, hadamard_size, signs, bf16_values, e2m1_cvt, interpret, launch: as for
+        `mxfp4_operand`.
     Returns:
       ``(along_rows, along_columns)``: `mxfp4_operand`'s result for axis 1 (codes
       ``[R, C // 2]``) and for axis 0 (codes ``[C, R // 2]``), bit for bit.
@@ -488,7 +578,7 @@ def mxfp4_operand_pair(x2: jax.Array, op, *, hadamard_size: int | None, signs,
         check_contraction(k, hadamard_size)
     row, col = _quantize(x2, signs_array(signs, hadamard_size), directions=(1, 0), op=op,
                          hadamard_size=hadamard_size, interpret=interpret,
-                         bf16_values=bf16_values, e2m1_cvt=e2m1_cvt)
+                         bf16_values=bf16_values, e2m1_cvt=e2m1_cvt, launch=launch)
     r, c = x2.shape
     return _trimmed(row, r, c), _trimmed(col, c, r)
 

@@ -101,6 +101,36 @@ def test_pair_is_mxjax_quantize_in_both_directions(config):
     _assert_kernel_is_reference(col, _reference(x, op, h, seed, 0))
 
 
+# Launches other than the interpreter's default (`K.Launch`): the B200's, and tiles split
+# both ways into chunks (each direction's slices a chunk at a time).
+LAUNCHES = {
+    "b200": K.launch_for((10, 0)),
+    "64x128_chunks": K.Launch(rows=64, cols=128, row_parts=4, col_parts=2, num_warps=4),
+}
+
+
+@pytest.mark.parametrize("launch,config", [
+    pytest.param(launch, config, marks=() if (launch, config) == ("b200", "bf16_h16_signs")
+                 else pytest.mark.slow)
+    for launch in sorted(LAUNCHES) for config in ("bf16_h16_signs", "f32_h32_floor_rtz")])
+def test_every_launch_gives_the_same_bits(launch, config):
+    dtype, op, h, seed = CONFIGS[config]
+    kw = {"op": op, "hadamard_size": h, "signs": _signs(h, seed), "interpret": True,
+          "launch": LAUNCHES[launch]}
+
+    @jax.jit
+    def fn(x):
+        return (K.mxfp4_operand_pair(x, **kw), K.mxfp4_operand(x, 1, **kw),
+                K.mxfp4_operand(x, 0, **kw))
+
+    x = _data(dtype)
+    (row, col), one_row, one_col = fn(x)
+    _assert_kernel_is_reference(row, _reference(x, op, h, seed, 1))
+    _assert_kernel_is_reference(col, _reference(x, op, h, seed, 0))
+    chex.assert_trees_all_equal((row, col), (one_row, one_col))
+    chex.assert_trees_all_equal((row, col), _pair_fn(op, h, seed)(x))  # statistics too
+
+
 def test_window_statistics():
     fn = _pair_fn(H16_OP, 16, 3)
     (_, scales, s_max, s_min), _ = fn(_data(jnp.bfloat16, specials=False))
