@@ -7,8 +7,8 @@ same machinery, for a GPU without one, under each launch (`xla_fp4_kernel.Launch
 parts, warps, stages), and prints per kernel (the pair, and one direction along rows / columns) what
 ptxas made of it (registers, spill bytes, SASS per thread), the resident blocks and
 occupancy per SM, the waves of the grid and the calibrated model's time
-(`bench.costmodel.calibrated.kernel_seconds`; "x waves" also charges the partial last
-wave as a whole one). PTX does not depend on the grid: each kernel is compiled once, at
+(`bench.costmodel.calibrated.kernel_seconds`, which charges a partial last wave as a
+whole one). PTX does not depend on the grid: each kernel is compiled once, at
 the first shape, and the others' threads and bytes scaled from it.
 
     .venv-aot/bin/python bench/operand_kernel_launch.py [--targets b200,h200]
@@ -129,18 +129,14 @@ def row(target_name, kind, launch_text, k, tk, shape) -> str:
     rates = calibrated.rates_for(target_name)
     lim = rates.limits
     occ = calibrated.occupancy(tk, lim)
-    blocks = round(occ * lim.threads_per_core / tk.block_threads)
-    slots = blocks * lim.cores
+    blocks = calibrated.blocks_per_core(tk, lim)
     grid = tk.threads // tk.block_threads
-    waves = math.ceil(grid / slots)
-    factor = waves * slots / grid
     t = calibrated.kernel_seconds(k, counts_of(k, tk), rates)
-    tw = (t - rates.launch_s) * factor + rates.launch_s
     bytes_us = k.bytes / rates.copy_bytes_per_s * 1e6
     return (f"{target_name:5s} {launch_text:18s} {kind:4s} {shape[0]:5d}x{shape[1]:<5d} "
             f"regs {tk.registers:3d} spill {tk.spill_bytes:4d} SASS {tk.sass:5d} "
-            f"blk/SM {blocks:2d} occ {occ:5.1%} waves {grid / slots:5.2f} "
-            f"bytes {bytes_us:6.1f} us  calibrated {t * 1e6:7.1f} us  x waves {tw * 1e6:7.1f} us")
+            f"blk/SM {blocks:2d} occ {occ:5.1%} waves {grid / (blocks * lim.cores):5.2f} "
+            f"bytes {bytes_us:6.1f} us  calibrated {t * 1e6:7.1f} us")
 
 
 def counts_of(k, tk):
