@@ -47,7 +47,7 @@ the training process is gone (`_watch_parent`). In the training process a Ctrl-C
 comes while the loader is inside grain (reading a batch, taking or setting a state,
 closing) raises its KeyboardInterrupt when that call has returned, not inside it
 (`interrupts_held`): raised mid-call it could leave grain's queues and locks half-used,
-and the `close` that follows would wait on them for ever. A second Ctrl-C raises at once.
+and the `close` that follows could wait on them. A second Ctrl-C raises at once.
 
 The pieces live in their own modules: `train.data.records` reads a shard's documents,
 `train.data.grain_pipeline` holds the grain datasets of steps 1-3 (imported only when a
