@@ -65,23 +65,21 @@ def _fn(kind: str, launch, e2m1_cvt: bool, codec: str):
     if codec == "mxfp4":
         op = policies.get("mxfp4_all_h16").fprop.lhs
         kw = {"hadamard_size": 16, "signs": signs, "e2m1_cvt": e2m1_cvt}
-        if hasattr(fp4k, "Launch"):  # (a tree from before `Launch` takes none: "default")
-            kw["launch"] = launch
         one, pair = fp4k.mxfp4_operand, fp4k.mxfp4_operand_pair
-    else:  # their wrappers take the launch `launch_for` gives: that one, while tracing
-        fp4k.launch_for = lambda cc: launch
-        if codec == "nvfp4":
-            from mxjax.routes import xla_nvfp4_kernel as k
+    elif codec == "nvfp4":
+        from mxjax.routes import xla_nvfp4_kernel as k
 
-            op = policies.get("nvfp4").fprop.rhs
-            kw = {"hadamard_size": 16, "signs": signs, "compiled": True}
-            one, pair = k.nvfp4_operand, k.nvfp4_operand_pair
-        else:
-            from mxjax.routes import xla_mxfp8_kernel as k
+        op = policies.get("nvfp4").fprop.rhs
+        kw = {"hadamard_size": 16, "signs": signs, "compiled": True}
+        one, pair = k.nvfp4_operand, k.nvfp4_operand_pair
+    else:
+        from mxjax.routes import xla_mxfp8_kernel as k
 
-            op = policies.get("mxfp8").fprop.lhs
-            kw = {"hadamard_size": None, "signs": None}
-            one, pair = k.mxfp8_operand, k.mxfp8_operand_pair
+        op = policies.get("mxfp8").fprop.lhs
+        kw = {"hadamard_size": None, "signs": None}
+        one, pair = k.mxfp8_operand, k.mxfp8_operand_pair
+    if hasattr(fp4k, "Launch"):  # (a tree from before `Launch` takes none: "default")
+        kw["launch"] = launch
 
     def fn(x):
         if kind == "pair":

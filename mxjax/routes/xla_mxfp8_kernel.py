@@ -84,11 +84,11 @@ def _check(x2, op, hadamard_size):
                          f"got {op!r}, h={hadamard_size}, {x2.dtype}")
 
 
-def _run(x2, directions, op, hadamard_size, signs, bf16_values, interpret):
+def _run(x2, directions, op, hadamard_size, signs, bf16_values, interpret, launch):
     codec = Mxfp8Codec(op=op, hadamard_size=hadamard_size)
     out = fp4k.run_codec(x2, fp4k.signs_array(signs, hadamard_size), None,
                          directions=directions, codec=codec, interpret=interpret,
-                         bf16_values=bf16_values)
+                         bf16_values=bf16_values, launch=launch)
     return [(codes, scale_bytes) for codes, scale_bytes, _ in out]
 
 
@@ -99,7 +99,8 @@ def _trimmed(result, f: int, k: int):
 
 
 def mxfp8_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, signs,
-                  bf16_values: bool = False, interpret: bool = False):
+                  bf16_values: bool = False, interpret: bool = False,
+                  launch: fp4k.Launch | None = None):
     """One MXFP8 operand in one read: codes and scales laid out ``[F, K]`` for the MMA.
 
     Args:
@@ -110,6 +111,8 @@ def mxfp8_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, si
       hadamard_size: 16, 32 or None; signs: its ±1 vector (f32 [h]) or None.
       bf16_values: quantize ``x2.astype(bfloat16)`` (rounded in the kernel).
       interpret: run in the Pallas interpreter (CPU tests).
+      launch: the kernel's tiles and launch (`xla_fp4_kernel.run_codec`; None: the
+        default for the interpreter or the GPU traced for); the same bits under any.
     Returns:
       ``(codes, scale_bytes)``: uint8 ``[F, Kp]`` (the f8 bit patterns) and uint8 ``[F,
       Kp // 32]`` (E8M0 bytes, 0xFF for a non-finite block); Kp K padded to 32. The bits
@@ -123,23 +126,24 @@ def mxfp8_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, si
         widths = [(0, 0), (0, 0)]
         widths[axis] = (0, (-x2.shape[axis]) % step)
         x2 = jnp.pad(x2, widths)
-    (out,) = _run(x2, (axis,), op, hadamard_size, signs, bf16_values, interpret)
+    (out,) = _run(x2, (axis,), op, hadamard_size, signs, bf16_values, interpret, launch)
     return _trimmed(out, x2.shape[1 - axis], x2.shape[axis])
 
 
 def mxfp8_operand_pair(x2: jax.Array, op, *, hadamard_size: int | None, signs,
-                       bf16_values: bool = False, interpret: bool = False):
+                       bf16_values: bool = False, interpret: bool = False,
+                       launch: fp4k.Launch | None = None):
     """Both of x2's MXFP8 operands from one read: blocks along its rows and its columns.
 
     Args:
       x2: bf16 or f32 ``[R, C]``, R and C multiples of 32 and of the Hadamard size.
-      op, hadamard_size, signs, bf16_values, interpret: as for `mxfp8_operand`.
+      op, hadamard_size, signs, bf16_values, interpret, launch: as for `mxfp8_operand`.
     Returns:
       ``(along_rows, along_columns)``: `mxfp8_operand`'s result for axis 1 and for axis 0.
     """
     _check(x2, op, hadamard_size)
     for k in x2.shape:
         fp4k.check_contraction(k, hadamard_size)
-    row, col = _run(x2, (1, 0), op, hadamard_size, signs, bf16_values, interpret)
+    row, col = _run(x2, (1, 0), op, hadamard_size, signs, bf16_values, interpret, launch)
     r, c = x2.shape
     return _trimmed(row, r, c), _trimmed(col, c, r)

@@ -142,13 +142,13 @@ def _check(x2, op, hadamard_size, compiled, interpret):
                          f"got {op!r}, h={hadamard_size}, {x2.dtype}")
 
 
-def _run(x2, directions, op, hadamard_size, signs, bf16_values, compiled, interpret):
+def _run(x2, directions, op, hadamard_size, signs, bf16_values, compiled, interpret, launch):
     signs = fp4k.signs_array(signs, hadamard_size)
     scales = jnp.stack([tensor_scale(x2, d, hadamard_size=hadamard_size, signs=signs,
                                      bf16_values=bf16_values) for d in directions])
     codec = Nvfp4Codec(op=op, hadamard_size=hadamard_size, compiled=compiled)
     out = fp4k.run_codec(x2, signs, scales, directions=directions, codec=codec,
-                         interpret=interpret, bf16_values=bf16_values)
+                         interpret=interpret, bf16_values=bf16_values, launch=launch)
     return [(codes, sb, scales[i]) for i, (codes, sb, _) in enumerate(out)]
 
 
@@ -160,7 +160,7 @@ def _trimmed(result, f: int, k: int):
 
 def nvfp4_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, signs,
                   bf16_values: bool = False, compiled: bool = False,
-                  interpret: bool = False):
+                  interpret: bool = False, launch: fp4k.Launch | None = None):
     """One NVFP4 operand: its tensor scale (one reduction), then codes and scales in one read.
 
     Args:
@@ -172,6 +172,8 @@ def nvfp4_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, si
       bf16_values: quantize ``x2.astype(bfloat16)`` (rounded in the kernel).
       compiled: divide by PTX's ``div.rn.f32`` (GPU kernels); not with ``interpret``.
       interpret: run in the Pallas interpreter (CPU tests).
+      launch: the kernel's tiles and launch (`xla_fp4_kernel.run_codec`; None: the
+        default for the interpreter or the GPU traced for); the same bits under any.
     Returns:
       ``(codes, scale_bytes, t)``: uint8 ``[F, Kp // 2]`` (element 2p in the low nibble
       of byte p), uint8 ``[F, Kp // 16]`` (E4M3 bytes), and the f32 tensor scale; Kp K
@@ -185,25 +187,28 @@ def nvfp4_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, si
         widths = [(0, 0), (0, 0)]
         widths[axis] = (0, (-x2.shape[axis]) % hadamard_size)
         x2 = jnp.pad(x2, widths)
-    (out,) = _run(x2, (axis,), op, hadamard_size, signs, bf16_values, compiled, interpret)
+    (out,) = _run(x2, (axis,), op, hadamard_size, signs, bf16_values, compiled, interpret,
+                  launch)
     return _trimmed(out, x2.shape[1 - axis], x2.shape[axis])
 
 
 def nvfp4_operand_pair(x2: jax.Array, op, *, hadamard_size: int | None, signs,
                        bf16_values: bool = False, compiled: bool = False,
-                       interpret: bool = False):
+                       interpret: bool = False, launch: fp4k.Launch | None = None):
     """Both of x2's NVFP4 operands from one read of the kernel (and one tensor-scale
     reduction per direction): blocks along its rows and along its columns.
 
     Args:
       x2: bf16 or f32 ``[R, C]``, R and C multiples of 32.
-      op, hadamard_size, signs, bf16_values, compiled, interpret: as for `nvfp4_operand`.
+      op, hadamard_size, signs, bf16_values, compiled, interpret, launch: as for
+        `nvfp4_operand`.
     Returns:
       ``(along_rows, along_columns)``: `nvfp4_operand`'s result for axis 1 and for axis 0.
     """
     _check(x2, op, hadamard_size, compiled, interpret)
     for k in x2.shape:
         fp4k.check_contraction(k, hadamard_size)
-    row, col = _run(x2, (1, 0), op, hadamard_size, signs, bf16_values, compiled, interpret)
+    row, col = _run(x2, (1, 0), op, hadamard_size, signs, bf16_values, compiled, interpret,
+                    launch)
     r, c = x2.shape
     return _trimmed(row, r, c), _trimmed(col, c, r)
