@@ -31,7 +31,7 @@ from types import FrameType
 import numpy as np
 
 __all__ = ["PREEMPTED_EXIT", "STOP_DATA_ERROR", "STOP_NONE", "STOP_SIGNAL", "STOP_WRITE_FAILED",
-           "StopRequested", "StopSignals", "agree"]
+           "StopRequested", "StopSignals", "agree", "interrupts_held"]
 
 # sysexits.h EX_TEMPFAIL ("try again later"): the run stopped cleanly on a signal
 # after saving a checkpoint; the same command resumes it.
@@ -106,6 +106,34 @@ class StopSignals:
             signal.signal(s, h)
         self._previous.clear()
         self.installed = False
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """A Ctrl-C (SIGINT) inside the block raises KeyboardInterrupt when the block ends, a
+    second one at once: for a call into a library whose queues and locks a KeyboardInterrupt
+    raised mid-call could leave half-used (`train.data.stream`'s grain calls). Only where
+    Python's own SIGINT handler is in place, in the main thread (elsewhere, or under
+    `StopSignals`, the block runs as it is)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    held: list[int] = []
+
+    def hold(signum: int, frame: FrameType | None) -> None:
+        if held:
+            raise KeyboardInterrupt
+        held.append(signum)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        raise KeyboardInterrupt
+
 
 
 def agree(code: int) -> int:

@@ -46,8 +46,9 @@ Workers ignore SIGINT/SIGTERM (the trainer saves, then closes them) and end them
 the training process is gone (`_watch_parent`). In the training process a Ctrl-C that
 comes while the loader is inside grain (reading a batch, taking or setting a state,
 closing) raises its KeyboardInterrupt when that call has returned, not inside it
-(`interrupts_held`): raised mid-call it could leave grain's queues and locks half-used,
-and the `close` that follows could wait on them. A second Ctrl-C raises at once.
+(`train.preemption.interrupts_held`): raised mid-call it could leave grain's queues and
+locks half-used, and the `close` that follows could wait on them. A second Ctrl-C raises
+at once.
 
 The pieces live in their own modules: `train.data.records` reads a shard's documents,
 `train.data.grain_pipeline` holds the grain datasets of steps 1-3 (imported only when a
@@ -67,10 +68,8 @@ import functools
 import hashlib
 import json
 import os
-import signal
 import sys
-import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +87,7 @@ from train.data.records import (  # noqa: F401 (re-exported: the stream's public
 )
 from train.data.sources import DataError, resolve_sources
 from train.data.tokenizer import TextTokenizer, TokenizerError, load_hf
+from train.preemption import interrupts_held
 
 # grain's `min_shm_size` above which arrays go through shared memory: larger than any chunk.
 _NO_SHARED_MEMORY = 1 << 62
@@ -127,32 +127,6 @@ def _pipeline() -> Any:
                           ) from None
     grain_pipeline.mark_absl_flags_parsed()
     return grain_pipeline
-
-
-@contextlib.contextmanager
-def interrupts_held() -> Iterator[None]:
-    """A Ctrl-C (SIGINT) inside the block raises KeyboardInterrupt when the block ends, a
-    second one at once. Only where Python's own SIGINT handler is in place, in the main
-    thread (elsewhere, or under the trainer's `train.preemption.StopSignals`, the block
-    runs as it is)."""
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-        yield
-        return
-    held: list[int] = []
-
-    def hold(signum: int, frame: Any) -> None:
-        if held:
-            raise KeyboardInterrupt
-        held.append(signum)
-
-    signal.signal(signal.SIGINT, hold)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if held:
-        raise KeyboardInterrupt
 
 
 # ------------------------------------------------------------------------- the spec
