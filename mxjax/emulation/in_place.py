@@ -50,6 +50,7 @@ from mxjax.dimensions import free_axes
 from mxjax.emulation import in_place_tpu
 from mxjax.emulation.in_place_values import nearest_even_values, values_from_amax
 from mxjax.formats import Rounding
+from mxjax.quantization import MXArray, dequantize
 from mxjax.rotation import bit_view, butterfly_stage, hadamard_bit_view
 from mxjax.scaling import SR_UNSCALE
 
@@ -59,6 +60,7 @@ __all__ = [
     "cast_operands",
     "contraction_view",
     "mx_gemm",
+    "mx_gemm_packed_rhs",
     "mx_operand_values",
     "mx_operand_values_tpu",
 ]
@@ -95,18 +97,28 @@ def contraction_view(x: jax.Array, batch: Sequence[int],
     batch, contract = tuple(batch), tuple(contract)
     kept = [i for i in range(x.ndim) if i not in contract]
     k = math.prod(x.shape[i] for i in contract)
-    if contract and contract == tuple(range(contract[0], contract[0] + len(contract))):
-        p = contract[0]
+    p, view_batch, canonical_perm = _view_axes(x.ndim, batch, contract)
+    if _adjacent(contract):
         x2 = x.reshape(x.shape[:p] + (k,) + x.shape[p + len(contract):])
     else:
-        p = len(kept)
         x2 = jnp.transpose(x, tuple(kept) + contract).reshape(
             tuple(x.shape[i] for i in kept) + (k,))
-    # Position in x2 of each original non-contracting axis (kept in original order).
+    return ContractionView(x2, p, view_batch, canonical_perm)
+
+
+def _adjacent(contract: tuple[int, ...]) -> bool:
+    return bool(contract) and contract == tuple(range(contract[0], contract[0] + len(contract)))
+
+
+def _view_axes(ndim: int, batch: tuple[int, ...], contract: tuple[int, ...]):
+    """`contraction_view`'s (axis, batch, canonical_perm) for an operand of `ndim` axes."""
+    kept = [i for i in range(ndim) if i not in contract]
+    p = contract[0] if _adjacent(contract) else len(kept)
+    # Position in the view of each original non-contracting axis (kept in original order).
     pos = {ax: (j if j < p else j + 1) for j, ax in enumerate(kept)}
-    canonical = tuple(batch) + tuple(free_axes(x.ndim, batch, contract))
+    canonical = tuple(batch) + tuple(free_axes(ndim, batch, contract))
     canonical_perm = tuple(canonical.index(ax) for ax in kept)
-    return ContractionView(x2, p, tuple(pos[ax] for ax in batch), canonical_perm)
+    return p, tuple(pos[ax] for ax in batch), canonical_perm
 
 
 def canonical_layout(x: jax.Array, view: ContractionView, k_len: int) -> jax.Array:
@@ -342,6 +354,51 @@ def mx_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
         av = mx_operand_values(va, recipe.lhs, key=k_lhs, **kw)
         bv = mx_operand_values(vb, recipe.rhs, key=k_rhs, **kw)
     out = lax.dot_general(av, bv, (((va.axis,), (vb.axis,)), (va.batch, vb.batch)),
+                          precision=lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
+    for op in (recipe.lhs, recipe.rhs):
+        if op.sr_prescale:
+            out = out * jnp.float32(SR_UNSCALE)
+    return out
+
+
+def mx_gemm_packed_rhs(a: jax.Array, q: MXArray, b_shape: Sequence[int], dims, recipe, k_lhs,
+                       signs, *, operand_dtype=None) -> jax.Array:
+    """`mx_gemm` (form 'gpu') with its rhs given quantized: the same result, bit for bit.
+
+    Args:
+      a: the lhs (cast to ``operand_dtype`` first if given).
+      q: the rhs's canonical quantized operand: the primal ``b`` (of shape ``b_shape``)
+        in the canonical layout ``[batch..., F, K]`` (free axes flattened), rotated by the
+        recipe's Hadamard (K zero-padded to its size), quantized along K with the rhs key
+        (`mxjax.quantize_with`): the values `mx_operand_values` gives b, which are laid
+        out here as b's contraction view, so the GEMM is the same ``dot_general``.
+      dims: the dimension numbers of ``dot_general(a, b)``.
+    Returns:
+      f32 ``[batch..., lhs free..., rhs free...]``, as `mx_gemm`.
+    """
+    if operand_dtype is not None:
+        a = a.astype(operand_dtype)
+    (ca, cb), (ba, bb) = dims
+    va = contraction_view(a, ba, ca)
+    h = None if recipe.hadamard is None else recipe.hadamard.block_size
+    k = va.x.shape[va.axis]
+    k_out = k if h is None else -(-k // h) * h
+    av = mx_operand_values(va, recipe.lhs, key=k_lhs, k_out=k_out, hadamard_size=h,
+                           signs=signs)
+    b_axis, b_batch, b_perm = _view_axes(len(b_shape), tuple(bb), tuple(cb))
+    canonical = tuple(b_shape[i] for i in bb) + tuple(
+        b_shape[i] for i in free_axes(len(b_shape), bb, cb))
+    if tuple(q.shape) != canonical[:len(bb)] + (math.prod(canonical[len(bb):]), k_out):
+        raise ValueError(f"q: expected the canonical operand of shape "
+                         f"{canonical[:len(bb)] + (math.prod(canonical[len(bb):]), k_out)} "
+                         f"for b of shape {tuple(b_shape)}, got {tuple(q.shape)}")
+    # The values without the SR unscale, which multiplies the result as in mx_gemm.
+    bare = MXArray(q.codes, q.scales, q.tensor_scale, q.shape, q.axis, q.fmt, False)
+    bv = dequantize(bare, av.dtype).reshape(canonical + (k_out,))
+    perm = list(b_perm) + [len(b_perm)]
+    perm.insert(b_axis, perm.pop())
+    bv = jnp.transpose(bv, perm)
+    out = lax.dot_general(av, bv, (((va.axis,), (b_axis,)), (va.batch, b_batch)),
                           precision=lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
     for op in (recipe.lhs, recipe.rhs):
         if op.sr_prescale:

@@ -286,35 +286,53 @@ def mx_gemm_fp4(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
     """
     a0, b0 = a, b  # before the operand casts: the kernel rounds an f32 operand to bf16 itself
     a, b, va, vb, h = xla_fp8.in_place_views(a, b, dims, recipe, operand_dtypes, "xla_fp4")
-    k = va.x.shape[va.axis]
-    # The whole padded contraction (a multiple of 32): NVFP4 scales cover 16 elements.
-    n_bits = max(5, 0 if h is None else h.bit_length() - 1)
-    k_pad = -(-k // (1 << n_bits)) << n_bits
-    kw = {"k_out": k_pad, "hadamard_size": h, "signs": signs}
-
-    # Randomized signs differ per GEMM: no other GEMM makes the same pair call.
-    fixed_signs = recipe.hadamard is None or not recipe.hadamard.randomized
-
+    k_pad = _k_pad(va.x.shape[va.axis], h)
     (ca, cb), (ba, bb) = dims
-
-    def operand(cast_view, op, key, x, batch, contract, dtype):
-        bf16_values = (dtype is not None and jnp.dtype(dtype) == jnp.bfloat16
-                       and x.dtype == jnp.float32)
-        # The kernel reads an f32 operand cast to bf16 as it is and rounds it itself.
-        view = in_place.contraction_view(x, batch, contract) if bf16_values else cast_view
-        x2 = kernel_view(view) if kernel else None
-        if x2 is not None and _takes_kernel(op, h, x2[0].dtype):
-            return kernel_operand(*x2, op, hadamard_size=h, signs=signs, k_out=k_pad,
-                                  pair=fixed_signs and _pairable(x2[0], h),
-                                  bf16_values=bf16_values, e2m1_cvt=e2m1_cvt,
-                                  interpret=interpret)
-        return in_place_operand(cast_view, op, key, **kw)
-
     da, db = operand_dtypes or (None, None)
-    (qa, sa, ta, exact_a), (qb, sb, tb, exact_b) = (
-        operand(va, recipe.lhs, k_lhs, a0, ba, ca, da),
-        operand(vb, recipe.rhs, k_rhs, b0, bb, cb, db))
+    operand = functools.partial(_route_operand, recipe=recipe, h=h, signs=signs, k_pad=k_pad,
+                                kernel=kernel, e2m1_cvt=e2m1_cvt, interpret=interpret)
+    ops_a = operand(va, recipe.lhs, k_lhs, a0, ba, ca, da)
+    ops_b = operand(vb, recipe.rhs, k_rhs, b0, bb, cb, db)
 
+    def emulated(a, b):
+        out = in_place.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs, signs, form="gpu",
+                               operand_dtypes=operand_dtypes)
+        out = out.reshape(ops_a[0].shape[0], ops_a[0].shape[1], ops_b[0].shape[1])
+        return out if out_dtype is None else out.astype(out_dtype)
+
+    # The operands as given (the emulation casts them): no cast pass outside its branch.
+    return _fp4_gemm(ops_a, ops_b, recipe, out_dtype, k_pad, emulated, (a0, b0))
+
+
+def _k_pad(k: int, h: int | None) -> int:
+    """The whole padded contraction: a multiple of 32 (NVFP4 scales cover 16 elements)
+    and of the Hadamard size."""
+    n_bits = max(5, 0 if h is None else h.bit_length() - 1)
+    return -(-k // (1 << n_bits)) << n_bits
+
+
+def _route_operand(cast_view, op, key, x, batch, contract, dtype, *, recipe, h, signs, k_pad,
+             kernel, e2m1_cvt, interpret):
+    """One operand of `mx_gemm_fp4`: by the one-pass kernel where it takes it, else in place."""
+    bf16_values = (dtype is not None and jnp.dtype(dtype) == jnp.bfloat16
+                   and x.dtype == jnp.float32)
+    # The kernel reads an f32 operand cast to bf16 as it is and rounds it itself.
+    view = in_place.contraction_view(x, batch, contract) if bf16_values else cast_view
+    x2 = kernel_view(view) if kernel else None
+    if x2 is not None and _takes_kernel(op, h, x2[0].dtype):
+        # Randomized signs differ per GEMM: no other GEMM makes the same pair call.
+        fixed_signs = recipe.hadamard is None or not recipe.hadamard.randomized
+        return kernel_operand(*x2, op, hadamard_size=h, signs=signs, k_out=k_pad,
+                              pair=fixed_signs and _pairable(x2[0], h),
+                              bf16_values=bf16_values, e2m1_cvt=e2m1_cvt,
+                              interpret=interpret)
+    return in_place_operand(cast_view, op, key, k_out=k_pad, hadamard_size=h, signs=signs)
+
+
+def _fp4_gemm(ops_a, ops_b, recipe, out_dtype, k_pad, emulated, operands) -> jax.Array:
+    """The block-scaled dot of two carried operands times ``2^(t_a + t_b)``, or
+    ``emulated(*operands)`` where either is not exact (``lax.cond``): ``[B, Fa, Fb]``."""
+    (qa, sa, ta, exact_a), (qb, sb, tb, exact_b) = ops_a, ops_b
     narrow = xla_fp8.narrow_result(recipe, out_dtype)
     exact = exact_a & exact_b
     if narrow:  # cuDNN writes bf16 itself: 2 bytes per result, not 4 and a pass
@@ -324,27 +342,62 @@ def mx_gemm_fp4(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
     sr = any(op.sr_prescale for op in (recipe.lhs, recipe.rhs))
     result_dtype = jnp.bfloat16 if narrow else jnp.float32
 
-    def fp4(a, b):
-        del a, b
+    def fp4(*_):
         out = jax.nn.scaled_matmul(qa, qb, sa, sb, preferred_element_type=result_dtype)
         if sr:
             return xla_fp8.scaled_result(out.astype(jnp.float32), shift, recipe, out_dtype)
         return out if out_dtype is None else out.astype(out_dtype)
 
-    def emulated(a, b):
-        out = in_place.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs, signs, form="gpu",
-                               operand_dtypes=operand_dtypes)
-        out = out.reshape(qa.shape[0], qa.shape[1], qb.shape[1])
-        return out if out_dtype is None else out.astype(out_dtype)
-
-    # The operands as given (the emulation casts them): no cast pass outside its branch.
-    out = lax.cond(exact, fp4, emulated, a0, b0)
+    out = lax.cond(exact, fp4, emulated, *operands)
     if sr:
         return out
     # 2^(t_a + t_b) applied after the conditional (1 for the emulation's result), where XLA
     # fuses it into the result's consumers; exact: a power of two on results that stay
     # normal (narrow_result_exact's bound for bf16, the carriers' for f32).
     return xla_fp8.scaled_result(out, jnp.where(exact, shift, 0), recipe, out_dtype)
+
+
+def mx_gemm_fp4_packed_rhs(a: jax.Array, q: MXArray, b_shape, dims, recipe, k_lhs, signs, *,
+                           operand_dtype=None, out_dtype=None, kernel: bool = False,
+                           e2m1_cvt: bool = False, interpret: bool = False) -> jax.Array:
+    """`mx_gemm_fp4` with its rhs given quantized: the same result, bit for bit.
+
+    Args:
+      a: the lhs as `mx_gemm_fp4` takes it (cast to ``operand_dtype`` first if given).
+      q: the rhs's canonical MXFP4 operand ``[batch..., Fb, K]`` (the primal ``b`` of
+        shape ``b_shape`` in the canonical layout, rotated by the recipe's Hadamard,
+        quantized along K with the rhs key: a quantized residual), read by the
+        block-scaled dot as it is (`packed_operand`) and by the emulation's branch as
+        b's values (`mxjax.emulation.in_place.mx_gemm_packed_rhs`).
+      dims: lax dimension numbers of ``dot_general(a, b)``.
+    Returns:
+      ``[B, Fa, Fb]``, f32 or out_dtype.
+    """
+    if not takes_mxfp4(recipe):
+        raise ValueError(f"recipe: the 'xla_fp4' backend takes MXFP4 x MXFP4, got "
+                         f"{recipe.lhs.fmt.name} x {recipe.rhs.fmt.name}")
+    a0 = a
+    if operand_dtype is not None:
+        a = a.astype(operand_dtype)
+    (ca, _), (ba, _) = dims
+    va = in_place.contraction_view(a, ba, ca)
+    h = None if recipe.hadamard is None else recipe.hadamard.block_size
+    k_pad = _k_pad(va.x.shape[va.axis], h)
+    ops_b = packed_operand(q)
+    if ops_b[0].shape[-1] != k_pad:
+        raise ValueError(f"q: its contraction padded to 32 is {ops_b[0].shape[-1]}, the lhs's "
+                         f"{k_pad}")
+    ops_a = _route_operand(va, recipe.lhs, k_lhs, a0, ba, ca, operand_dtype, recipe=recipe, h=h,
+                     signs=signs, k_pad=k_pad, kernel=kernel, e2m1_cvt=e2m1_cvt,
+                     interpret=interpret)
+
+    def emulated(a):
+        out = in_place.mx_gemm_packed_rhs(a, q, b_shape, dims, recipe, k_lhs, signs,
+                                          operand_dtype=operand_dtype)
+        out = out.reshape(ops_a[0].shape[0], ops_a[0].shape[1], ops_b[0].shape[1])
+        return out if out_dtype is None else out.astype(out_dtype)
+
+    return _fp4_gemm(ops_a, ops_b, recipe, out_dtype, k_pad, emulated, (a0,))
 
 
 # The NVFP4 operands' products: nonzero magnitudes in [2^lo, 2^hi) (E2M1's 0.5 times E4M3's
@@ -420,19 +473,57 @@ def kernel_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, s
         codes, scale_bytes, s_max, s_min = kernel.mxfp4_operand(
             x2, axis, op, hadamard_size=hadamard_size, signs=signs, bf16_values=bf16_values,
             e2m1_cvt=e2m1_cvt, interpret=interpret)
-    lo, hi = E4M3_POW2_RANGE
     nonfinite = s_max == kernel.NONFINITE_SENTINEL
+    f = codes.shape[0]
+    return _carried(codes.reshape(1, f, -1), scale_bytes.reshape(1, f, -1), s_max, s_min,
+                    nonfinite)
+
+
+def _carried(codes, scale_bytes, s_max, s_min, nonfinite):
+    """(elements, scales, t, exact) of `in_place_operand` from an operand's MXFP4 codes and
+    per-16 E8M0 scale bytes ``[B, F, K // 2]``, ``[B, F, K // 16]``: the shift t puts the
+    largest live block at the top of E4M3's window (`_fp4_finish`'s rule, from the live
+    blocks' largest and smallest exponents; with no live block ``s_max < s_min``)."""
+    lo, hi = E4M3_POW2_RANGE
     any_live = s_min <= s_max
     t = jnp.where(any_live & ~nonfinite, s_max - hi, 0).astype(jnp.int32)
     exact = ~nonfinite & (~any_live | (
         (s_min - t >= lo) & (s_min >= xla_fp8.MIN_EXP) & (s_max <= xla_fp8.MAX_EXP - 1)))
-    s = scale_bytes.astype(jnp.int32) - 127  # per 16 elements (each 32-block's twice)
+    s = scale_bytes.astype(jnp.int32) - 127
     bits = e4m3_pow2_bits(jnp.clip(s - t, lo, hi)).astype(jnp.uint8)
     scales = lax.bitcast_convert_type(bits, jnp.float8_e4m3fn)
-    # XLA's sub-byte order: the first element in the low nibble, as the kernel packs.
+    # XLA's sub-byte order: the first element in the low nibble, as mxjax packs.
     elements = lax.bitcast_convert_type(codes, jnp.float4_e2m1fn)
-    f = codes.shape[0]
-    return elements.reshape(1, f, -1), scales.reshape(1, f, -1), t, exact
+    return elements.reshape(codes.shape[:-1] + (-1,)), scales, t, exact
+
+
+def packed_operand(q: MXArray):
+    """`in_place_operand`'s result for an operand already quantized canonically: (E2M1
+    elements ``[B, F, Kp]``, E4M3 scales ``[B, F, Kp // 16]``, t, exact), B the product of
+    q's batch axes, F its free size, Kp its contraction padded to 32.
+
+    ``q``: the canonical MXFP4 operand (`mxjax.quantize_with` along its last axis of
+    ``[batch..., F, K]``, the recipe's Hadamard applied), e.g. a quantized residual. Its
+    live blocks are those whose input was not all zeros: a nonzero code, or a scale other
+    than an all-zero block's 1 (a block of inputs so small that every code rounds to zero
+    has its exponent clamped at -127; the in-place form counts it live, and so does this).
+    """
+    if q.fmt.name != "mxfp4" or q.axis != len(q.shape) - 1 or len(q.shape) < 2:
+        raise ValueError(f"q: expected an MXFP4 MXArray blocked along the last axis of "
+                         f"[batch..., F, K], got {q.fmt.name} with shape {q.shape}, axis "
+                         f"{q.axis}")
+    f = q.shape[-2]
+    codes = q.codes.reshape(-1, f, q.codes.shape[-1])
+    scale_bytes = q.scales.reshape(-1, f, q.scales.shape[-1])
+    c = jnp.stack([codes & 0x0F, codes >> 4], axis=-1).reshape(scale_bytes.shape + (-1,))
+    nan = scale_bytes == _E8M0_NAN
+    live = ~nan & ((scale_bytes != 127) | jnp.any((c & 0x07) != 0, axis=-1))
+    s = scale_bytes.astype(jnp.int32) - 127
+    big = jnp.int32(1 << 20)
+    s_max = jnp.max(jnp.where(live, s, -big))
+    s_min = jnp.min(jnp.where(live, s, big))
+    per16 = jnp.repeat(scale_bytes, _MX_BLOCK // _NV_BLOCK, axis=-1)
+    return _carried(codes, per16, s_max, s_min, jnp.any(nan))
 
 
 def _pairable(x2, h) -> bool:
