@@ -78,8 +78,11 @@ __all__ = [
     "fp4_operand",
     "in_place_operand",
     "kernel_operand",
+    "kernel_packed",
     "kernel_view",
     "mx_gemm_fp4",
+    "mx_gemm_fp4_packed_rhs",
+    "packed_operand",
     "reencode",
     "takes_mxfp4",
 ]
@@ -460,23 +463,58 @@ def kernel_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, s
     """
     from mxjax.routes import xla_fp4_kernel as kernel  # Pallas: loaded on first use
 
-    if pair:
-        halves = kernel.mxfp4_operand_pair(x2, op, hadamard_size=hadamard_size, signs=signs,
-                                           bf16_values=bf16_values, e2m1_cvt=e2m1_cvt,
-                                           interpret=interpret)
-        codes, scale_bytes, s_max, s_min = halves[0] if axis == 1 else halves[1]
-    else:
-        if k_out != x2.shape[axis]:
-            widths = [(0, 0), (0, 0)]
-            widths[axis] = (0, k_out - x2.shape[axis])
-            x2 = jnp.pad(x2, widths)
-        codes, scale_bytes, s_max, s_min = kernel.mxfp4_operand(
-            x2, axis, op, hadamard_size=hadamard_size, signs=signs, bf16_values=bf16_values,
-            e2m1_cvt=e2m1_cvt, interpret=interpret)
+    codes, scale_bytes, s_max, s_min = _kernel_codes(
+        x2, axis, op, hadamard_size=hadamard_size, signs=signs, k_out=k_out, pair=pair,
+        bf16_values=bf16_values, e2m1_cvt=e2m1_cvt, interpret=interpret)
     nonfinite = s_max == kernel.NONFINITE_SENTINEL
     f = codes.shape[0]
     return _carried(codes.reshape(1, f, -1), scale_bytes.reshape(1, f, -1), s_max, s_min,
                     nonfinite)
+
+
+def _kernel_codes(x2, axis, op, *, hadamard_size, signs, k_out, pair, bf16_values, e2m1_cvt,
+                  interpret):
+    """`kernel_operand`'s kernel call: (codes ``[F, k_out // 2]``, per-16 E8M0 scale bytes
+    ``[F, k_out // 16]``, s_max, s_min) (`xla_fp4_kernel.mxfp4_operand`)."""
+    from mxjax.routes import xla_fp4_kernel as kernel  # Pallas: loaded on first use
+
+    if pair:
+        halves = kernel.mxfp4_operand_pair(x2, op, hadamard_size=hadamard_size, signs=signs,
+                                           bf16_values=bf16_values, e2m1_cvt=e2m1_cvt,
+                                           interpret=interpret)
+        return halves[0] if axis == 1 else halves[1]
+    if k_out != x2.shape[axis]:
+        widths = [(0, 0), (0, 0)]
+        widths[axis] = (0, k_out - x2.shape[axis])
+        x2 = jnp.pad(x2, widths)
+    return kernel.mxfp4_operand(x2, axis, op, hadamard_size=hadamard_size, signs=signs,
+                                bf16_values=bf16_values, e2m1_cvt=e2m1_cvt, interpret=interpret)
+
+
+def kernel_packed(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, signs,
+                  pair: bool = True, bf16_values: bool = False, e2m1_cvt: bool = False,
+                  interpret: bool = False) -> MXArray:
+    """The canonical MXFP4 operand of a 2-D ``x2`` contracted along ``axis``, by the
+    one-pass kernel: ``mxjax.quantize_with`` of x2 laid out ``[F, K]`` (rotated by the
+    Hadamard of size `hadamard_size` with `signs`, K zero-padded to it), bit for bit.
+
+    With ``pair``, where x2's sizes allow it, the kernel quantizes x2 in both directions
+    (`kernel_operand`'s ``pair``): the forward GEMM reading x2 along its other axis with
+    the same recipe and signs makes the same call, and XLA computes both in one read.
+    ``bf16_values``: the operand is ``x2.astype(bfloat16)``, rounded in the kernel.
+    Returns an MXArray of shape ``[F, K']`` (K' the contraction padded to the Hadamard
+    size), blocked along axis 1.
+    """
+    h = hadamard_size
+    k = x2.shape[axis]
+    k_logical = k if h is None else -(-k // h) * h
+    k_out = _k_pad(k, h)
+    codes, scale_bytes, _, _ = _kernel_codes(
+        x2, axis, op, hadamard_size=h, signs=signs, k_out=k_out,
+        pair=pair and k_out == k and _pairable(x2, h), bf16_values=bf16_values, e2m1_cvt=e2m1_cvt,
+        interpret=interpret)
+    return MXArray(codes, scale_bytes[:, ::_MX_BLOCK // _NV_BLOCK], None,
+                   (x2.shape[1 - axis], k_logical), 1, op.fmt, bool(op.sr_prescale))
 
 
 def _carried(codes, scale_bytes, s_max, s_min, nonfinite):

@@ -10,6 +10,8 @@
   dot, and the emulation when an operand spans more than E4M3's window or holds NaN),
   batch axes, a contraction not last, a bf16 result, the lhs by the one-pass kernel
   (Pallas interpreter), and the recipes of every MXFP4 preset's backward GEMMs.
+* `kernel_packed` (the residual by the one-pass kernel, in one or both directions) is the
+  canonical operand, MXArray for MXArray.
 """
 
 from __future__ import annotations
@@ -198,3 +200,21 @@ def test_the_packed_rhs_gemm_rejects_a_q_of_another_contraction():
     with pytest.raises(ValueError, match="the 'xla_fp4' backend takes MXFP4"):
         xla_fp4.mx_gemm_fp4_packed_rhs(a, q, b.shape, _MM, policies.get("nvfp4").wgrad,
                                        None, None)
+
+
+# ------------------------------------------------------------ the residual by the kernel
+@pytest.mark.parametrize("axis,h,pair", [(0, 16, True), (1, 32, True), (0, None, False),
+                                         (1, 16, False)])
+def test_kernel_packed_is_the_canonical_operand_bit_for_bit(axis, h, pair):
+    # Paired: both sizes whole blocks; single: the adversarial 40 x 100 (K padded inside).
+    x = _adversarial(jnp.float32)[:, :96] if pair else _adversarial(jnp.float32)
+    x = x[:32] if pair else x
+    signs = _signs(h)
+    got = jax.jit(lambda x: xla_fp4.kernel_packed(x, axis, MXFP4, hadamard_size=h, signs=signs,
+                                                  pair=pair, bf16_values=True,
+                                                  interpret=True))(x)
+    recipe = GemmRecipe(lhs=MXFP4, rhs=MXFP4,
+                        hadamard=None if h is None else mxjax.Hadamard(block_size=h))
+    dims = (((axis,), (axis,)), ((), ()))
+    want = _canonical_q(x.astype(jnp.bfloat16), dims, recipe, None, signs)
+    chex.assert_trees_all_equal(got, want)
