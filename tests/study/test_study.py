@@ -386,3 +386,14 @@ def test_a_small_studys_report_says_what_it_cannot_conclude(tmp_path, data_cache
         assert f"_Nothing to conclude here: {why}" in section, (title, section)
     assert "| `mxfp4_all` |" in text and "n/a (2 seeds, 2 replicates)" in text
     assert "What each ablation changes" not in text  # no ablations, no heading
+
+
+def test_an_unknown_rung_gets_did_you_mean(tmp_path, data_cache):
+    """An unknown rung listed every known name (460 characters) and no guess."""
+    with pytest.raises(ConfigError) as e:
+        SC.from_dict(_raw(tmp_path, data_cache, rungs=["fp8", "mxfp4_al"], baseline="fp8"))
+    msg = str(e.value)
+    assert msg.startswith("rungs: unknown 'mxfp4_al' (did you mean 'mxfp4_all'")
+    assert msg.endswith("; every name: study.policies.names() and custom_policies")
+    with pytest.raises(ConfigError, match=r"^reference: unknown 'xyzzy'; known: fp8, "):
+        SC.from_dict(_raw(tmp_path, data_cache, reference="xyzzy"))
