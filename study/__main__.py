@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from study import config as SC
-from study.runner import run_study
+from study.runner import check_backends, run_study
 from train.config import ConfigError
 from train.plan import check_out_dir
 
@@ -30,6 +30,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = SC.load(a.config, sets)
         check_out_dir(cfg.out_path)
+        if not a.report_only:
+            check_backends(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import hashlib
 import inspect
 import json
@@ -214,6 +215,20 @@ def from_dict(raw: Mapping[str, Any]) -> StudyConfig:
     return cfg
 
 
+def _unknown(key: str, bad: Sequence[str], known: set[str]) -> str:
+    """The error for policy names the study does not know: the closest known names of each
+    ("did you mean"), the whole list only where one has none."""
+    parts, hopeless = [], False
+    for name in bad:
+        close = difflib.get_close_matches(str(name), sorted(known), n=2, cutoff=0.6)
+        hopeless |= not close
+        parts.append(f"{name!r}" + (f" (did you mean {' or '.join(map(repr, close))}?)"
+                                    if close else ""))
+    every = (f"known: {', '.join(sorted(known))}" if hopeless else
+             "every name: study.policies.names() and custom_policies")
+    return f"{key}: unknown {', '.join(parts)}; {every}"
+
+
 def check(cfg: StudyConfig) -> None:
     """The study's value rules (types are checked by the builder)."""
     require(bool(cfg.name) and "/" not in cfg.name, f"name: a non-empty name without '/', got "
@@ -227,8 +242,8 @@ def check(cfg: StudyConfig) -> None:
             continue
         require_unique(obj, key, allow_empty=key != "rungs")
         bad = [p for p in obj if p not in known]
-        require(not bad, f"{key}: unknown {bad}; known: {', '.join(sorted(known))}")
-    require(cfg.reference in known, f"reference: unknown policy {cfg.reference!r}")
+        require(not bad, _unknown(key, bad, known))
+    require(cfg.reference in known, _unknown("reference", [cfg.reference], known))
     require(cfg.baseline in cfg.rungs, f"baseline: {cfg.baseline!r} must be one of rungs")
     require_unique(cfg.seeds, "seeds")
     require(len(cfg.seeds) >= 2, "seeds: at least 2 (the confidence intervals need them; the "

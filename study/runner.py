@@ -23,6 +23,8 @@ from study.probe.mechanism import run_probe
 from study.states import load_state, save_state, state_path
 from study.units import Unit, chunks, plan_units
 from train.config import ConfigError
+from train.plan import check_backends as plan_check_backends
+from train.plan import with_backend
 from train.run import CompiledRun
 
 __all__ = ["execute", "execute_chunk", "run_study"]
@@ -97,6 +99,23 @@ def _worker_env() -> dict[str, str]:
     flags = os.environ.get("XLA_FLAGS", "")
     return {"XLA_FLAGS": (flags + " --xla_cpu_multi_thread_eigen=false "
                           "intra_op_parallelism_threads=1").strip()}
+
+
+def check_backends(cfg: SC.StudyConfig) -> None:
+    """Every policy the study trains, on its ``run: backend`` (`train.plan.with_backend`, as
+    each unit compiles it), runs on this chip, implements the policy's formats and gives a
+    speed-up there (`train.plan.check_backends`, a run's own check): a ConfigError naming
+    the policy before anything trains (it was a traceback when the first such unit
+    compiled, after the units before it had trained)."""
+    backend = SC.run_config(cfg, cfg.width).backend
+    for name in sorted({u.policy for u in plan_units(cfg)}):
+        policy = with_backend(cfg.policy(name), backend)
+        if policy is None:
+            continue
+        try:
+            plan_check_backends(policy)
+        except ConfigError as e:
+            raise ConfigError(f"policy {name!r} on run.backend {backend!r}: {e}") from None
 
 
 def run_study(cfg: SC.StudyConfig, *, verbose: bool = True) -> dict[str, Any]:

@@ -7,10 +7,15 @@ piece does not hide the others:
 1. **memory**, from the model, the mesh and the micro-batch alone (no data file or
    tokenizer is read): the estimate per device (`train.memory`), whether it fits the
    devices (`train.devices`: this host's, or ``--devices N --chip NAME`` for hardware the
-   host lacks) and the smallest ``mesh.fsdp`` that fits;
-2. **everything else the run validates** (`train.plan.validate`: data files, tokenizer,
+   host lacks) and the smallest ``mesh.fsdp`` that fits; beside it, what each GEMM of the
+   policy runs on there (`train.backend.route_record`);
+2. **the output directory**, which the run takes before anything else: an ``--out`` that
+   is (or lies under) a file (exit 2), or one the run could not take (exit 5: not
+   writable, a file where the checkpoints go, files that no run wrote;
+   `train.run_lock.check_usable`, nothing created);
+3. **everything else the run validates** (`train.plan.validate`: data files, tokenizer,
    policy, batch sizes), its data prepared as the run would;
-3. **the checkpoints in** ``--out``: what the run would refuse there
+4. **the checkpoints in** ``--out``: what the run would refuse there
    (`train.compat.check_run_dir`, the comparison the run itself makes).
 
 Each problem is a `Finding`: the line the run prints for it and the run's exit code.
@@ -24,12 +29,13 @@ from typing import Any
 from mxjax.backends import Capabilities, capabilities_for
 from mxjax.chips import Chip, compute_capability_of
 from train import backend as backend_mod
-from train import compat, memory
+from train import compat, memory, run_lock
 from train import devices as devmod
 from train import plan as plan_mod
 from train.checkpoint import CheckpointError, CheckpointWriteError
 from train.config import Config, ConfigError
 from train.data import DataError
+from train.output.summary import finished
 
 __all__ = ["Finding", "check"]
 
@@ -89,6 +95,33 @@ def _chip_capabilities(target: devmod.DeviceTarget) -> Capabilities | None:
                                  compute_capability=compute_capability_of(kind)))
 
 
+def _routes(cfg: Config, caps: Capabilities | None) -> dict[str, Any] | None:
+    """What each GEMM of the config's policy runs on, on the chip of ``caps`` (None: this
+    host's), from the config alone (`train.backend.route_record`); None when the policy or
+    its backend is refused (the validation's finding says why)."""
+    try:
+        policy, _, _ = plan_mod.resolve_policy(cfg.policy, cfg.backend, caps=caps)
+    except ConfigError:
+        return None
+    return backend_mod.route_record(policy, cfg.backend, caps=caps)
+
+
+def _run_dir(cfg: Config) -> Finding | None:
+    """What the run would refuse in its output directory before anything else
+    (`train.run_lock.check_usable`: not writable, a file where the checkpoints go, files no
+    run wrote), as the run reports it (exit 5); None for a usable one, or a finished run's
+    that it cannot write (the run then only reports its result)."""
+    try:
+        run_lock.check_usable(cfg.out_path)
+    except run_lock.RunDirNotWritable as e:
+        if finished(cfg.out_path, cfg.train.steps):
+            return None
+        return Finding(line=f"output directory error: {e}", exit_code=5)
+    except run_lock.RunLockError as e:
+        return Finding(line=f"output directory error: {e}", exit_code=5)
+    return None
+
+
 def check(cfg: Config, *, devices: int | None = None, chip: str | None = None,
           verbose: bool = True) -> tuple[dict[str, Any], list[Finding]]:
     """(the JSON report, the findings in the order the run would meet them) for `cfg` on
@@ -105,7 +138,20 @@ def check(cfg: Config, *, devices: int | None = None, chip: str | None = None,
         report.update(part)
     except ConfigError as e:  # no estimate without a model and a mesh: the run's refusal
         run_findings.append(_finding(e))
+    else:  # what each GEMM runs on there, also without data (validate names it again)
+        routes = _routes(cfg, caps)
+        if routes is not None:
+            report["routes"] = routes
+    run_dir = None
     if not run_findings:
+        try:
+            plan_mod.check_out_dir(cfg.out_path)
+        except ConfigError as e:
+            run_findings.append(_finding(e))
+        else:
+            run_dir = _run_dir(cfg)
+            run_findings += [run_dir] if run_dir else []
+    if not run_findings or run_dir:
         try:
             plan = plan_mod.validate(cfg, verbose=verbose, n_devices=target.count, caps=caps)
         except (ConfigError, DataError, OSError) as e:
@@ -115,10 +161,11 @@ def check(cfg: Config, *, devices: int | None = None, chip: str | None = None,
                            "eval_batch": plan.eval_batch,
                            "routes": backend_mod.route_record(plan.policy, cfg.backend,
                                                               caps=caps)})
-            try:
-                report["resumes_from_step"] = compat.check_run_dir(plan)
-            except (ConfigError, CheckpointError, OSError) as e:
-                run_findings.append(_finding(e))
+            if run_dir is None:  # the run stops at its directory before its checkpoints
+                try:
+                    report["resumes_from_step"] = compat.check_run_dir(plan)
+                except (ConfigError, CheckpointError, OSError) as e:
+                    run_findings.append(_finding(e))
     findings = run_findings + ([memory_finding] if memory_finding else [])
     report["ok"] = not findings
     if findings:

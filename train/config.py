@@ -78,7 +78,8 @@ class DataSection:
     sources: tuple[str, ...] = _field(
         ("embedded:austen",),
         "training files or globs: .txt/.txt.gz (plain text) or .json/.jsonl(.gz) "
-        "(one JSON object per line, C4 style); 'embedded:austen' is the bundled corpus")
+        "(one JSON object per line, C4 style); .parquet under data.loader grain; "
+        "'embedded:austen' is the bundled corpus")
     val_sources: tuple[str, ...] = _field(
         (), "validation files/globs (e.g. the C4 validation shard); empty = hold out "
         "part of `sources`")
@@ -398,6 +399,11 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
 
         if isinstance(spec, policies.PrecisionPolicy):  # stored as its dict (YAML/JSON-safe)
             raw = {**raw, "policy": jsonable(policies.to_dict(spec))}
+    data = raw.get("data")
+    if isinstance(data, Mapping) and data.get("format") == "parquet":  # not a format option
+        raise ConfigError("data.format: parquet files are read by the grain loader, which "
+                          "tells them by their .parquet name (data.format auto): --set "
+                          "data.loader=grain, with the 'parquet' extra (docs/DATA.md)")
     cfg = expand_user(build(Config, raw))
     check(cfg)
     return cfg

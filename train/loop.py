@@ -25,8 +25,8 @@ import jax
 
 from train.config import Config
 from train.hooks import Hooks, StepContext
-from train.output.summary import RunSummary, read_summary
-from train.plan import Plan, validate
+from train.output.summary import RunSummary, finished
+from train.plan import Plan, check_out_dir, validate
 from train.process import init_distributed, use_compile_cache
 from train.run_lock import RunDirNotWritable, acquire_for_run
 from train.trainer import Trainer
@@ -48,13 +48,12 @@ def run(config: Config, *, hooks: Hooks | None = None, verbose: bool = True) -> 
     if config.mesh.distributed:
         init_distributed(config.mesh)
     use_compile_cache(config.jax_cache_dir)
+    check_out_dir(config.out_path)  # a file there: the config error --check reports
     lock, read_only = None, False
     try:
         lock, stale = acquire_for_run(config.out_path)
     except RunDirNotWritable:
-        prev = read_summary(config.out_path / "summary.json")
-        if prev is None or not (prev.status == "target_reached" or (
-                prev.status == "completed" and prev.steps >= config.train.steps)):
+        if not finished(config.out_path, config.train.steps):
             raise
         read_only = True  # the Trainer checks the checkpoints agree, and writes nothing
     else:

@@ -114,6 +114,30 @@ def check_writable(directory: str | Path) -> None:
     except OSError as e:
         raise RunDirNotWritable(f"output directory {d} cannot be created ({e.strerror}); "
                                 "choose a writable --out") from None
+    _check_run_files(d)
+
+
+def check_usable(directory: str | Path) -> None:
+    """What `RunLock.acquire` would refuse in `directory`, found without creating, writing or
+    locking anything (``python -m train --check``): `RunDirNotWritable` when it cannot be
+    created or written, `RunDirNotOwned` when it holds files that no run wrote, each with
+    the message the run prints. A live run holding the directory is not looked for (that
+    takes its lock); an ancestor that is a file is `train.plan.check_out_dir`'s."""
+    d = Path(directory)
+    if not d.is_dir():
+        parent = next((p for p in d.parents if p.is_dir()), None)
+        if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
+            why = ("Read-only file system" if os.statvfs(parent).f_flag & os.ST_RDONLY
+                   else "Permission denied")
+            raise RunDirNotWritable(f"output directory {d} cannot be created ({why}); "
+                                    "choose a writable --out")
+        return
+    _check_run_files(d)
+    check_owned(d)
+
+
+def _check_run_files(d: Path) -> None:
+    """`check_writable`'s checks of an existing directory `d` and the run files in it."""
     for n in RUN_FILES:  # a directory where a file goes, or the other way round
         want_dir = n in RUN_DIRS
         if (d / n).exists() and (d / n).is_dir() != want_dir:

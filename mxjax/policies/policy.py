@@ -190,11 +190,14 @@ class PrecisionPolicy:
         recipe = getattr(self, gemm)
         if recipe.is_passthrough:
             return None
+        where = f"policy.{gemm}.backend"
         try:
-            return route_for(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt,
-                             where=f"policy.{gemm}", caps=caps)
+            return route_for(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt, where=where,
+                             caps=caps)
         except (RuntimeError, ValueError) as e:
-            raise type(e)(f"policy.{gemm}.backend: {e}") from None
+            if str(e).startswith(f"{where}: "):  # a formats error names it already
+                raise
+            raise type(e)(f"{where}: {e}") from None
 
     def routes(self, platform: str | None = None, *,
                caps: Capabilities | None = None) -> dict[str, str]:

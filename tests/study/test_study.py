@@ -386,3 +386,33 @@ def test_a_small_studys_report_says_what_it_cannot_conclude(tmp_path, data_cache
         assert f"_Nothing to conclude here: {why}" in section, (title, section)
     assert "| `mxfp4_all` |" in text and "n/a (2 seeds, 2 replicates)" in text
     assert "What each ablation changes" not in text  # no ablations, no heading
+
+
+def test_an_unknown_rung_gets_did_you_mean(tmp_path, data_cache):
+    """An unknown rung listed every known name (460 characters) and no guess."""
+    with pytest.raises(ConfigError) as e:
+        SC.from_dict(_raw(tmp_path, data_cache, rungs=["fp8", "mxfp4_al"], baseline="fp8"))
+    msg = str(e.value)
+    assert msg.startswith("rungs: unknown 'mxfp4_al' (did you mean 'mxfp4_all'")
+    assert msg.endswith("; every name: study.policies.names() and custom_policies")
+    with pytest.raises(ConfigError, match=r"^reference: unknown 'xyzzy'; known: fp8, "):
+        SC.from_dict(_raw(tmp_path, data_cache, reference="xyzzy"))
+
+
+def test_a_backend_a_policy_cannot_use_is_a_config_error_before_training(tmp_path, data_cache):
+    """``run: backend: xla_fp8`` crashed with a traceback when the fp8 baseline compiled,
+    after the reference runs had trained; a backend without a speed-up on this CPU trained."""
+    def cfg(backend, **top):
+        raw = _raw(tmp_path, data_cache, **top)
+        raw["run"] = {**raw["run"], "backend": backend}
+        return SC.from_dict(raw)
+
+    with pytest.raises(ConfigError, match=r"^policy 'fp8' on run\.backend 'xla_fp8': policy\."
+                       r"fprop\.backend: backend 'xla_fp8' implements MXFP4 x MXFP4 only, "):
+        runner.check_backends(cfg("xla_fp8"))
+    mx = {"rungs": ["mxfp4_all"], "baseline": "mxfp4_all", "ablations": []}
+    with pytest.raises(ConfigError, match=r"^policy 'mxfp4_all' on run\.backend 'xla_fp4': "
+                       r"policy\.fprop\.backend: backend 'xla_fp4' gives no speed-up on 'cpu'"):
+        runner.check_backends(cfg("xla_fp4", **mx))
+    runner.check_backends(cfg("auto"))
+    runner.check_backends(cfg("xla", **mx))

@@ -47,6 +47,8 @@ def test_8b_check_without_c4_prints_the_estimate_for_8_h100s(tmp_path, capsys):
     assert out["device_memory"].startswith("NVIDIA H100 80GB HBM3: 79.65 GiB")
     assert out["fits"] is True
     assert out["smallest_fsdp"].startswith("the smallest mesh.fsdp that fits is 8 ")
+    # what backend auto becomes on an H100, without the data
+    assert [out["routes"][g] for g in ("fprop", "dgrad", "wgrad")] == ["xla_fp8"] * 3
     assert err == [("config error: data.sources: no file matches "
                    "'c4/en/3.0.1/c4-train.*-of-01024.json.gz'")]
     assert out["problems"] == err and out["ok"] is False
@@ -216,3 +218,58 @@ def test_an_explicit_backend_is_judged_on_the_chip_asked_about(trained, capsys, 
     code, b200, err = _check(capsys, [*args, "--chip", "b200"])
     assert (code, err, b200["ok"]) == (0, [], True)
     assert [b200["routes"][g] for g in ("fprop", "dgrad", "wgrad")] == ["xla_fp4"] * 3
+
+
+# --------------------------------------------------------------------------- the run dir
+def _foreign_files(out):
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("{}\n")  # a run's file name, no .run.lock beside it
+
+
+def _checkpoints_file(out):
+    out.mkdir()
+    (out / "checkpoints").write_text("not a directory")
+
+
+def _out_is_a_file(out):
+    out.write_text("not a directory")
+
+
+@pytest.mark.parametrize(("setup", "code", "start"), [
+    (_foreign_files, 5, "output directory error: output directory {out} holds metrics.jsonl"),
+    (_checkpoints_file, 5, "output directory error: {out}/checkpoints is a file, where "),
+    # the run said 'output directory ... cannot be created (File exists)', exit 5
+    (_out_is_a_file, 2, "config error: out_dir (--out) {out} is a file, not a directory"),
+])
+def test_check_refuses_the_output_directory_the_run_refuses(tmp_path, data_cache, capsys,
+                                                            setup, code, start):
+    """--check said "ok": true for an --out the run refuses at once."""
+    out = tmp_path / "run"
+    setup(out)
+    args = _args(out, data_cache, "train.steps=2")
+    got, report, err = _check(capsys, args)
+    assert got == code and report["ok"] is False, err
+    assert err[0].startswith(start.format(out=out)), err
+    assert main(["--quiet", *args]) == code  # the run: the same first line, the same code
+    run_err = [ln for ln in capsys.readouterr().err.splitlines()
+               if ln.strip() and not ln.startswith("[train] note:")]
+    assert run_err == err[:1]
+    assert not (out / ".run.lock").exists()  # neither created anything
+
+
+def test_check_of_a_directory_it_cannot_write(trained, monkeypatch):
+    """Not writable: the run's message (exit 5); unless the run there has nothing left to
+    do, which the run then only reports."""
+    from train import check as check_mod
+    from train import run_lock
+    from train.config import load
+
+    out, args = trained
+    assert args[0] == "--config" and set(args[2::2]) == {"--set"}
+    cfg = load(args[1], args[3::2])
+    monkeypatch.setattr(run_lock.os, "access", lambda *a, **k: False)
+    assert check_mod._run_dir(cfg) is None  # finished: two steps of two
+    more = load(args[1], [*args[3::2], "train.steps=3"])
+    finding = check_mod._run_dir(more)
+    assert finding.exit_code == 5 and finding.line.startswith(
+        f"output directory error: output directory {out} is not writable by this user")

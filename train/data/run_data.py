@@ -69,7 +69,8 @@ class StreamRunData:
 
     def summary(self) -> str:
         """One line on the training data, for the run's log."""
-        return (f"{self.n_sources} shards streamed (grain, {self.data.workers} workers per "
+        n, w = self.n_sources, self.data.workers
+        return (f"{n} shard{'s' * (n != 1)} streamed (grain, {w} worker{'s' * (w != 1)} per "
                 f"process) into sequences of {self.data.seq_len} tokens")
 
 

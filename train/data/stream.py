@@ -397,7 +397,9 @@ def check_stream(data: DataSection) -> list[Path]:
     if data.tokenizer == "bpe":
         raise ConfigError("data.tokenizer: data.loader grain tokenizes with a Hugging Face "
                           "tokenizer.json (a path); the trained 'bpe' tokenizer needs "
-                          "data.loader: prepared")
+                          "data.loader: prepared. For your own text, python -m train.data "
+                          "tokenizer --source FILES --vocab-size N --out tokenizer.json "
+                          "writes one (docs/DATA.md)")
     if not data.val_sources:
         raise ConfigError("data.val_sources: data.loader grain needs a validation file (e.g. "
                           "C4's c4-validation_24567exp.json); holding out part of the sources "

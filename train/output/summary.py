@@ -77,6 +77,15 @@ def read_summary(path: Path) -> RunSummary | None:
         return None
 
 
+def finished(out_dir: Path, steps: int) -> bool:
+    """Whether ``out_dir/summary.json`` records a run with nothing left to do at ``steps``
+    steps (its target reached, or completed with at least that many): such a run in a
+    directory it cannot write only reports its result."""
+    prev = read_summary(Path(out_dir) / "summary.json")
+    return prev is not None and (prev.status == "target_reached" or (
+        prev.status == "completed" and prev.steps >= steps))
+
+
 def segment_record(*, first_step: int, last_step: int, wall_s: float, steady_steps: int,
                    steady_s: float, tokens_per_step: int) -> dict[str, Any]:
     """One segment of a run (one process's share): its steps, wall time (setup and compile

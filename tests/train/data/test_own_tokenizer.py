@@ -78,6 +78,21 @@ def test_parquet_under_the_prepared_loader_names_the_grain_loader(tmp_path, data
         S.detect_format(tmp_path / "docs.csv")
 
 
+def test_format_and_tokenizer_errors_name_the_loader_and_the_command():
+    """``data.format: parquet`` said "must be one of 'auto' | 'text' | 'jsonl'", and the
+    grain loader with the trained 'bpe' tokenizer did not say how to get a tokenizer.json."""
+    from train.config import ConfigError, load
+    from train.data.stream import check_stream
+
+    with pytest.raises(ConfigError, match=r"^data\.format: parquet files are read by the "
+                       r"grain loader, .*--set data\.loader=grain"):
+        load(None, ["data.format=parquet"])
+    cfg = load(None, ["data.loader=grain", "data.sources=[c4/*.json.gz]"])
+    with pytest.raises(ConfigError, match=r"the trained 'bpe' tokenizer needs data\.loader: "
+                       r"prepared\. For your own text, python -m train\.data tokenizer "):
+        check_stream(cfg.data)
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--max-docs", "-1"], "error: --max-docs -1: give a document count of 1 or more"),
     (["--max-docs", "0"], "error: --max-docs 0: give a document count of 1 or more"),
@@ -92,3 +107,18 @@ def test_tokenizer_command_names_a_bad_count_in_one_line(tmp_path, capsys, argv,
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith(message) and len(err.splitlines()) == 1
     assert not (tmp_path / "tokenizer.json").exists()
+
+
+def test_one_shard_and_one_worker_in_the_singular():
+    """The run's log said '1 shards streamed (grain, 1 workers per process)'."""
+    from train.config import load
+    from train.data.run_data import StreamRunData
+
+    def line(n, workers):
+        data = load(None, [f"data.workers={workers}", "data.seq_len=64"]).data
+        return StreamRunData(data=data, val=None, n_sources=n, vocab_size=512,
+                             global_batch=8).summary()
+
+    assert line(1, 1) == ("1 shard streamed (grain, 1 worker per process) into sequences of "
+                          "64 tokens")
+    assert line(2, 0).startswith("2 shards streamed (grain, 0 workers per process)")
