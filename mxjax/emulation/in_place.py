@@ -362,36 +362,44 @@ def mx_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
 
 
 def mx_gemm_packed_rhs(a: jax.Array, q: MXArray, b_shape: Sequence[int], dims, recipe, k_lhs,
-                       signs, *, operand_dtype=None) -> jax.Array:
-    """`mx_gemm` (form 'gpu') with its rhs given quantized: the same result, bit for bit.
+                       signs, *, form: str = "gpu", interpret: bool = False,
+                       operand_dtype=None) -> jax.Array:
+    """`mx_gemm` with its rhs given quantized: the same result, bit for bit.
 
     Args:
-      a: the lhs (cast to ``operand_dtype`` first if given).
+      a: the lhs (the GEMM casts it to ``operand_dtype`` first if given, as `mx_gemm`).
       q: the rhs's canonical quantized operand: the primal ``b`` (of shape ``b_shape``)
         in the canonical layout ``[batch..., F, K]`` (free axes flattened), rotated by the
         recipe's Hadamard (K zero-padded to its size), quantized along K with the rhs key
-        (`mxjax.quantize_with`): the values `mx_operand_values` gives b, which are laid
-        out here as b's contraction view, so the GEMM is the same ``dot_general``.
+        (`mxjax.quantize_with`): the values `mx_gemm` gives b, laid out here as b's
+        contraction view, so that the GEMM is the same ``dot_general``.
       dims: the dimension numbers of ``dot_general(a, b)``.
+      form, interpret: as `mx_gemm`'s, for the lhs.
     Returns:
       f32 ``[batch..., lhs free..., rhs free...]``, as `mx_gemm`.
     """
-    if operand_dtype is not None:
-        a = a.astype(operand_dtype)
+    if form not in ("gpu", "tpu"):
+        raise ValueError(f"form: expected 'gpu' or 'tpu', got {form!r}")
+    if form == "gpu" and operand_dtype is not None:
+        a, operand_dtype = a.astype(operand_dtype), None
     (ca, cb), (ba, bb) = dims
     va = contraction_view(a, ba, ca)
     h = None if recipe.hadamard is None else recipe.hadamard.block_size
     k = va.x.shape[va.axis]
     k_out = k if h is None else -(-k // h) * h
-    av = mx_operand_values(va, recipe.lhs, key=k_lhs, k_out=k_out, hadamard_size=h,
-                           signs=signs)
+    kw = {"k_out": k_out, "hadamard_size": h, "signs": signs, "key": k_lhs}
+    if form == "tpu":
+        av = mx_operand_values_tpu(va, recipe.lhs, operand_dtype=operand_dtype,
+                                   interpret=interpret, **kw)
+    else:
+        av = mx_operand_values(va, recipe.lhs, **kw)
     b_axis, b_batch, b_perm = _view_axes(len(b_shape), tuple(bb), tuple(cb))
     canonical = tuple(b_shape[i] for i in bb) + tuple(
         b_shape[i] for i in free_axes(len(b_shape), bb, cb))
-    if tuple(q.shape) != canonical[:len(bb)] + (math.prod(canonical[len(bb):]), k_out):
-        raise ValueError(f"q: expected the canonical operand of shape "
-                         f"{canonical[:len(bb)] + (math.prod(canonical[len(bb):]), k_out)} "
-                         f"for b of shape {tuple(b_shape)}, got {tuple(q.shape)}")
+    want = canonical[:len(bb)] + (math.prod(canonical[len(bb):]), k_out)
+    if tuple(q.shape) != want:
+        raise ValueError(f"q: expected the canonical operand of shape {want} for b of shape "
+                         f"{tuple(b_shape)}, got {tuple(q.shape)}")
     # The values without the SR unscale, which multiplies the result as in mx_gemm.
     bare = MXArray(q.codes, q.scales, q.tensor_scale, q.shape, q.axis, q.fmt, False)
     bv = dequantize(bare, av.dtype).reshape(canonical + (k_out,))

@@ -28,8 +28,9 @@ import pytest
 
 import mxjax
 from mxjax import rotation
+from mxjax.dimensions import Dims
 from mxjax.emulation import in_place, in_place_values
-from mxjax.quantization import fake_quantize_parts_with
+from mxjax.quantization import fake_quantize_parts_with, quantize_with
 from mxjax.scaling import SR_UNSCALE
 from tests import reference as ref
 
@@ -391,3 +392,35 @@ def test_nearest_even_values_rejects_other_roundings():
     with pytest.raises(ValueError, match="nearest-even"):
         in_place_values.nearest_even_values(jnp.zeros((1, 32)), jnp.zeros((1, 1), jnp.uint32),
                                                op)
+
+
+# mx_gemm with its rhs given quantized (a quantized residual): the rhs's canonical operand,
+# quantized as the GEMM would, read back in b's contraction view: the same dot_general.
+_PACKED_CASES = [((128, 256), (256, 128), (((1,), (0,)), ((), ()))),
+                 ((2, 64, 128), (2, 96, 128), (((2,), (2,)), ((0,), (0,))))]
+
+
+@pytest.mark.parametrize("form", ["gpu", "tpu"])
+@pytest.mark.parametrize("preset,gemm", [("mxfp4_all_h16", "wgrad"), ("mxfp4_all_sr", "dgrad")])
+def test_mx_gemm_with_the_rhs_given_quantized_is_mx_gemm(form, preset, gemm, np_rng):
+    from mxjax import operands
+
+    recipe = getattr(mxjax.policies.get(preset), gemm)
+    key = jax.random.key(7) if recipe.needs_key else None
+
+    def both(a, b, dims):
+        k_lhs, k_rhs, k_had = operands.split_key(key)
+        signs = operands.rotation_signs(recipe.hadamard, k_had) if recipe.hadamard else None
+        want = in_place.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs, signs, form=form,
+                                interpret=True, operand_dtypes=(jnp.bfloat16, None))
+        _, b3 = operands.rotate(*operands.canonical_operands(a, b, Dims(*dims)), recipe, k_had)
+        q = quantize_with(b3, recipe.rhs, -1, key=k_rhs)
+        return want, in_place.mx_gemm_packed_rhs(a, q, b.shape, dims, recipe, k_lhs, signs,
+                                                 form=form, interpret=True,
+                                                 operand_dtype=jnp.bfloat16)
+
+    for shape_a, shape_b, dims in _PACKED_CASES:
+        a = jnp.asarray(_adversarial(np_rng, shape_a, np.float32))
+        b = jnp.asarray(_adversarial(np_rng, shape_b, ml_dtypes.bfloat16))
+        want, got = jax.jit(both, static_argnums=2)(a, b, dims)
+        chex.assert_trees_all_equal(want, got)
