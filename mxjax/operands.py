@@ -20,7 +20,7 @@ from mxjax._platform import cpu_barrier
 from mxjax.dimensions import Dims, free_axes
 from mxjax.rotation import fixed_signs, hadamard, random_signs
 
-__all__ = ["canonical_operands", "free_size", "quantizer_operands", "rotate", "rotation_signs",
+__all__ = ["canonical_operand", "canonical_operands", "free_size", "quantizer_operands", "rotate", "rotation_signs",
            "split_key"]
 
 
@@ -34,6 +34,12 @@ def _to_canonical(x: jax.Array, batch: Sequence[int], contract: Sequence[int]) -
     f = math.prod(x.shape[len(batch): len(batch) + len(free)])
     k = math.prod(x.shape[len(batch) + len(free):])
     return x.reshape(bshape + (f, k)).astype(jnp.float32)
+
+
+def canonical_operand(x: jax.Array, batch: Sequence[int], contract: Sequence[int]) -> jax.Array:
+    """One operand in the canonical layout: f32 ``[batch..., F, K]`` (its free axes and its
+    contracting axes, in the order given, flattened)."""
+    return _to_canonical(x, batch, contract)
 
 
 def canonical_operands(a: jax.Array, b: jax.Array, dims: Dims) -> tuple[jax.Array, jax.Array]:

@@ -1,0 +1,163 @@
+"""Quantized residuals (mxjax.residuals): the forward saves the backward's rhs operands
+packed, and the gradients stay bit for bit those of the bf16 residuals.
+
+The reference is the same call with packing switched off (``saves_packed`` patched to
+False in the interceptor): the path every backward GEMM took before. Shapes are not
+multiples of 32 or 16 (the quantizer pads), and the dimension numbers cover a plain
+activation x weight product, batch dimensions, and several non-trailing contractions.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.ad_checkpoint import saved_residuals
+
+import mxjax
+from mxjax import interceptor, policies
+from mxjax.remat import PACKED_RESIDUAL, remat_policy
+from mxjax.residuals import saves_packed
+
+# (lhs shape, rhs shape, dimension numbers): every GEMM axis somewhere else.
+CASES = {
+    "activation_weight": ((3, 37, 50), (50, 45), (((2,), (0,)), ((), ()))),
+    "batched": ((2, 37, 50), (2, 45, 50), (((2,), (2,)), ((0,), (0,)))),
+    "two_contractions": ((6, 37, 5), (5, 45, 6), (((0, 2), (2, 0)), ((), ()))),
+}
+PACKING = tuple(n for n in policies.names()
+                if saves_packed(policies.get(n).dgrad) or saves_packed(policies.get(n).wgrad))
+KEY = jax.random.key(1)
+
+
+def _inputs(case, dtype=jnp.bfloat16):
+    ls, rs, dims = CASES[case]
+    x = jax.random.normal(jax.random.key(2), ls, jnp.float32).astype(dtype)
+    w = (jax.random.normal(jax.random.key(3), rs, jnp.float32) * 0.2).astype(dtype)
+    return x, w, dims
+
+
+def _loss(policy, dims, **kw):
+    def loss(x, w):
+        y = mxjax.dot_general(x, w, dims, policy=policy, key=KEY, **kw)
+        return jnp.sum(jnp.sin(y.astype(jnp.float32)))
+    return loss
+
+
+def _grads(policy, case, jit, packed, monkeypatch, **kw):
+    x, w, dims = _inputs(case)
+    with monkeypatch.context() as m:
+        if not packed:
+            m.setattr(interceptor, "saves_packed", lambda recipe: False)
+        g = jax.grad(_loss(policy, dims, **kw), argnums=(0, 1))
+        return (jax.jit(g) if jit else g)(x, w)
+
+
+def test_the_packing_presets_are_the_block_scaled_ones():
+    assert set(PACKING) == {"mxfp4_fprop_dgrad", "mxfp4_all", "mxfp4_all_sr", "mxfp4_all_rht16",
+                            "mxfp4_all_h16", "mxfp4_all_h32", "mxfp4_all_h16_wgrad", "nvfp4",
+                            "tseng"}
+    for name in ("passthrough", "fp8", "mxfp4_fprop", "mxfp8"):
+        p = policies.get(name)
+        assert not saves_packed(p.dgrad) and not saves_packed(p.wgrad), name
+    # An explicit route with its own operand passes keeps the bf16 residuals.
+    p = policies.get("mxfp4_all").with_backend("xla_fp8")
+    assert not saves_packed(p.dgrad) and not saves_packed(p.wgrad)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("policy", PACKING)
+def test_gradients_bit_identical_to_bf16_residuals(policy, jit, monkeypatch):
+    got = _grads(policy, "activation_weight", jit, True, monkeypatch)
+    want = _grads(policy, "activation_weight", jit, False, monkeypatch)
+    chex.assert_trees_all_equal(got, want)
+
+
+@pytest.mark.parametrize("case", ["batched", "two_contractions"])
+@pytest.mark.parametrize("policy", ["mxfp4_all_h16", "nvfp4", "mxfp4_all_sr", "tseng"])
+def test_gradients_bit_identical_on_every_gemm_axis(policy, case, monkeypatch):
+    got = _grads(policy, case, True, True, monkeypatch)
+    want = _grads(policy, case, True, False, monkeypatch)
+    chex.assert_trees_all_equal(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("case", ["batched", "two_contractions"])
+@pytest.mark.parametrize("policy", PACKING)
+def test_gradients_bit_identical_every_preset_and_axis(policy, case, jit, monkeypatch):
+    got = _grads(policy, case, jit, True, monkeypatch)
+    want = _grads(policy, case, jit, False, monkeypatch)
+    chex.assert_trees_all_equal(got, want)
+
+
+def test_operand_dtype_cast_and_f32_primals_bit_identical(monkeypatch):
+    # f32 primals cast to bf16 inside (dot_general's operand_dtype): the residuals are the
+    # cast operands, the cotangents come back in f32.
+    ls, rs, dims = CASES["activation_weight"]
+    x = jax.random.normal(jax.random.key(2), ls, jnp.float32)
+    w = jax.random.normal(jax.random.key(3), rs, jnp.float32)
+
+    def grads(packed):
+        with monkeypatch.context() as m:
+            if not packed:
+                m.setattr(interceptor, "saves_packed", lambda recipe: False)
+            loss = _loss("mxfp4_all_h16", dims, operand_dtype=jnp.bfloat16)
+            return jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+
+    got, want = grads(True), grads(False)
+    chex.assert_trees_all_equal(got, want)
+    assert got[0].dtype == jnp.float32 and got[1].dtype == jnp.float32
+
+
+def _residual_dtypes(fn, *args):
+    return [(r.dtype, r.shape) for r, _ in saved_residuals(fn, *args)]
+
+
+def test_forward_saves_packed_codes_instead_of_the_bf16_primals():
+    x, w, dims = _inputs("activation_weight")
+    packed = _residual_dtypes(_loss("mxfp4_all_h16", dims), x, w)
+    plain = _residual_dtypes(_loss("mxfp4_fprop", dims), x, w)  # bf16 backward: primals kept
+    assert (jnp.dtype(jnp.bfloat16), x.shape) in plain
+    assert (jnp.dtype(jnp.bfloat16), x.shape) not in packed
+    assert (jnp.dtype(jnp.bfloat16), w.shape) not in packed
+    codes = [s for d, s in packed if d == jnp.uint8]
+    assert codes, packed
+    # X for wgrad: canonical [K=50, M=3*37 padded to 112 (H16 padding, then 32-blocks)].
+    assert (50, 112 // 2) in codes and (50, 112 // 32) in codes
+    held = sum(np.prod(s) * jnp.dtype(d).itemsize for d, s in packed)
+    primals = x.size * 2 + w.size * 2
+    assert held < 0.45 * primals, (held, primals)
+
+
+def test_remat_policy_keeps_the_packed_residuals_only(monkeypatch):
+    x, w, dims = _inputs("activation_weight")
+    loss = _loss("nvfp4", dims)
+    keep = jax.checkpoint(loss, policy=remat_policy("quantized_residuals"))
+    full = jax.checkpoint(loss, policy=remat_policy("full"))
+    kept = saved_residuals(keep, x, w)
+    names = [src for _, src in kept]
+    packed = [r for r, src in kept if PACKED_RESIDUAL in src]
+    assert packed and all(r.dtype in (jnp.uint8, jnp.float32) for r in packed), names
+    assert not any(PACKED_RESIDUAL in src for _, src in saved_residuals(full, x, w))
+    want = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    chex.assert_trees_all_equal(jax.jit(jax.grad(keep, argnums=(0, 1)))(x, w), want)
+    chex.assert_trees_all_equal(jax.jit(jax.grad(full, argnums=(0, 1)))(x, w), want)
+
+
+def test_unknown_remat_policy_names_the_choices():
+    with pytest.raises(ValueError, match="quantized_residuals"):
+        remat_policy("dots")
+
+
+def test_second_derivative_across_a_jit_boundary_raises_a_clear_error():
+    x, w, dims = _inputs("activation_weight", jnp.float32)
+    loss = _loss("mxfp4_all", dims)
+    v = jnp.ones_like(x)
+    with pytest.raises(TypeError, match=r"jax.jit\(jax.grad\(jax.grad"):
+        jax.grad(lambda z: jnp.vdot(jax.jit(jax.grad(loss))(z, w), v))(x)
+    # Within one jit the forward keeps its primals: the straight-through rule applies.
+    hvp = jax.jit(jax.grad(lambda z: jnp.vdot(jax.grad(loss)(z, w), v)))(x)
+    assert float(jnp.max(jnp.abs(hvp))) > 0.0
