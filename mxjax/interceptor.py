@@ -42,8 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
 from jax._src.interpreters import ad as _ad
+from jax.custom_derivatives import SymbolicZero
 from jax.interpreters.ad import JVPTracer
 
 from mxjax.dimensions import Dims, backward_dimension_numbers, normalize_dimension_numbers

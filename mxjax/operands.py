@@ -20,8 +20,8 @@ from mxjax._platform import cpu_barrier
 from mxjax.dimensions import Dims, free_axes
 from mxjax.rotation import fixed_signs, hadamard, random_signs
 
-__all__ = ["canonical_operand", "canonical_operands", "free_size", "quantizer_operands", "rotate", "rotation_signs",
-           "split_key"]
+__all__ = ["canonical_operand", "canonical_operands", "free_size", "quantizer_operands", "rotate",
+           "rotation_signs", "split_key"]
 
 
 def _to_canonical(x: jax.Array, batch: Sequence[int], contract: Sequence[int]) -> jax.Array:

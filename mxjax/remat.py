@@ -23,16 +23,16 @@ PACKED_RESIDUAL = "mxjax_packed_residual"
 REMAT_POLICIES: tuple[str, ...] = ("full", "quantized_residuals")
 
 
-def remat_policy(name: str) -> Callable[..., bool]:
+def remat_policy(name: str) -> Callable[..., bool] | None:
     """The ``jax.checkpoint`` policy called `name`.
 
     * ``'full'``: nothing saved, the whole block recomputed in the backward pass
-      (``jax.checkpoint_policies.nothing_saveable``);
+      (None: ``jax.checkpoint``'s default);
     * ``'quantized_residuals'``: the packed residuals of mxjax's quantized GEMMs saved
       (``save_only_these_names(PACKED_RESIDUAL)``), everything else recomputed.
     """
     if name == "full":
-        return jax.checkpoint_policies.nothing_saveable
+        return None
     if name == "quantized_residuals":
         return jax.checkpoint_policies.save_only_these_names(PACKED_RESIDUAL)
     raise ValueError(f"remat policy: expected one of {REMAT_POLICIES}, got {name!r}")

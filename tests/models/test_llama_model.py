@@ -238,6 +238,22 @@ def test_remat_equals_no_remat(tokens):
     assert max(jax.tree.leaves(jax.tree.map(max_abs, gp, gu))) <= 1e-5
 
 
+def test_remat_keeping_quantized_residuals_equals_no_remat(tokens):
+    # The packed residuals saved by the remat policy are those the forward made: the
+    # gradients are bit for bit those without remat and with the default (full) remat.
+    cfg = small(scan_layers=False)
+    plain = Llama(cfg, rngs=nnx.Rngs(4))
+    keep = Llama(cfg.replace(remat=True, remat_policy="quantized_residuals"), rngs=nnx.Rngs(4))
+    full = Llama(cfg.replace(remat=True), rngs=nnx.Rngs(4))
+    lp, gp = _loss_and_grads(plain, tokens, policy="mxfp4_all_h16")
+    for model in (keep, full):
+        lr, gr = _loss_and_grads(model, tokens, policy="mxfp4_all_h16")
+        assert float(lp) == float(lr)
+        assert max(jax.tree.leaves(jax.tree.map(max_abs, gp, gr))) == 0.0
+    with pytest.raises(ValueError, match="remat_policy must be one of"):
+        small(remat_policy="dots")
+
+
 def test_bf16_compute_runs_and_tracks_fp32(tokens):
     f32 = _fwd(Llama(small(), rngs=nnx.Rngs(5)), tokens)
     b16 = _fwd(Llama(small(dtype="bfloat16"), rngs=nnx.Rngs(5)), tokens)
