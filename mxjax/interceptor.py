@@ -245,7 +245,9 @@ def _policy_dot_fwd(lhs, rhs, key, st: _Static):
     _, kd, kw = split_key(key)
     (d_dims, _), (w_dims, _) = backward_dimension_numbers(st.dims, lhs.ndim, rhs.ndim)
     d = st.operand_dtype
-    if saves_packed(st.policy.dgrad):
+    # Under operand_dtype the residual W is the primal as stored (e.g. the f32 master
+    # weight), which stays alive anyway: a packed copy would only add memory.
+    if d is None and saves_packed(st.policy.dgrad):
         rhs = pack_rhs(rhs, d_dims, st.policy.dgrad, kd, d)
     if saves_packed(st.policy.wgrad):
         lhs = pack_rhs(lhs, w_dims, st.policy.wgrad, kw, d)

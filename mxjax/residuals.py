@@ -13,18 +13,24 @@ element instead of 16. The backward dequantizes it in place of quantizing the pr
 same values, the same GEMM, the same bits (tests compare gradients bit for bit).
 
 Which backward GEMMs save packed (:func:`saves_packed`): those whose rhs operand is
-block-scaled (MX formats, NVFP4) and whose backend runs, on every platform, the emulation
-('xla') or, on GPUs, 'xla_fp4' (MXFP4 on Blackwell's FP4 MMA, `packed_rhs_gemm` feeds it the
-saved codes). By preset: ``mxfp4_fprop_dgrad`` saves W for dgrad; ``mxfp4_all``,
-``mxfp4_all_sr``, ``mxfp4_all_rht16``, ``mxfp4_all_h16``, ``mxfp4_all_h32``,
-``mxfp4_all_h16_wgrad``, ``nvfp4`` and ``tseng`` save both W (dgrad) and X (wgrad), SR and
-randomized Hadamards included (the keys are the same in both passes). Kept in bf16 (the
-backward quantizes them): per-tensor FP8 operands (``fp8``: XLA:CPU and CUDA quantize them
-in place, no canonical layout), GEMMs that run on FP8 units on CUDA (``mxfp8``), the
-'xla_fp8' and 'triton' backends (their own operand passes), ``mxfp4_fprop`` (bf16
-backward), calls under a mesh with explicit axes, observed calls (`mxjax.interceptor.observe`:
-the observer sees the primals), and calls being differentiated again (``jax.grad`` of
-``jax.grad``: the straight-through rule differentiates the backward w.r.t. the primals).
+block-scaled (MX formats, NVFP4) and whose backend is the emulation ('xla') on every
+platform, in a program compiled for a CPU, or for a GPU/TPU where the emulation's form
+there is the canonical one (NVFP4; the MX formats' in-place forms there, the TPU's Pallas
+quantizer among them, read each operand in both directions themselves and keep their bf16
+residuals until they emit the packed operands). W is saved packed only when the call does
+not cast its operands (``operand_dtype`` unset): with a cast, W's residual is the primal as
+stored (a model's f32 master weight, alive anyway), and a packed copy would add memory
+instead of replacing a bf16 copy. By preset, on CPU: ``mxfp4_fprop_dgrad`` saves W for
+dgrad; ``mxfp4_all``, ``mxfp4_all_sr``, ``mxfp4_all_rht16``, ``mxfp4_all_h16``,
+``mxfp4_all_h32``, ``mxfp4_all_h16_wgrad``, ``nvfp4`` and ``tseng`` save W (dgrad) and X
+(wgrad), SR and randomized Hadamards included (the keys are the same in both passes); on
+GPUs and TPUs ``nvfp4`` does. Kept in bf16 (the backward quantizes them): per-tensor FP8
+operands (``fp8``: XLA:CPU and CUDA quantize them in place, no canonical layout), GEMMs on
+FP8 units on CUDA (``mxfp8``), the 'xla_fp8', 'xla_fp4' and 'triton' backends (and 'auto'
+where it picks them: their own operand passes), ``mxfp4_fprop`` (bf16 backward), calls
+under a mesh with explicit axes, observed calls (`mxjax.interceptor.observe`: the observer
+sees the primals), and calls being differentiated again (``jax.grad`` of ``jax.grad``: the
+straight-through rule differentiates the backward w.r.t. the primals).
 
 The packed residuals are named `mxjax.remat.PACKED_RESIDUAL` (``checkpoint_name``), so a
 remat policy can keep them (`mxjax.remat.remat_policy`).
@@ -41,11 +47,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from mxjax import _bits
 from mxjax._platform import cpu_barrier, per_platform
 from mxjax.backends import routes_per_platform
+from mxjax.chips import target_chip
 from mxjax.dimensions import Dims, free_axes
-from mxjax.emulation.forms import accelerator_operand_dtype, takes_f8_on_cuda
+from mxjax.emulation.forms import accelerator_operand_dtype, in_place_mx, takes_f8_on_cuda
 from mxjax.layout import canonical_dimension_numbers
 from mxjax.operands import canonical_operand, rotation_signs, split_key
 from mxjax.quantization import MXArray, dequantize, fake_quantize_with, quantize_with
@@ -54,8 +60,6 @@ from mxjax.rotation import hadamard
 from mxjax.scaling import SR_UNSCALE
 
 __all__ = ["PackedResidual", "pack_rhs", "packed_rhs_gemm", "saves_packed"]
-
-_PACKED_ROUTES = {"cpu": ("xla",), "gpu": ("xla", "xla_fp4"), "tpu": ("xla",)}
 
 
 @jax.tree_util.register_pytree_node_class
@@ -90,10 +94,7 @@ class PackedResidual:
 
 
 @functools.cache
-def saves_packed(recipe) -> bool:
-    """Whether the backward GEMM under `recipe` takes its rhs operand packed (module
-    docstring): a block-scaled rhs, no FP8 units on CUDA, and the emulation (or 'xla_fp4' on
-    GPUs) on every platform the chip compiled for resolves `recipe.backend` to."""
+def _packable(recipe) -> bool:
     op = recipe.rhs
     if recipe.is_passthrough or op.is_passthrough or op.fmt.is_per_tensor:
         return False
@@ -103,8 +104,18 @@ def saves_packed(recipe) -> bool:
         choices = routes_per_platform(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt)
     except ValueError:
         return False
-    return all(route is not None and not why and route.name in _PACKED_ROUTES[platform]
-               for platform, (route, why) in choices.items())
+    return all(route is not None and not why and route.name == "xla"
+               for route, why in choices.values())
+
+
+def saves_packed(recipe) -> bool:
+    """Whether the backward GEMM under `recipe` takes its rhs operand packed (module
+    docstring): a block-scaled rhs, the emulation ('xla') on every platform the backend
+    resolves to, and a program compiled for a CPU or, for a GPU/TPU, a recipe whose
+    emulated form there is the canonical one (not the MX in-place forms)."""
+    if not _packable(recipe):
+        return False
+    return target_chip().platform == "cpu" or not in_place_mx(recipe)
 
 
 def _rotated(x3: jax.Array, recipe, k_had) -> jax.Array:
@@ -197,57 +208,13 @@ def _accelerator(a3, q, recipe, k_lhs):
     return out
 
 
-def _fp4_mma(a3, q, recipe, k_lhs):
-    """Blackwell: both operands re-encoded for NVFP4's block-scaled dot (`mxjax.routes.
-    xla_fp4.reencode`), times 2^(s_a + s_b); the emulation where an operand is not exact
-    or holds a NaN block (``lax.cond``, as `xla_fp4.fp4_block_scaled_dot`)."""
-    from mxjax.routes.xla_fp4 import reencode
-
-    qa = quantize_with(a3, recipe.lhs, -1, key=k_lhs)
-
-    def operand(m: MXArray):
-        f, half = m.codes.shape[-2:]
-        return reencode(m.codes.reshape(-1, f, half), m.scales.reshape(-1, f, m.scales.shape[-1]))
-
-    (ae, asc, sa, exact_a), (be, bsc, sb, exact_b) = operand(qa), operand(q)
-    no_nan = ~jnp.any(qa.scales == 0xFF) & ~jnp.any(q.scales == 0xFF)
-    unscale = int(qa.sr_prescale) + int(q.sr_prescale)
-
-    def mma(ops):
-        ae, be, asc, bsc, shift = ops
-        out = _bits.ldexp(jax.nn.scaled_matmul(ae, be, asc, bsc,
-                                               preferred_element_type=jnp.float32), shift)
-        for _ in range(unscale):
-            out = out * jnp.float32(SR_UNSCALE)
-        return out
-
-    def emulated(ops):
-        del ops
-        av, bv = _values(qa), _values(q)
-        av, bv = av.reshape((-1,) + av.shape[-2:]), bv.reshape((-1,) + bv.shape[-2:])
-        return lax.dot_general(av, bv, canonical_dimension_numbers(1),
-                               precision=lax.Precision.HIGHEST,
-                               preferred_element_type=jnp.float32)
-
-    out = lax.cond(exact_a & exact_b & no_nan, mma, emulated, (ae, be, asc, bsc, sa + sb))
-    return out.reshape(a3.shape[:-2] + (a3.shape[-2], q.shape[-2]))
-
-
-def _gpu(a3, q, recipe, k_lhs):
-    choices = routes_per_platform(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt)
-    route, _ = choices["gpu"]
-    if route is not None and route.name == "xla_fp4":
-        return _fp4_mma(a3, q, recipe, k_lhs)
-    return _accelerator(a3, q, recipe, k_lhs)
-
-
 def packed_rhs_gemm(a: jax.Array, packed: PackedResidual, dims: Dims, recipe, key, *,
                     preferred_element_type=None) -> jax.Array:
     """``dot_general(a, b, dims)`` under `recipe`, b given as the residual `pack_rhs` made.
 
-    The same result, bit for bit, as `mxjax.gemm.gemm` of the primal ``b`` (on the emulation
-    routes; on 'xla_fp4' the same block-scaled dot of the same codes and scales), in
-    ``lax.dot_general``'s layout and result dtype.
+    The same result, bit for bit, as `mxjax.gemm.gemm` of the primal ``b`` on XLA:CPU; on
+    GPUs and TPUs the emulation's canonical form (`mxjax.emulation.forms.accelerator_gemm`)
+    of the same values. In ``lax.dot_general``'s layout and result dtype.
     """
     (ca, cb), (ba, bb) = dims
     out_dtype = jax.eval_shape(
@@ -259,7 +226,7 @@ def packed_rhs_gemm(a: jax.Array, packed: PackedResidual, dims: Dims, recipe, ke
     a3 = _rotated(canonical_operand(a, ba, ca), recipe, k_had)
     q = packed.q
     out = per_platform(a3, cpu=lambda a3: _cpu(a3, q, recipe, k_lhs),
-                       gpu=lambda a3: _gpu(a3, q, recipe, k_lhs),
+                       gpu=lambda a3: _accelerator(a3, q, recipe, k_lhs),
                        tpu=lambda a3: _accelerator(a3, q, recipe, k_lhs))
     fa = [a.shape[i] for i in free_axes(a.ndim, ba, ca)]
     fb = [packed.shape[i] for i in free_axes(len(packed.shape), bb, cb)]

@@ -28,8 +28,8 @@ from mxjax.operands import canonical_operands, free_size, rotate, rotation_signs
 from mxjax.quantization import fake_quantize_parts_with, fake_quantize_with
 from mxjax.scaling import SR_UNSCALE, OperandRange
 
-__all__ = ["accelerator_gemm", "accelerator_operand_dtype", "emulated_gemm", "operand_range",
-           "takes_f8_on_cuda"]
+__all__ = ["accelerator_gemm", "accelerator_operand_dtype", "emulated_gemm", "in_place_mx",
+           "operand_range", "takes_f8_on_cuda"]
 
 
 def _prepare_operand(x: jax.Array, recipe, key) -> jax.Array:
@@ -132,7 +132,7 @@ def _canonical_cpu_form(a, b, dims: Dims, recipe, k_lhs, k_rhs, k_had):
     return _cpu_gemm(a3, b3, recipe, k_lhs, k_rhs)
 
 
-def _in_place_mx(recipe) -> bool:
+def in_place_mx(recipe) -> bool:
     """Whether the accelerator form quantizes the operands in place (MX formats, bf16-exact)."""
     return (recipe.lhs.fmt.scale == "e8m0" and recipe.rhs.fmt.scale == "e8m0"
             and accelerator_operand_dtype(recipe) == jnp.bfloat16)
@@ -145,7 +145,7 @@ def _accelerator_form(a, b, dims: Dims, recipe, k_lhs, k_rhs, k_had, *,
     ``operand_dtypes``: the GEMM of the operands cast to them (`gemm`); the in-place
     forms take the casts into their quantize pass.
     """
-    if _in_place_mx(recipe):
+    if in_place_mx(recipe):
         signs = None if recipe.hadamard is None else rotation_signs(recipe.hadamard, k_had)
         out = in_place.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs, signs, form=form,
                                   operand_dtypes=operand_dtypes)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.ad_checkpoint import saved_residuals
+from jax._src.ad_checkpoint import saved_residuals  # print_saved_residuals's list
 
 import mxjax
 from mxjax import interceptor, policies
@@ -67,11 +67,17 @@ def test_the_packing_presets_are_the_block_scaled_ones():
     assert not saves_packed(p.dgrad) and not saves_packed(p.wgrad)
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("policy", PACKING)
-def test_gradients_bit_identical_to_bf16_residuals(policy, jit, monkeypatch):
-    got = _grads(policy, "activation_weight", jit, True, monkeypatch)
-    want = _grads(policy, "activation_weight", jit, False, monkeypatch)
+def test_gradients_bit_identical_to_bf16_residuals(policy, monkeypatch):
+    got = _grads(policy, "activation_weight", True, True, monkeypatch)
+    want = _grads(policy, "activation_weight", True, False, monkeypatch)
+    chex.assert_trees_all_equal(got, want)
+
+
+@pytest.mark.parametrize("policy", ["mxfp4_all_h16", "nvfp4"])
+def test_gradients_bit_identical_without_jit(policy, monkeypatch):
+    got = _grads(policy, "activation_weight", False, True, monkeypatch)
+    want = _grads(policy, "activation_weight", False, False, monkeypatch)
     chex.assert_trees_all_equal(got, want)
 
 
@@ -85,7 +91,7 @@ def test_gradients_bit_identical_on_every_gemm_axis(policy, case, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("case", ["batched", "two_contractions"])
+@pytest.mark.parametrize("case", ["activation_weight", "batched", "two_contractions"])
 @pytest.mark.parametrize("policy", PACKING)
 def test_gradients_bit_identical_every_preset_and_axis(policy, case, jit, monkeypatch):
     got = _grads(policy, case, jit, True, monkeypatch)
@@ -110,6 +116,11 @@ def test_operand_dtype_cast_and_f32_primals_bit_identical(monkeypatch):
     got, want = grads(True), grads(False)
     chex.assert_trees_all_equal(got, want)
     assert got[0].dtype == jnp.float32 and got[1].dtype == jnp.float32
+    # X is saved packed (its cast copy replaced); W, read as stored, is not copied.
+    res = _residual_dtypes(_loss("mxfp4_all_h16", dims, operand_dtype=jnp.bfloat16), x, w)
+    assert (jnp.dtype(jnp.float32), x.shape) not in res
+    codes = [s for d, s in res if d == jnp.uint8]
+    assert (50, 64) in codes and (50, 32) not in codes, res
 
 
 def _residual_dtypes(fn, *args):
@@ -125,8 +136,9 @@ def test_forward_saves_packed_codes_instead_of_the_bf16_primals():
     assert (jnp.dtype(jnp.bfloat16), w.shape) not in packed
     codes = [s for d, s in packed if d == jnp.uint8]
     assert codes, packed
-    # X for wgrad: canonical [K=50, M=3*37 padded to 112 (H16 padding, then 32-blocks)].
-    assert (50, 112 // 2) in codes and (50, 112 // 32) in codes
+    # X for wgrad: canonical [K=50, M=3*37=111], padded to 112 (H16), blocks of 32: 128
+    # codes two per byte, 4 scales; W for dgrad: [K=50, N=45], padded to 48, then 64.
+    assert (50, 64) in codes and (50, 4) in codes and (50, 32) in codes
     held = sum(np.prod(s) * jnp.dtype(d).itemsize for d, s in packed)
     primals = x.size * 2 + w.size * 2
     assert held < 0.45 * primals, (held, primals)
@@ -161,3 +173,43 @@ def test_second_derivative_across_a_jit_boundary_raises_a_clear_error():
     # Within one jit the forward keeps its primals: the straight-through rule applies.
     hvp = jax.jit(jax.grad(lambda z: jnp.vdot(jax.grad(loss)(z, w), v)))(x)
     assert float(jnp.max(jnp.abs(hvp))) > 0.0
+
+
+def _abstract_mesh(kind, platform):
+    dev = jax.sharding.AbstractDevice(device_kind=kind, num_cores=None, platform=platform)
+    return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
+
+
+@pytest.mark.parametrize("kind,platform", [("NVIDIA H200", "gpu"), ("TPU v5 lite", "tpu")])
+def test_accelerator_targets_pack_only_the_canonical_forms(kind, platform):
+    # MX operands are quantized in place there (both directions by their own passes):
+    # their residuals stay bf16; NVFP4's accelerator form is the canonical one.
+    with jax.sharding.use_abstract_mesh(_abstract_mesh(kind, platform)):
+        assert not saves_packed(policies.get("mxfp4_all_h16").wgrad)
+        assert saves_packed(policies.get("nvfp4").wgrad)
+        assert saves_packed(policies.get("nvfp4").dgrad)
+    assert saves_packed(policies.get("mxfp4_all_h16").wgrad)  # compiled for this CPU
+
+
+@pytest.mark.parametrize("policy", ["nvfp4", "mxfp4_all_sr", "tseng"])
+def test_accelerator_form_from_the_residual_equals_the_emulations(policy):
+    # The GPU/TPU branch of the packed backward GEMM against forms.accelerator_gemm on
+    # the same canonical operands (both run here: bf16 operands, f32 accumulation).
+    from mxjax import residuals
+    from mxjax.dimensions import Dims
+    from mxjax.emulation.forms import accelerator_gemm
+    from mxjax.layout import canonical_dimension_numbers
+    from mxjax.operands import split_key
+
+    recipe = policies.get(policy).wgrad
+    a3 = jax.random.normal(jax.random.key(4), (45, 111), jnp.float32)
+    b3 = jax.random.normal(jax.random.key(5), (50, 111), jnp.float32)
+    key = jax.random.key(6)
+    k_lhs, k_rhs, k_had = split_key(key)
+    dims = Dims(*canonical_dimension_numbers(0))
+    packed = residuals.pack_rhs(b3, dims, recipe, key)
+    ra = residuals._rotated(a3, recipe, k_had)
+    rb = residuals._rotated(b3, recipe, k_had)
+    want = accelerator_gemm(ra, rb, recipe, k_lhs, k_rhs)
+    got = residuals._accelerator(ra, packed.q, recipe, k_lhs)
+    chex.assert_trees_all_equal(got, want)
