@@ -51,7 +51,12 @@ from mxjax._platform import cpu_barrier, per_platform
 from mxjax.backends import routes_per_platform
 from mxjax.chips import target_chip
 from mxjax.dimensions import Dims, free_axes
-from mxjax.emulation.forms import accelerator_operand_dtype, in_place_mx, takes_f8_on_cuda
+from mxjax.emulation.forms import (
+    accelerator_operand_dtype,
+    in_place_mx,
+    prepare_operand_parts,
+    takes_f8_on_cuda,
+)
 from mxjax.layout import canonical_dimension_numbers
 from mxjax.operands import canonical_operand, rotation_signs, split_key
 from mxjax.quantization import MXArray, dequantize, fake_quantize_with, quantize_with
@@ -192,14 +197,12 @@ def _cpu(a3, q, recipe, k_lhs):
 def _accelerator(a3, q, recipe, k_lhs):
     """GPU/TPU: bf16 operands at DEFAULT with f32 accumulation, per-tensor factors on the
     result (`mxjax.emulation.forms.accelerator_gemm`'s form); f32 at HIGHEST otherwise."""
-    from mxjax.emulation.forms import _prepare_operand_parts  # the same lhs quantizer
-
     dims = canonical_dimension_numbers(a3.ndim - 2)
     if accelerator_operand_dtype(recipe) != jnp.bfloat16:
         aq = fake_quantize_with(a3, recipe.lhs, -1, key=k_lhs)
         return lax.dot_general(aq, _values(q), dims, precision=lax.Precision.HIGHEST,
                                preferred_element_type=jnp.float32)
-    av, a_factors = _prepare_operand_parts(a3, recipe.lhs, k_lhs)
+    av, a_factors = prepare_operand_parts(a3, recipe.lhs, k_lhs)
     bv, b_factors = _parts(q)
     out = lax.dot_general(av.astype(jnp.bfloat16), bv.astype(jnp.bfloat16), dims,
                           precision=lax.Precision.DEFAULT, preferred_element_type=jnp.float32)

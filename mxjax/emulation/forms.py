@@ -29,14 +29,14 @@ from mxjax.quantization import fake_quantize_parts_with, fake_quantize_with
 from mxjax.scaling import SR_UNSCALE, OperandRange
 
 __all__ = ["accelerator_gemm", "accelerator_operand_dtype", "emulated_gemm", "in_place_mx",
-           "operand_range", "takes_f8_on_cuda"]
+           "operand_range", "prepare_operand_parts", "takes_f8_on_cuda"]
 
 
 def _prepare_operand(x: jax.Array, recipe, key) -> jax.Array:
     return fake_quantize_with(x, recipe, -1, key=key)
 
 
-def _prepare_operand_parts(x: jax.Array, recipe, key):
+def prepare_operand_parts(x: jax.Array, recipe, key):
     """(values, per-tensor f32 factors): the operand is ``values * factors[0] * ...``.
 
     The factors (NVFP4's and per-tensor FP8's tensor scale, the 4/3 SR unscale)
@@ -97,8 +97,8 @@ def accelerator_gemm(a3, b3, recipe, k_lhs, k_rhs):
         bq = _prepare_operand(b3, recipe.rhs, k_rhs)
         return lax.dot_general(aq, bq, dims, precision=lax.Precision.HIGHEST,
                                preferred_element_type=jnp.float32)
-    av, a_factors = _prepare_operand_parts(a3, recipe.lhs, k_lhs)
-    bv, b_factors = _prepare_operand_parts(b3, recipe.rhs, k_rhs)
+    av, a_factors = prepare_operand_parts(a3, recipe.lhs, k_lhs)
+    bv, b_factors = prepare_operand_parts(b3, recipe.rhs, k_rhs)
     out = lax.dot_general(av.astype(jnp.bfloat16), bv.astype(jnp.bfloat16), dims,
                           precision=lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
     for factor in a_factors + b_factors:
