@@ -14,6 +14,7 @@ from llama_test_utils import RecordingPolicy, expected_layer_keys, max_abs, smal
 
 from models import llama as L
 from models.llama import Llama, LlamaConfig, RopeScaling, param_count
+from mxjax import policies
 
 
 @pytest.fixture(scope="module")
@@ -245,9 +246,10 @@ def test_remat_keeping_quantized_residuals_equals_no_remat(tokens):
     plain = Llama(cfg, rngs=nnx.Rngs(4))
     keep = Llama(cfg.replace(remat=True, remat_policy="quantized_residuals"), rngs=nnx.Rngs(4))
     full = Llama(cfg.replace(remat=True), rngs=nnx.Rngs(4))
-    lp, gp = _loss_and_grads(plain, tokens, policy="mxfp4_all_h16")
+    policy = policies.get("mxfp4_all_h16")
+    lp, gp = _loss_and_grads(plain, tokens, policy=policy)
     for model in (keep, full):
-        lr, gr = _loss_and_grads(model, tokens, policy="mxfp4_all_h16")
+        lr, gr = _loss_and_grads(model, tokens, policy=policy)
         assert float(lp) == float(lr)
         assert max(jax.tree.leaves(jax.tree.map(max_abs, gp, gr))) == 0.0
     with pytest.raises(ValueError, match="remat_policy must be one of"):
