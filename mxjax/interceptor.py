@@ -47,12 +47,12 @@ from jax.custom_derivatives import SymbolicZero
 from jax.interpreters.ad import JVPTracer
 
 from mxjax.dimensions import Dims, backward_dimension_numbers, normalize_dimension_numbers
-from mxjax.gemm import gemm, has_explicit_axes
+from mxjax.gemm import gemm, gemm_packed_rhs, has_explicit_axes
 from mxjax.gemm_record import GemmRecord
 from mxjax.operands import split_key
 from mxjax.quantization import FLOAT_DTYPES
 from mxjax.recipes import GemmRecipe, PolicyRecipes, check_policy_recipes
-from mxjax.residuals import PackedResidual, pack_rhs, packed_rhs_gemm, saves_packed
+from mxjax.residuals import PackedResidual, pack_rhs, saves_packed
 
 __all__ = ["DotGeneralCall", "GemmRecord", "dot_general", "observe"]
 
@@ -257,8 +257,9 @@ def _policy_dot_fwd(lhs, rhs, key, st: _Static):
 def _backward_gemm(g, b, key, spec: _GemmSpec, straight_through: bool):
     """One backward GEMM of `g` and the residual `b` (a primal, or a `PackedResidual`)."""
     if isinstance(b, PackedResidual):
-        return packed_rhs_gemm(g, b, spec.dims, spec.recipe, key,
-                               preferred_element_type=spec.preferred_element_type)
+        return gemm_packed_rhs(g, b.q, b.primal, spec.dims, spec.recipe, key,
+                               preferred_element_type=spec.preferred_element_type,
+                               gemm_name=spec.gemm_name, operand_dtypes=spec.operand_dtypes)
     return _differentiable_gemm(g, b, key, spec, straight_through)
 
 

@@ -9,6 +9,8 @@ activation x weight product, batch dimensions, and several non-trailing contract
 
 from __future__ import annotations
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -17,9 +19,13 @@ import pytest
 from jax._src.ad_checkpoint import saved_residuals  # print_saved_residuals's list
 
 import mxjax
-from mxjax import interceptor, policies
+from mxjax import backends, interceptor, policies
+from mxjax.dimensions import Dims, normalize_dimension_numbers
+from mxjax.gemm import gemm, gemm_packed_rhs
+from mxjax.layout import canonical_dimension_numbers
+from mxjax.operands import split_key
 from mxjax.remat import PACKED_RESIDUAL, remat_policy
-from mxjax.residuals import saves_packed
+from mxjax.residuals import pack_rhs, saves_packed
 
 # (lhs shape, rhs shape, dimension numbers): every GEMM axis somewhere else.
 CASES = {
@@ -74,7 +80,7 @@ def test_gradients_bit_identical_to_bf16_residuals(policy, monkeypatch):
     chex.assert_trees_all_equal(got, want)
 
 
-@pytest.mark.parametrize("policy", ["mxfp4_all_h16", "nvfp4"])
+@pytest.mark.parametrize("policy", ["nvfp4"])
 def test_gradients_bit_identical_without_jit(policy, monkeypatch):
     got = _grads(policy, "activation_weight", False, True, monkeypatch)
     want = _grads(policy, "activation_weight", False, False, monkeypatch)
@@ -82,7 +88,9 @@ def test_gradients_bit_identical_without_jit(policy, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["batched", "two_contractions"])
-@pytest.mark.parametrize("policy", ["mxfp4_all_h16", "nvfp4", "mxfp4_all_sr", "tseng"])
+# NVFP4 (tensor scale, fixed-sign H16) and tseng (SR prescale, randomized H64); every
+# preset on every axis, eager and jitted, under make test-slow (below).
+@pytest.mark.parametrize("policy", ["nvfp4", "tseng"])
 def test_gradients_bit_identical_on_every_gemm_axis(policy, case, monkeypatch):
     got = _grads(policy, case, True, True, monkeypatch)
     want = _grads(policy, case, True, False, monkeypatch)
@@ -191,25 +199,88 @@ def test_accelerator_targets_pack_only_the_canonical_forms(kind, platform):
     assert saves_packed(policies.get("mxfp4_all_h16").wgrad)  # compiled for this CPU
 
 
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
 @pytest.mark.parametrize("policy", ["nvfp4", "mxfp4_all_sr", "tseng"])
-def test_accelerator_form_from_the_residual_equals_the_emulations(policy):
-    # The GPU/TPU branch of the packed backward GEMM against forms.accelerator_gemm on
-    # the same canonical operands (both run here: bf16 operands, f32 accumulation).
-    from mxjax import residuals
-    from mxjax.dimensions import Dims
-    from mxjax.emulation.forms import accelerator_gemm
-    from mxjax.layout import canonical_dimension_numbers
-    from mxjax.operands import split_key
+def test_accelerator_form_from_the_residual_equals_the_emulations(policy, platform):
+    # The GPU/TPU branch of the emulation's packed-rhs GEMM against forms.accelerator_gemm
+    # on the same canonical operands (both run here: bf16 operands, f32 accumulation).
+    from mxjax.emulation.forms import accelerator_gemm, emulated_packed_rhs_gemm
+    from mxjax.operands import rotate
 
     recipe = policies.get(policy).wgrad
-    a3 = jax.random.normal(jax.random.key(4), (45, 111), jnp.float32)
-    b3 = jax.random.normal(jax.random.key(5), (50, 111), jnp.float32)
+    a = jax.random.normal(jax.random.key(4), (45, 111), jnp.float32)
+    b = jax.random.normal(jax.random.key(5), (50, 111), jnp.float32)
     key = jax.random.key(6)
     k_lhs, k_rhs, k_had = split_key(key)
     dims = Dims(*canonical_dimension_numbers(0))
-    packed = residuals.pack_rhs(b3, dims, recipe, key)
-    ra = residuals._rotated(a3, recipe, k_had)
-    rb = residuals._rotated(b3, recipe, k_had)
-    want = accelerator_gemm(ra, rb, recipe, k_lhs, k_rhs)
-    got = residuals._accelerator(ra, packed.q, recipe, k_lhs)
+    got = emulated_packed_rhs_gemm(a, pack_rhs(b, dims, recipe, key).q, dims, recipe, key,
+                                   platform=platform)
+    want = accelerator_gemm(*rotate(a, b, recipe, k_had), recipe, k_lhs, k_rhs)
     chex.assert_trees_all_equal(got, want)
+
+
+@pytest.mark.parametrize("operand_dtypes,pet", [(None, None), ((None, jnp.bfloat16), jnp.float32)])
+@pytest.mark.parametrize("case", list(CASES))
+def test_gemm_packed_rhs_is_the_gemm_of_the_primal(case, operand_dtypes, pet):
+    # lax.dot_general's layout and result dtype, gemm's bits, with the rhs given packed.
+    x, w, dims = _inputs(case, jnp.float32)
+    dims = normalize_dimension_numbers(dims, x.shape, w.shape)
+    recipe = policies.get("nvfp4").fprop
+    kw = {"preferred_element_type": pet, "gemm_name": "fprop", "operand_dtypes": operand_dtypes}
+    want = gemm(x, w, dims, recipe, KEY, **kw)
+    cast = None if operand_dtypes is None else operand_dtypes[1]
+    packed = pack_rhs(w, dims, recipe, KEY, cast)
+    got = jax.jit(lambda x, q: gemm_packed_rhs(x, q, packed.primal, dims, recipe, KEY, **kw))(
+        x, packed.q)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    chex.assert_trees_all_equal(got, jax.jit(lambda x, w: gemm(x, w, dims, recipe, KEY, **kw))(
+        x, w))
+
+
+def test_a_route_without_packed_rhs_gemm_keeps_the_bf16_residuals(monkeypatch):
+    # The emulation's route with its packed_rhs_gemm removed: nothing is saved packed, and
+    # the gradients are those of the bf16 residuals.
+    x, w, dims = _inputs("activation_weight")
+    want = _grads("mxfp4_all_h16", "activation_weight", True, True, monkeypatch)
+    monkeypatch.setitem(backends.ROUTES, "xla",
+                        dataclasses.replace(backends.ROUTES["xla"], packed_rhs_gemm=None))
+    assert not any(saves_packed(policies.get(n).dgrad) or saves_packed(policies.get(n).wgrad)
+                   for n in policies.names())
+    res = _residual_dtypes(_loss("mxfp4_all_h16", dims), x, w)
+    assert (jnp.dtype(jnp.bfloat16), x.shape) in res and (jnp.dtype(jnp.bfloat16), w.shape) in res
+    assert not [s for d, s in res if d == jnp.uint8], res
+    chex.assert_trees_all_equal(
+        _grads("mxfp4_all_h16", "activation_weight", True, True, monkeypatch), want)
+
+
+def test_another_route_takes_the_packed_rhs_through_the_registry(monkeypatch):
+    # A route other than the emulation (here 'xla_fp8' made to compute the emulation's GEMM)
+    # that declares a packed_rhs_gemm gets the packed residual, per platform, with no change
+    # to the interceptor; platforms where the backend cannot run are no obstacle.
+    from mxjax.routes import xla
+
+    calls = []
+
+    def spy(a, packed_q, **kw):
+        calls.append((kw["platform"], kw["gemm_name"], type(packed_q).__name__))
+        return xla.ROUTE.packed_rhs_gemm(a, packed_q, **kw)
+
+    policy = policies.get("mxfp4_all_h16")
+    fake = dataclasses.replace(xla.ROUTE, name="xla_fp8", formats=("mxfp4",),
+                               runs_on=backends.ROUTES["xla_fp8"].runs_on, packed_rhs_gemm=spy)
+    want = _grads(policy, "activation_weight", True, True, monkeypatch)
+    monkeypatch.setitem(backends.ROUTES, "xla_fp8", fake)
+    p8 = policy.with_backend("xla_fp8")
+    assert saves_packed(p8.dgrad) and saves_packed(p8.wgrad)
+    got = _grads(p8, "activation_weight", True, True, monkeypatch)
+    chex.assert_trees_all_equal(got, want)
+    assert ("cpu", "dgrad", "MXArray") in calls and ("cpu", "wgrad", "MXArray") in calls, calls
+
+
+def test_the_registry_refuses_a_packed_rhs_for_a_route_without_it():
+    recipe = policies.get("mxfp4_all").with_backend("xla_fp8").wgrad
+    a = jnp.ones((8, 64), jnp.float32)
+    dims = Dims(*canonical_dimension_numbers(0))
+    q = pack_rhs(jnp.ones((16, 64), jnp.float32), dims, recipe, None).q
+    with pytest.raises(ValueError, match="'xla_fp8' has no packed_rhs_gemm"):
+        backends.run_packed_rhs_gemm(a, q, dims=dims, recipe=recipe, key=None, gemm_name="wgrad")
