@@ -14,30 +14,29 @@ the GEMM on it (`mxjax.gemm.gemm_packed_rhs`, the route's ``Route.packed_rhs_gem
 place of quantizing the primal: the same values, the same GEMM, the same bits (tests
 compare gradients bit for bit).
 
-The packed residual does not depend on the route; each route says whether it takes one
+The packed residual does not depend on the route; each route says whether it takes it
 (``mxjax.routes.spec.Route.packed_rhs_gemm``). Which backward GEMMs save packed
 (:func:`saves_packed`): those whose rhs operand is block-scaled (MX formats, NVFP4) and
-whose backend resolves, on every platform (`mxjax.backends.routes_per_platform`), to a
-route with a ``packed_rhs_gemm``; where the platform compiled for takes the emulation
-('xla', the one route with it today), also only where the emulation's form there is the
-canonical one (`mxjax.emulation.forms.emulates_packed_rhs`): on a CPU every block-scaled
-recipe; on GPUs and TPUs NVFP4 (the MX formats' in-place forms there, the TPU's Pallas
-quantizer among them, read each operand in both directions themselves and keep their bf16
-residuals until they emit the packed operands). W is saved packed only when the call does
-not cast its operands (``operand_dtype`` unset): with a cast, W's residual is the primal as
-stored (a model's f32 master weight, alive anyway), and a packed copy would add memory
-instead of replacing a bf16 copy. By preset, on CPU: ``mxfp4_fprop_dgrad`` saves W for
-dgrad; ``mxfp4_all``, ``mxfp4_all_sr``, ``mxfp4_all_rht16``, ``mxfp4_all_h16``,
-``mxfp4_all_h32``, ``mxfp4_all_h16_wgrad``, ``nvfp4`` and ``tseng`` save W (dgrad) and X
-(wgrad), SR and randomized Hadamards included (the keys are the same in both passes); on
-GPUs and TPUs ``nvfp4`` does. Kept in bf16 (the backward quantizes them): per-tensor FP8
-operands (``fp8``: XLA:CPU and CUDA quantize them in place, no canonical layout), GEMMs on
-FP8 units on CUDA (``mxfp8``), the 'xla_fp8', 'xla_fp4', 'xla_nvfp4', 'xla_mxfp8' and
-'triton' backends (and 'auto' where it picks them) until their routes have a
-``packed_rhs_gemm``, ``mxfp4_fprop`` (bf16 backward), calls under a mesh with explicit
-axes, observed calls (`mxjax.interceptor.observe`: the observer sees the primals), and
-calls being differentiated again (``jax.grad`` of ``jax.grad``: the straight-through rule
-differentiates the backward w.r.t. the primals).
+whose backend resolves, on every platform (`mxjax.backends.routes_per_platform`: the
+program holds one branch per platform and may be lowered for any, ``jax.export`` from a
+CPU host for a TPU included), to a route with a ``packed_rhs_gemm``; where that route is
+the emulation ('xla', the one route with it today), also only where the emulation's form on
+that platform is the canonical one (`mxjax.emulation.forms.emulates_packed_rhs`): every
+block-scaled recipe on a CPU, NVFP4 on GPUs and TPUs (the MX formats' in-place forms there,
+the TPU's Pallas quantizer among them, read each operand in both directions themselves and
+keep their bf16 residuals until they emit the packed operands). Of the presets under the
+emulation that leaves ``nvfp4``, which saves W (dgrad) and X (wgrad) on every chip. W is
+saved packed only when the call does not cast its operands (``operand_dtype`` unset): with
+a cast, W's residual is the primal as stored (a model's f32 master weight, alive anyway),
+and a packed copy would add memory instead of replacing a bf16 copy. Kept in bf16 (the
+backward quantizes them): the MX presets under the emulation (``mxfp4_*``, ``tseng``,
+``mxfp8``: in-place or FP8-unit forms on GPUs and TPUs), per-tensor FP8 operands (``fp8``:
+XLA:CPU and CUDA quantize them in place, no canonical layout), the 'xla_fp8', 'xla_fp4',
+'xla_nvfp4', 'xla_mxfp8' and 'triton' backends (and 'auto' where it picks them) until their
+routes have a ``packed_rhs_gemm``, ``mxfp4_fprop`` (bf16 backward), calls under a mesh with
+explicit axes, observed calls (`mxjax.interceptor.observe`: the observer sees the primals),
+and calls being differentiated again (``jax.grad`` of ``jax.grad``: the straight-through
+rule differentiates the backward w.r.t. the primals).
 
 The packed residuals are named `mxjax.remat.PACKED_RESIDUAL` (``checkpoint_name``), so a
 remat policy can keep them (`mxjax.remat.remat_policy`).
@@ -54,7 +53,6 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from mxjax.backends import ROUTES, routes_per_platform
-from mxjax.chips import target_chip
 from mxjax.dimensions import Dims
 from mxjax.emulation.forms import emulates_packed_rhs
 from mxjax.operands import canonical_operand, rotate_operand, split_key
@@ -100,23 +98,24 @@ class PackedResidual:
         return self.q.nbytes
 
 
-def _takes_packed_rhs(route, recipe, target: str) -> bool:
-    """Whether `route` (one platform's) takes the packed rhs; the emulation only where its
-    form on the platform compiled for is the canonical one. None (the backend cannot run
-    on that platform: its branch raises when lowered, packed or not) is no obstacle."""
+def _takes_packed_rhs(route, recipe, platform: str) -> bool:
+    """Whether `route`, the one `platform` resolves to, takes the packed rhs; the emulation
+    only where its form on that platform is the canonical one. None (the backend cannot run
+    there: its branch raises when lowered, packed or not) is no obstacle."""
     if route is None:
         return True
     if route.packed_rhs_gemm is None:
         return False
-    return route is not ROUTES["xla"] or emulates_packed_rhs(recipe, target)
+    return route is not ROUTES["xla"] or emulates_packed_rhs(recipe, platform)
 
 
 def saves_packed(recipe) -> bool:
     """Whether the backward GEMM under `recipe` takes its rhs operand packed (module
-    docstring): a block-scaled rhs; on every platform the backend resolves to (a platform
-    where it cannot run aside), a route with a ``packed_rhs_gemm``; and, where the
-    platform compiled for (`mxjax.chips.target_chip`) takes the emulation, its canonical
-    form there (`emulates_packed_rhs`)."""
+    docstring): a block-scaled rhs and, on every platform the backend resolves to (one
+    where it cannot run aside), a route with a ``packed_rhs_gemm``, the emulation's only
+    where its form on that platform is the canonical one (`emulates_packed_rhs`). Every
+    platform counts, not only the one compiled for: the program carries one branch per
+    platform (``lax.platform_dependent``) and may be lowered for any of them."""
     op = recipe.rhs
     if recipe.is_passthrough or op.is_passthrough or op.fmt.is_per_tensor:
         return False
@@ -124,10 +123,8 @@ def saves_packed(recipe) -> bool:
         choices = routes_per_platform(recipe.backend, recipe.lhs.fmt, op.fmt)
     except ValueError:
         return False
-    target = target_chip().platform
-    if choices[target][0] is None:
-        return False
-    return all(_takes_packed_rhs(route, recipe, target) for route, _ in choices.values())
+    return all(_takes_packed_rhs(route, recipe, platform)
+               for platform, (route, _) in choices.items())
 
 
 def pack_rhs(b: jax.Array, dims: Dims, recipe, key, dtype=None) -> PackedResidual:

@@ -7,7 +7,8 @@ bf16 operands at DEFAULT (exact, see docs/NUMERICS.md) with per-tensor scales ap
 the f32 result and no CPU-only barriers: MX operands quantized in place
 (`mxjax.emulation.in_place`, its TPU kernel `in_place_tpu`), others canonical. CUDA
 runs per-tensor FP8 and MXFP8 recipes on FP8 tensor cores
-(`mxjax.emulation.fp8_units`). Every form gives the same values.
+(`mxjax.emulation.fp8_units`). Every form gives the same values. `emulated_packed_rhs_gemm`
+runs the canonical forms on an rhs the forward pass quantized (`mxjax.residuals`).
 """
 
 from __future__ import annotations
@@ -276,15 +277,18 @@ def emulated_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe, key,
 
 
 def emulates_packed_rhs(recipe, platform: str) -> bool:
-    """Whether, in a program compiled for `platform`, the GEMM under `recipe` takes its rhs
-    quantized by the forward pass (`emulated_packed_rhs_gemm`): where its form there is the
-    canonical one on block-scaled operands. Not where an operand is per-tensor (quantized in
-    place on XLA:CPU and CUDA), where CUDA runs the recipe on FP8 tensor cores, nor on
-    GPUs/TPUs for MX operands, whose in-place forms (`mxjax.emulation.in_place`, the TPU's
-    Pallas quantizer) read each operand in both directions themselves."""
-    if recipe.lhs.fmt.is_per_tensor or recipe.rhs.fmt.is_per_tensor or takes_f8_on_cuda(recipe):
+    """Whether the GEMM under `recipe`, lowered for `platform` ('cpu', 'gpu', 'tpu'), may take
+    its rhs quantized by the forward pass (`emulated_packed_rhs_gemm`): where its form there
+    is the canonical one on block-scaled operands, which the packed form reproduces. Not
+    where an operand is per-tensor (quantized in place on XLA:CPU and CUDA); on GPUs not
+    where CUDA runs the recipe on FP8 tensor cores (`takes_f8_on_cuda`); on GPUs and TPUs
+    not for MX operands, whose in-place forms (`mxjax.emulation.in_place`, the TPU's Pallas
+    quantizer) read each operand in both directions in their own passes."""
+    if recipe.lhs.fmt.is_per_tensor or recipe.rhs.fmt.is_per_tensor:
         return False
-    return platform == "cpu" or not _in_place_mx(recipe)
+    if platform == "cpu":
+        return True
+    return not _in_place_mx(recipe) and not (platform == "gpu" and takes_f8_on_cuda(recipe))
 
 
 @functools.partial(jax.jit, inline=True,  # cached per types, as emulated_gemm

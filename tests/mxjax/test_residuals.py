@@ -5,11 +5,18 @@ The reference is the same call with packing switched off (``saves_packed`` patch
 False in the interceptor): the path every backward GEMM took before. Shapes are not
 multiples of 32 or 16 (the quantizer pads), and the dimension numbers cover a plain
 activation x weight product, batch dimensions, and several non-trailing contractions.
+
+By default the emulation packs NVFP4 only: its GPU and TPU branches quantize MX operands
+in place. The packed form must still be exact for every block-scaled recipe (it is
+where a CPU-only program, or another route's branch, lets it pack), so the gradient
+tests pack as a program for CPUs alone would (`_as_on_a_cpu`): every preset in
+`PACKING_ON_A_CPU`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
 import chex
 import jax
@@ -19,8 +26,9 @@ import pytest
 from jax._src.ad_checkpoint import saved_residuals  # print_saved_residuals's list
 
 import mxjax
-from mxjax import backends, interceptor, policies
+from mxjax import backends, interceptor, policies, residuals
 from mxjax.dimensions import Dims, normalize_dimension_numbers
+from mxjax.emulation import forms
 from mxjax.gemm import gemm, gemm_packed_rhs
 from mxjax.layout import canonical_dimension_numbers
 from mxjax.operands import split_key
@@ -33,9 +41,28 @@ CASES = {
     "batched": ((2, 37, 50), (2, 45, 50), (((2,), (2,)), ((0,), (0,)))),
     "two_contractions": ((6, 37, 5), (5, 45, 6), (((0, 2), (2, 0)), ((), ()))),
 }
-PACKING = tuple(n for n in policies.names()
-                if saves_packed(policies.get(n).dgrad) or saves_packed(policies.get(n).wgrad))
 KEY = jax.random.key(1)
+
+
+def _cpu_form(recipe, platform):
+    del platform
+    return forms.emulates_packed_rhs(recipe, "cpu")
+
+
+def _as_on_a_cpu(m):
+    """Packing decided as for a program lowered for CPUs alone: the emulation's CPU form
+    (canonical for every block-scaled recipe) on every platform."""
+    m.setattr(residuals, "emulates_packed_rhs", _cpu_form)
+
+
+def _packs(name) -> bool:
+    p = policies.get(name)
+    return saves_packed(p.dgrad) or saves_packed(p.wgrad)
+
+
+PACKING = tuple(n for n in policies.names() if _packs(n))
+with mock.patch.object(residuals, "emulates_packed_rhs", _cpu_form):
+    PACKING_ON_A_CPU = tuple(n for n in policies.names() if _packs(n))
 
 
 def _inputs(case, dtype=jnp.bfloat16):
@@ -55,25 +82,29 @@ def _loss(policy, dims, **kw):
 def _grads(policy, case, jit, packed, monkeypatch, **kw):
     x, w, dims = _inputs(case)
     with monkeypatch.context() as m:
+        _as_on_a_cpu(m)
         if not packed:
             m.setattr(interceptor, "saves_packed", lambda recipe: False)
         g = jax.grad(_loss(policy, dims, **kw), argnums=(0, 1))
         return (jax.jit(g) if jit else g)(x, w)
 
 
-def test_the_packing_presets_are_the_block_scaled_ones():
-    assert set(PACKING) == {"mxfp4_fprop_dgrad", "mxfp4_all", "mxfp4_all_sr", "mxfp4_all_rht16",
-                            "mxfp4_all_h16", "mxfp4_all_h32", "mxfp4_all_h16_wgrad", "nvfp4",
-                            "tseng"}
-    for name in ("passthrough", "fp8", "mxfp4_fprop", "mxfp8"):
-        p = policies.get(name)
-        assert not saves_packed(p.dgrad) and not saves_packed(p.wgrad), name
-    # An explicit route with its own operand passes keeps the bf16 residuals.
-    p = policies.get("mxfp4_all").with_backend("xla_fp8")
+def test_the_packing_presets():
+    # Every platform's branch counts: the MX formats' GPU/TPU forms quantize in place.
+    assert PACKING == ("nvfp4",)
+    p = policies.get("nvfp4")
+    assert saves_packed(p.dgrad) and saves_packed(p.wgrad)
+    assert set(PACKING_ON_A_CPU) == {
+        "mxfp4_fprop_dgrad", "mxfp4_all", "mxfp4_all_sr", "mxfp4_all_rht16", "mxfp4_all_h16",
+        "mxfp4_all_h32", "mxfp4_all_h16_wgrad", "mxfp8", "nvfp4", "tseng"}
+    for name in ("passthrough", "fp8", "mxfp4_fprop"):
+        assert name not in PACKING_ON_A_CPU
+    # An explicit route without packed_rhs_gemm keeps the bf16 residuals.
+    p = policies.get("nvfp4").with_backend("xla_nvfp4")
     assert not saves_packed(p.dgrad) and not saves_packed(p.wgrad)
 
 
-@pytest.mark.parametrize("policy", PACKING)
+@pytest.mark.parametrize("policy", PACKING_ON_A_CPU)
 def test_gradients_bit_identical_to_bf16_residuals(policy, monkeypatch):
     got = _grads(policy, "activation_weight", True, True, monkeypatch)
     want = _grads(policy, "activation_weight", True, False, monkeypatch)
@@ -100,7 +131,7 @@ def test_gradients_bit_identical_on_every_gemm_axis(policy, case, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("case", ["activation_weight", "batched", "two_contractions"])
-@pytest.mark.parametrize("policy", PACKING)
+@pytest.mark.parametrize("policy", PACKING_ON_A_CPU)
 def test_gradients_bit_identical_every_preset_and_axis(policy, case, jit, monkeypatch):
     got = _grads(policy, case, jit, True, monkeypatch)
     want = _grads(policy, case, jit, False, monkeypatch)
@@ -116,6 +147,7 @@ def test_operand_dtype_cast_and_f32_primals_bit_identical(monkeypatch):
 
     def grads(packed):
         with monkeypatch.context() as m:
+            _as_on_a_cpu(m)
             if not packed:
                 m.setattr(interceptor, "saves_packed", lambda recipe: False)
             loss = _loss("mxfp4_all_h16", dims, operand_dtype=jnp.bfloat16)
@@ -125,6 +157,7 @@ def test_operand_dtype_cast_and_f32_primals_bit_identical(monkeypatch):
     chex.assert_trees_all_equal(got, want)
     assert got[0].dtype == jnp.float32 and got[1].dtype == jnp.float32
     # X is saved packed (its cast copy replaced); W, read as stored, is not copied.
+    _as_on_a_cpu(monkeypatch)
     res = _residual_dtypes(_loss("mxfp4_all_h16", dims, operand_dtype=jnp.bfloat16), x, w)
     assert (jnp.dtype(jnp.float32), x.shape) not in res
     codes = [s for d, s in res if d == jnp.uint8]
@@ -135,7 +168,8 @@ def _residual_dtypes(fn, *args):
     return [(r.dtype, r.shape) for r, _ in saved_residuals(fn, *args)]
 
 
-def test_forward_saves_packed_codes_instead_of_the_bf16_primals():
+def test_forward_saves_packed_codes_instead_of_the_bf16_primals(monkeypatch):
+    _as_on_a_cpu(monkeypatch)
     x, w, dims = _inputs("activation_weight")
     packed = _residual_dtypes(_loss("mxfp4_all_h16", dims), x, w)
     plain = _residual_dtypes(_loss("mxfp4_fprop", dims), x, w)  # bf16 backward: primals kept
@@ -174,7 +208,7 @@ def test_unknown_remat_policy_names_the_choices():
 
 def test_second_derivative_across_a_jit_boundary_raises_a_clear_error():
     x, w, dims = _inputs("activation_weight", jnp.float32)
-    loss = _loss("mxfp4_all", dims)
+    loss = _loss("nvfp4", dims)
     v = jnp.ones_like(x)
     with pytest.raises(TypeError, match=r"jax.jit\(jax.grad\(jax.grad"):
         jax.grad(lambda z: jnp.vdot(jax.jit(jax.grad(loss))(z, w), v))(x)
@@ -189,14 +223,15 @@ def _abstract_mesh(kind, platform):
 
 
 @pytest.mark.parametrize("kind,platform", [("NVIDIA H200", "gpu"), ("TPU v5 lite", "tpu")])
-def test_accelerator_targets_pack_only_the_canonical_forms(kind, platform):
-    # MX operands are quantized in place there (both directions by their own passes):
-    # their residuals stay bf16; NVFP4's accelerator form is the canonical one.
-    with jax.sharding.use_abstract_mesh(_abstract_mesh(kind, platform)):
-        assert not saves_packed(policies.get("mxfp4_all_h16").wgrad)
-        assert saves_packed(policies.get("nvfp4").wgrad)
-        assert saves_packed(policies.get("nvfp4").dgrad)
-    assert saves_packed(policies.get("mxfp4_all_h16").wgrad)  # compiled for this CPU
+def test_the_decision_is_the_same_whatever_the_target(kind, platform):
+    # The program holds every platform's branch (an export for a TPU from a CPU host
+    # included): MX operands, quantized in place on GPUs and TPUs, stay bf16 on every
+    # target; NVFP4's forms are canonical everywhere.
+    for mesh in (_abstract_mesh(kind, platform), jax.sharding.get_abstract_mesh()):
+        with jax.sharding.use_abstract_mesh(mesh):
+            assert not saves_packed(policies.get("mxfp4_all_h16").wgrad)
+            assert saves_packed(policies.get("nvfp4").wgrad)
+            assert saves_packed(policies.get("nvfp4").dgrad)
 
 
 @pytest.mark.parametrize("platform", ["gpu", "tpu"])
@@ -227,14 +262,13 @@ def test_gemm_packed_rhs_is_the_gemm_of_the_primal(case, operand_dtypes, pet):
     dims = normalize_dimension_numbers(dims, x.shape, w.shape)
     recipe = policies.get("nvfp4").fprop
     kw = {"preferred_element_type": pet, "gemm_name": "fprop", "operand_dtypes": operand_dtypes}
-    want = gemm(x, w, dims, recipe, KEY, **kw)
+    want = jax.jit(lambda x, w: gemm(x, w, dims, recipe, KEY, **kw))(x, w)
     cast = None if operand_dtypes is None else operand_dtypes[1]
     packed = pack_rhs(w, dims, recipe, KEY, cast)
     got = jax.jit(lambda x, q: gemm_packed_rhs(x, q, packed.primal, dims, recipe, KEY, **kw))(
         x, packed.q)
     assert got.shape == want.shape and got.dtype == want.dtype
-    chex.assert_trees_all_equal(got, jax.jit(lambda x, w: gemm(x, w, dims, recipe, KEY, **kw))(
-        x, w))
+    chex.assert_trees_all_equal(got, want)
 
 
 def test_a_route_without_packed_rhs_gemm_keeps_the_bf16_residuals(monkeypatch):
