@@ -49,6 +49,7 @@ from flax import nnx
 from models import attention
 from models import sharding as shd
 from mxjax.policies import PrecisionPolicy
+from mxjax.remat import REMAT_POLICIES, remat_policy
 
 __all__ = [
     "PROJECTION_INDEX",
@@ -132,7 +133,9 @@ class LlamaConfig:
     ``dtype`` is the compute dtype and ``param_dtype`` the storage dtype; both
     accept a string or a numpy/jax dtype and are normalised to ``np.dtype``.
     ``head_dim`` defaults to ``dim // n_heads``. ``remat`` recomputes each
-    decoder block in the backward pass (``jax.checkpoint``).
+    decoder block in the backward pass (``jax.checkpoint``) under ``remat_policy``
+    (`mxjax.remat.remat_policy`): ``"full"`` saves nothing, ``"quantized_residuals"``
+    keeps the packed residuals of the quantized GEMMs (`mxjax.residuals`).
     ``attention_impl`` (causal grouped-query attention):
 
     * ``"explicit"`` (the default): einsum-style dot_generals with fp32 scores and
@@ -166,6 +169,7 @@ class LlamaConfig:
     init_std: float = 0.02
     scan_layers: bool = True
     remat: bool = False
+    remat_policy: str = "full"
     attention_impl: str = "explicit"
     quantize_embed_head: bool = False
     quantize_attention: bool = False
@@ -200,6 +204,9 @@ class LlamaConfig:
             )
         if self.norm_eps <= 0:
             raise ValueError(f"LlamaConfig.norm_eps must be > 0, got {self.norm_eps}")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"LlamaConfig.remat_policy must be one of {REMAT_POLICIES}, "
+                             f"got {self.remat_policy!r}")
         if self.attention_impl not in _ATTENTION_IMPLS:
             raise ValueError(
                 f"LlamaConfig.attention_impl must be one of {_ATTENTION_IMPLS}, "
@@ -613,7 +620,7 @@ class Llama(nnx.Module):
             return layer(x, idx, cos, sin, policy=policy, policy_key=policy_key)
 
         if c.remat:
-            block = nnx.remat(block)
+            block = nnx.remat(block, policy=remat_policy(c.remat_policy))
 
         if c.scan_layers:
             @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry)

@@ -14,7 +14,8 @@ fallback. The chip is the one a program is compiled for (`mxjax.chips.target_chi
 once per lowering platform: :func:`run_gemm` puts one branch per platform under
 ``jax.lax.platform_dependent``, so lowering keeps the branch of the platform it lowers
 for, and a branch whose explicit backend cannot run there is an op that raises when
-lowered (:func:`unavailable`).
+lowered (:func:`unavailable`). :func:`run_packed_rhs_gemm` does the same for a GEMM
+whose rhs the forward pass quantized (``Route.packed_rhs_gemm``, `mxjax.residuals`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ __all__ = [
     "route_for",
     "routes_per_platform",
     "run_gemm",
+    "run_packed_rhs_gemm",
     "unavailable",
 ]
 
@@ -378,21 +380,57 @@ def run_gemm(a: jax.Array, b: jax.Array, *, dims, recipe, key, gemm_name: str,
     to the emulation it runs alone; otherwise each platform gets its route's GEMM, or an
     op that raises when lowered where the explicit backend cannot run.
     """
-    kw = {"dims": dims, "recipe": recipe, "key": key, "gemm_name": gemm_name,
-              "operand_dtypes": operand_dtypes, "out_dtype": out_dtype}
+    return _run_per_platform("gemm", a, b, dims=dims, recipe=recipe, key=key,
+                             gemm_name=gemm_name, operand_dtypes=operand_dtypes,
+                             out_dtype=out_dtype)
+
+
+def run_packed_rhs_gemm(a: jax.Array, packed_q: MXArray, *, dims, recipe, key, gemm_name: str,
+                        operand_dtypes=None, out_dtype=None) -> jax.Array:
+    """:func:`run_gemm` with the rhs given quantized (``Route.packed_rhs_gemm``), per
+    lowering platform.
+
+    ``packed_q``: the canonical MXArray of the rhs (`mxjax.residuals.pack_rhs`;
+    ``operand_dtypes[1]`` already applied). Every platform's route must have a
+    ``packed_rhs_gemm`` (`mxjax.residuals.saves_packed` packs only then): ValueError
+    otherwise. The same result as :func:`run_gemm` of the primal rhs.
+    """
+    return _run_per_platform("packed_rhs_gemm", a, packed_q, dims=dims, recipe=recipe,
+                             key=key, gemm_name=gemm_name, operand_dtypes=operand_dtypes,
+                             out_dtype=out_dtype)
+
+
+def _route_fn(route: Route, field: str, gemm_name: str):
+    fn = getattr(route, field)
+    if fn is None:
+        raise ValueError(f"{gemm_name}: route {route.name!r} has no {field} "
+                         f"(mxjax.routes.spec.Route.{field})")
+    return fn
+
+
+def _run_per_platform(field: str, a, b, *, recipe, gemm_name: str, **kw) -> jax.Array:
+    """``Route.<field>(a, b, **kw)`` ('gemm' or 'packed_rhs_gemm') of the route each lowering
+    platform resolves to (the emulation alone where every platform takes it)."""
+    kw = {"recipe": recipe, "gemm_name": gemm_name, **kw}
+
+    def emulation(a, b, **kw):
+        return _route_fn(ROUTES["xla"], field, gemm_name)(a, b, **kw)
+
     if recipe.backend == "xla":
-        return ROUTES["xla"].gemm(a, b, **kw)
+        return emulation(a, b, **kw)
     choices = routes_per_platform(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt,
                                   where=gemm_name)
     if all(route is ROUTES["xla"] for route, _ in choices.values()):
-        return ROUTES["xla"].gemm(a, b, **kw)
-    out = jax.eval_shape(lambda a, b: ROUTES["xla"].gemm(a, b, **kw), a, b)
+        return emulation(a, b, **kw)
+    out = jax.eval_shape(lambda a, b: emulation(a, b, **kw), a, b)
 
     def branch(platform):
         route, why = choices[platform]
         if why:
-            return lambda a, b: unavailable(why, out.shape, out.dtype, a, b)
-        return lambda a, b: route.gemm(a, b, platform=platform, **kw)
+            return lambda a, b: unavailable(why, out.shape, out.dtype,
+                                            *jax.tree.leaves((a, b)))
+        fn = _route_fn(route, field, gemm_name)
+        return lambda a, b: fn(a, b, platform=platform, **kw)
 
     return per_platform(a, b, cpu=branch("cpu"), gpu=branch("gpu"), tpu=branch("tpu"))
 

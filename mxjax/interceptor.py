@@ -42,15 +42,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src.interpreters import ad as _ad
 from jax.custom_derivatives import SymbolicZero
 from jax.interpreters.ad import JVPTracer
 
 from mxjax.dimensions import Dims, backward_dimension_numbers, normalize_dimension_numbers
-from mxjax.gemm import gemm, has_explicit_axes
+from mxjax.gemm import gemm, gemm_packed_rhs, has_explicit_axes
 from mxjax.gemm_record import GemmRecord
 from mxjax.operands import split_key
 from mxjax.quantization import FLOAT_DTYPES
 from mxjax.recipes import GemmRecipe, PolicyRecipes, check_policy_recipes
+from mxjax.residuals import PackedResidual, pack_rhs, saves_packed
 
 __all__ = ["DotGeneralCall", "GemmRecord", "dot_general", "observe"]
 
@@ -204,7 +206,7 @@ def _cotangent_sharding(primal: jax.Array, perm: tuple[int, ...]):
     """A backward GEMM's out_sharding, as JAX's transpose rule for dot_general gives it:
     the primal's sharding in the GEMM's output layout (the cotangent is the output
     transposed by `perm`). None unless the primal's mesh has explicit axes."""
-    if not has_explicit_axes(primal):
+    if isinstance(primal, PackedResidual) or not has_explicit_axes(primal):
         return None
     sharding = jax.typeof(primal).sharding
     spec = tuple(sharding.spec) + (None,) * (primal.ndim - len(sharding.spec))
@@ -218,14 +220,54 @@ def _policy_dot(lhs, rhs, key, st: _Static):
     return _fprop(lhs, rhs, key, st)
 
 
+def _packs(st: _Static, lhs, rhs) -> bool:
+    """Whether this call may save packed residuals (`mxjax.residuals`): not observed, not
+    under a mesh with explicit axes, not differentiated again (a JVP tracer on a primal)."""
+    return (st.on_gemm is None and st.straight_through and not has_explicit_axes(lhs, rhs)
+            and not any(isinstance(x, _AD_TRACERS) for x in (lhs, rhs)))
+
+
+# The tracers of a primal being differentiated again (forward-over-reverse: JVP;
+# reverse-over-reverse: linearize).
+_AD_TRACERS = tuple(t for t in (JVPTracer, getattr(_ad, "LinearizeTracer", None)) if t)
+
+
+def _primal_dtype(res) -> Any:
+    return res.primal_dtype if isinstance(res, PackedResidual) else res.dtype
+
+
 def _policy_dot_fwd(lhs, rhs, key, st: _Static):
-    return _fprop(lhs, rhs, key, st), (lhs, rhs, key)
+    out = _fprop(lhs, rhs, key, st)
+    if not _packs(st, lhs, rhs):
+        return out, (lhs, rhs, key)
+    # The backward GEMMs' rhs operands (W for dgrad, X for wgrad), quantized now where
+    # the GEMM would quantize exactly these values (mxjax.residuals).
+    _, kd, kw = split_key(key)
+    (d_dims, _), (w_dims, _) = backward_dimension_numbers(st.dims, lhs.ndim, rhs.ndim)
+    d = st.operand_dtype
+    # Under operand_dtype the residual W is the primal as stored (e.g. the f32 master
+    # weight), which stays alive anyway: a packed copy would only add memory.
+    if d is None and saves_packed(st.policy.dgrad):
+        rhs = pack_rhs(rhs, d_dims, st.policy.dgrad, kd, d)
+    if saves_packed(st.policy.wgrad):
+        lhs = pack_rhs(lhs, w_dims, st.policy.wgrad, kw, d)
+    return out, (lhs, rhs, key)
+
+
+def _backward_gemm(g, b, key, spec: _GemmSpec, straight_through: bool):
+    """One backward GEMM of `g` and the residual `b` (a primal, or a `PackedResidual`)."""
+    if isinstance(b, PackedResidual):
+        return gemm_packed_rhs(g, b.q, b.primal, spec.dims, spec.recipe, key,
+                               preferred_element_type=spec.preferred_element_type,
+                               gemm_name=spec.gemm_name, operand_dtypes=spec.operand_dtypes)
+    return _differentiable_gemm(g, b, key, spec, straight_through)
 
 
 def _policy_dot_bwd(st: _Static, res, g):
     lhs, rhs, key = res
     _, kd, kw = split_key(key)
-    (d_dims, d_perm), (w_dims, w_perm) = backward_dimension_numbers(st.dims, lhs.ndim, rhs.ndim)
+    (d_dims, d_perm), (w_dims, w_perm) = backward_dimension_numbers(
+        st.dims, len(lhs.shape), len(rhs.shape))
     pet = st.preferred_element_type
     # With operand_dtype the primals are cast inside: the residual operand of each
     # backward GEMM is cast as in the forward (the cotangent g is the cast GEMM's),
@@ -234,14 +276,14 @@ def _policy_dot_bwd(st: _Static, res, g):
     cast = None if d is None else (None, d)
     dspec = _GemmSpec(d_dims, st.policy.dgrad, st.precision, pet, "dgrad",
                       _cotangent_sharding(lhs, d_perm), cast)
-    dlhs = _differentiable_gemm(g, rhs, kd, dspec, st.straight_through)
+    dlhs = _backward_gemm(g, rhs, kd, dspec, st.straight_through)
     _observed(st, dspec, g, rhs, kd, dlhs, d_perm)
-    dlhs = _cast_to(jnp.transpose(dlhs, d_perm), d).astype(lhs.dtype)
+    dlhs = _cast_to(jnp.transpose(dlhs, d_perm), d).astype(_primal_dtype(lhs))
     wspec = _GemmSpec(w_dims, st.policy.wgrad, st.precision, pet, "wgrad",
                       _cotangent_sharding(rhs, w_perm), cast)
-    drhs = _differentiable_gemm(g, lhs, kw, wspec, st.straight_through)
+    drhs = _backward_gemm(g, lhs, kw, wspec, st.straight_through)
     _observed(st, wspec, g, lhs, kw, drhs, w_perm)
-    drhs = _cast_to(jnp.transpose(drhs, w_perm), d).astype(rhs.dtype)
+    drhs = _cast_to(jnp.transpose(drhs, w_perm), d).astype(_primal_dtype(rhs))
     return dlhs, drhs, None
 
 

@@ -20,8 +20,8 @@ from mxjax._platform import cpu_barrier
 from mxjax.dimensions import Dims, free_axes
 from mxjax.rotation import fixed_signs, hadamard, random_signs
 
-__all__ = ["canonical_operands", "free_size", "quantizer_operands", "rotate", "rotation_signs",
-           "split_key"]
+__all__ = ["canonical_operand", "canonical_operands", "free_size", "quantizer_operands", "rotate",
+           "rotate_operand", "rotation_signs", "split_key"]
 
 
 def _to_canonical(x: jax.Array, batch: Sequence[int], contract: Sequence[int]) -> jax.Array:
@@ -36,6 +36,12 @@ def _to_canonical(x: jax.Array, batch: Sequence[int], contract: Sequence[int]) -
     return x.reshape(bshape + (f, k)).astype(jnp.float32)
 
 
+def canonical_operand(x: jax.Array, batch: Sequence[int], contract: Sequence[int]) -> jax.Array:
+    """One operand in the canonical layout: f32 ``[batch..., F, K]`` (its free axes and its
+    contracting axes, in the order given, flattened)."""
+    return _to_canonical(x, batch, contract)
+
+
 def canonical_operands(a: jax.Array, b: jax.Array, dims: Dims) -> tuple[jax.Array, jax.Array]:
     """Both operands of ``dot_general(a, b, dims)`` in the canonical layout, f32.
 
@@ -48,23 +54,26 @@ def canonical_operands(a: jax.Array, b: jax.Array, dims: Dims) -> tuple[jax.Arra
 
 def rotate(a3: jax.Array, b3: jax.Array, recipe, k_had):
     """Applies the recipe's Hadamard to both canonical operands along K (if any)."""
+    # One barrier per operand (`rotate_operand`), so neither operand's program depends
+    # on the other.
+    return rotate_operand(a3, recipe, k_had), rotate_operand(b3, recipe, k_had)
+
+
+def rotate_operand(x3: jax.Array, recipe, k_had) -> jax.Array:
+    """Applies the recipe's Hadamard to one canonical operand along K (if any), as
+    `rotate` does to each: the same signs from ``k_had``, the same zero padding."""
     had = recipe.hadamard
     if had is None:
-        return a3, b3
+        return x3
     h = had.block_size
-    kdim = a3.shape[-1]
     # A contraction shorter than h (or not a multiple of it) is zero-padded:
     # both operands get the same zeros, so the rotation still cancels exactly.
-    pad = (-kdim) % h
+    pad = (-x3.shape[-1]) % h
     if pad:
-        widths = [(0, 0)] * (a3.ndim - 1) + [(0, pad)]
-        a3, b3 = jnp.pad(a3, widths), jnp.pad(b3, widths)
-    signs = rotation_signs(had, k_had)
+        x3 = jnp.pad(x3, [(0, 0)] * (x3.ndim - 1) + [(0, pad)])
     # On CPU the barrier keeps XLA from fusing the butterflies into the
     # quantizer's block reductions, which recomputes them (measured 4x slower).
-    # One barrier per operand, so neither operand's program depends on the other.
-    return (cpu_barrier(hadamard(a3, h, axis=-1, signs=signs)),
-            cpu_barrier(hadamard(b3, h, axis=-1, signs=signs)))
+    return cpu_barrier(hadamard(x3, h, axis=-1, signs=rotation_signs(had, k_had)))
 
 
 def rotation_signs(had, k_had):

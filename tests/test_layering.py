@@ -47,15 +47,18 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     #    the registry that chooses among them (backends); then the recipes, which take
     #    their backend names from the registry, and mxjax.gemm, which runs the chosen
     #    route. Nothing below the registry knows the backend names.
-    #  - the interceptor (the custom_vjp over the three GEMMs) sits above mxjax.gemm and
-    #    mxjax.gemm_record (the GemmRecord it hands observers of each GEMM).
+    #  - the interceptor (the custom_vjp over the three GEMMs) sits above mxjax.gemm,
+    #    mxjax.residuals (the backward's operands quantized and packed by the forward) and
+    #    mxjax.gemm_record (the GemmRecord it hands observers of each GEMM); the remat
+    #    policies (remat) need nothing of mxjax.
     #  - policies sit above the interceptor: PrecisionPolicy.dot_general and
     #    mxjax.dot_general run it; the interceptor reads a policy through the
     #    mxjax.recipes.PolicyRecipes protocol and never imports the policy type.
     #  - diagnostics sit above the interceptor and plug into it through its one
     #    hook, mxjax.interceptor.observe.
     "mxjax": (
-        ("formats", "layout", "validation", "_platform", "dimensions", "measurements", "chips"),
+        ("formats", "layout", "validation", "_platform", "dimensions", "measurements", "chips",
+         "remat"),
         ("_bits",),
         ("elements",),
         ("scaling", "e2m1_bits"),
@@ -67,7 +70,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("routes",),
         ("backends",),
         ("recipes",),
-        ("gemm",),
+        ("gemm", "residuals"),
         ("gemm_record",),
         ("interceptor",),
         ("policies",),

@@ -19,15 +19,16 @@ from typing import Any
 __all__ = ["STATELESS_MODEL_FIELDS", "changes", "record"]
 
 # LlamaConfig fields that hold no state: recomputing the blocks in the backward pass
-# (remat), the form of the attention computation, and the longest sequence the model
-# accepts (a bound, no weight).
-STATELESS_MODEL_FIELDS = ("remat", "attention_impl", "max_seq_len")
+# (remat) and what the recomputation keeps (remat_policy), the form of the attention
+# computation, and the longest sequence the model accepts (a bound, no weight).
+STATELESS_MODEL_FIELDS = ("remat", "remat_policy", "attention_impl", "max_seq_len")
 
 # The settings `record` keeps, in the order `changes` names them; max_seq_len is left out
 # (it changes no value a step computes).
 _NAMES = {"micro_batch": "train.micro_batch", "eval_batch": "train.eval_batch",
           "mesh": "mesh (data, fsdp, tensor)", "devices": "device count",
-          "remat": "model.overrides.remat", "attention_impl": "model.overrides.attention_impl"}
+          "remat": "model.overrides.remat", "remat_policy": "model.overrides.remat_policy",
+          "attention_impl": "model.overrides.attention_impl"}
 
 
 def record(plan: Any, device_count: int) -> dict[str, Any]:
@@ -37,7 +38,7 @@ def record(plan: Any, device_count: int) -> dict[str, Any]:
     return {"micro_batch": c.train.micro_batch or c.train.global_batch,
             "eval_batch": plan.eval_batch, "mesh": list(plan.mesh_axes),
             "devices": device_count, "remat": bool(mc.remat),
-            "attention_impl": mc.attention_impl}
+            "remat_policy": mc.remat_policy, "attention_impl": mc.attention_impl}
 
 
 def _from_old_meta(meta: Mapping[str, Any]) -> dict[str, Any]:

@@ -7,11 +7,13 @@ bf16 operands at DEFAULT (exact, see docs/NUMERICS.md) with per-tensor scales ap
 the f32 result and no CPU-only barriers: MX operands quantized in place
 (`mxjax.emulation.in_place`, its TPU kernel `in_place_tpu`), others canonical. CUDA
 runs per-tensor FP8 and MXFP8 recipes on FP8 tensor cores
-(`mxjax.emulation.fp8_units`). Every form gives the same values.
+(`mxjax.emulation.fp8_units`). Every form gives the same values. `emulated_packed_rhs_gemm`
+runs the canonical forms on an rhs the forward pass quantized (`mxjax.residuals`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -24,27 +26,48 @@ from mxjax.dimensions import Dims, free_axes
 from mxjax.emulation import fp8_units, in_place
 from mxjax.emulation.in_place import cast_operands
 from mxjax.layout import canonical_dimension_numbers
-from mxjax.operands import canonical_operands, free_size, rotate, rotation_signs, split_key
-from mxjax.quantization import fake_quantize_parts_with, fake_quantize_with
+from mxjax.operands import (
+    canonical_operand,
+    canonical_operands,
+    free_size,
+    rotate,
+    rotate_operand,
+    rotation_signs,
+    split_key,
+)
+from mxjax.quantization import MXArray, dequantize, fake_quantize_parts_with, fake_quantize_with
 from mxjax.scaling import SR_UNSCALE, OperandRange
 
-__all__ = ["accelerator_gemm", "accelerator_operand_dtype", "emulated_gemm", "operand_range",
+__all__ = ["accelerator_gemm", "accelerator_operand_dtype", "emulated_gemm",
+           "emulated_packed_rhs_gemm", "emulates_packed_rhs", "operand_range",
            "takes_f8_on_cuda"]
 
 
-def _prepare_operand(x: jax.Array, recipe, key) -> jax.Array:
+def _prepare_operand(x, recipe, key) -> jax.Array:
+    """The operand's f32 values: `x` quantized under `recipe`, or, for an `MXArray` (an
+    operand the forward pass quantized already, `emulated_packed_rhs_gemm`), the values it
+    holds (``fake_quantize``'s, bit for bit)."""
+    if isinstance(x, MXArray):
+        return dequantize(x, jnp.float32)
     return fake_quantize_with(x, recipe, -1, key=key)
 
 
-def _prepare_operand_parts(x: jax.Array, recipe, key):
+def _prepare_operand_parts(x, recipe, key):
     """(values, per-tensor f32 factors): the operand is ``values * factors[0] * ...``.
 
     The factors (NVFP4's and per-tensor FP8's tensor scale, the 4/3 SR unscale)
     are left out of ``values`` so that they can be applied to the GEMM's f32 result.
+    ``x``: an operand to quantize under `recipe`, or an `MXArray` quantized already.
     """
-    values, tensor_scale = fake_quantize_parts_with(x, recipe, -1, key=key)
+    if isinstance(x, MXArray):  # its values without the tensor scale and the SR unscale
+        one = None if x.tensor_scale is None else jnp.float32(1.0)
+        bare = dataclasses.replace(x, tensor_scale=one, sr_prescale=False)
+        values, tensor_scale, prescaled = dequantize(bare), x.tensor_scale, x.sr_prescale
+    else:
+        values, tensor_scale = fake_quantize_parts_with(x, recipe, -1, key=key)
+        prescaled = recipe.sr_prescale
     factors = () if tensor_scale is None else (tensor_scale,)
-    if recipe.sr_prescale:
+    if prescaled:
         factors += (jnp.float32(SR_UNSCALE),)
     return values, factors
 
@@ -77,7 +100,9 @@ def accelerator_operand_dtype(recipe):
 
 
 def _cpu_gemm(a3, b3, recipe, k_lhs, k_rhs):
-    """XLA:CPU form: dequantized f32 operands, each materialized, one f32 GEMM at HIGHEST."""
+    """XLA:CPU form: dequantized f32 operands, each materialized, one f32 GEMM at HIGHEST.
+
+    ``b3``: the canonical rhs, or an `MXArray` of it quantized already (its values)."""
     aq = cpu_barrier(_prepare_operand(a3, recipe.lhs, k_lhs))
     bq = cpu_barrier(_prepare_operand(b3, recipe.rhs, k_rhs))
     return lax.dot_general(aq, bq, canonical_dimension_numbers(a3.ndim - 2),
@@ -89,7 +114,8 @@ def accelerator_gemm(a3, b3, recipe, k_lhs, k_rhs):
 
     Per-tensor factors are applied to the f32 result, lhs's then rhs's, one
     multiply each. Formats whose values bf16 cannot hold fall back to f32 at
-    HIGHEST (`accelerator_operand_dtype`).
+    HIGHEST (`accelerator_operand_dtype`). ``b3``: the canonical rhs, or an `MXArray` of
+    it quantized already.
     """
     dims = canonical_dimension_numbers(a3.ndim - 2)
     if accelerator_operand_dtype(recipe) != jnp.bfloat16:
@@ -247,4 +273,50 @@ def emulated_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe, key,
         cpu=cpu,
         gpu=gpu,
         tpu=functools.partial(form, form="tpu"))
+    return out if out_dtype is None else out.astype(out_dtype)
+
+
+def emulates_packed_rhs(recipe, platform: str) -> bool:
+    """Whether the GEMM under `recipe`, lowered for `platform` ('cpu', 'gpu', 'tpu'), may take
+    its rhs quantized by the forward pass (`emulated_packed_rhs_gemm`): where its form there
+    is the canonical one on block-scaled operands, which the packed form reproduces. Not
+    where an operand is per-tensor (quantized in place on XLA:CPU and CUDA); on GPUs not
+    where CUDA runs the recipe on FP8 tensor cores (`takes_f8_on_cuda`); on GPUs and TPUs
+    not for MX operands, whose in-place forms (`mxjax.emulation.in_place`, the TPU's Pallas
+    quantizer) read each operand in both directions in their own passes."""
+    if recipe.lhs.fmt.is_per_tensor or recipe.rhs.fmt.is_per_tensor:
+        return False
+    if platform == "cpu":
+        return True
+    return not _in_place_mx(recipe) and not (platform == "gpu" and takes_f8_on_cuda(recipe))
+
+
+@functools.partial(jax.jit, inline=True,  # cached per types, as emulated_gemm
+                   static_argnames=("dims", "recipe", "operand_dtypes", "out_dtype", "platform"))
+def emulated_packed_rhs_gemm(a: jax.Array, b_q: MXArray, dims: Dims, recipe, key,
+                             operand_dtypes=None, out_dtype=None,
+                             platform: str | None = None) -> jax.Array:
+    """`emulated_gemm` with the rhs given quantized: ``b_q``, the canonical rhs
+    ``[batch..., Fb, K']`` rotated by the recipe's Hadamard and quantized along K' under
+    ``recipe.rhs`` with the GEMM's rhs key (`mxjax.residuals.pack_rhs`).
+
+    The lhs takes `emulated_gemm`'s path (canonical layout, rotation, quantization with the
+    lhs key); the GEMM is the canonical form of `platform` ('cpu': `_cpu_gemm`, 'gpu' or
+    'tpu': `accelerator_gemm`; None: each under ``lax.platform_dependent``) on the values
+    ``b_q`` holds: `emulated_gemm`'s bits wherever `emulates_packed_rhs` holds.
+    ``operand_dtypes[0]`` casts `a` (``[1]`` is already applied to ``b_q``). Returns
+    ``[batch..., Fa, Fb]``, f32 or out_dtype.
+    """
+    (ca, _), (ba, _) = dims
+    if operand_dtypes is not None and operand_dtypes[0] is not None:
+        a = a.astype(operand_dtypes[0])
+    k_lhs, _, k_had = split_key(key if recipe.needs_key else None)
+    a3 = rotate_operand(canonical_operand(a, ba, ca), recipe, k_had)
+    forms = {"cpu": _cpu_gemm, "gpu": accelerator_gemm, "tpu": accelerator_gemm}
+    branches = {p: functools.partial(f, recipe=recipe, k_lhs=k_lhs, k_rhs=None)
+                for p, f in forms.items()}
+    if platform is None:
+        out = per_platform(a3, b_q, **branches)
+    else:
+        out = branches[platform](a3, b_q)
     return out if out_dtype is None else out.astype(out_dtype)

@@ -3,7 +3,8 @@
 A route is one backend of a quantized GEMM (``GemmRecipe.backend``). Each route module
 (`mxjax.routes.xla`, `xla_fp8`, `xla_fp4`, `triton`) ends with its ``ROUTE``: the
 formats and chips it serves, its GEMM, the packed-operand dot `mxjax.backends.mx_dot`
-runs (if it has one) and where its evidence is in ``mxjax/measurements.json``. The
+runs (if it has one), where its evidence is in ``mxjax/measurements.json`` and, if it
+takes one, its GEMM of a packed rhs (the quantized residuals of `mxjax.residuals`). The
 registry (`mxjax.backends`) reads these and nothing else.
 """
 
@@ -43,6 +44,14 @@ class Route:
       packed_dot: ``packed_dot(lhs_q, rhs_q, *, platform, **tiles)``: the f32 dot of two
         quantized operands (MXArrays), or None when the route quantizes its own operands.
       evidence: keys of ``mxjax/measurements.json`` whose figures time this route.
+      packed_rhs_gemm: ``packed_rhs_gemm(a, packed_q, *, dims, recipe, key, gemm_name,
+        operand_dtypes, out_dtype, platform)``: `gemm` with the rhs given quantized, or None
+        (the route takes its rhs as the primal only). ``packed_q`` is the canonical
+        `mxjax.MXArray` of the rhs ``b`` (``[batch..., Fb, K']``: rotated by the recipe's
+        Hadamard, K' padded to its size, quantized along K' under ``recipe.rhs`` with the
+        GEMM's rhs key: `mxjax.residuals.pack_rhs`), ``operand_dtypes[1]`` already applied
+        to it; the result is ``gemm(a, b, ...)``'s, bit for bit. A route that has it takes
+        the packed residuals of the backward GEMMs (`mxjax.residuals.saves_packed`).
     """
 
     name: str
@@ -52,6 +61,7 @@ class Route:
     gemm: Callable[..., jax.Array]
     packed_dot: Callable[..., jax.Array] | None
     evidence: tuple[str, ...]
+    packed_rhs_gemm: Callable[..., jax.Array] | None = None
 
     def serves(self, lhs_fmt, rhs_fmt) -> bool:
         """Whether the route implements a GEMM of these two operand formats."""

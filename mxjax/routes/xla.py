@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mxjax.chips import Chip
-from mxjax.emulation.forms import emulated_gemm
+from mxjax.emulation.forms import emulated_gemm, emulated_packed_rhs_gemm
 from mxjax.layout import canonical_dimension_numbers
 from mxjax.quantization import MXArray, dequantize
 from mxjax.routes.spec import Route
@@ -24,6 +24,13 @@ def _gemm(a, b, *, dims, recipe, key, gemm_name, operand_dtypes=None, out_dtype=
           platform=None) -> jax.Array:
     del platform  # one program for every platform: lax.platform_dependent inside
     return emulated_gemm(a, b, dims, recipe, key, gemm_name, operand_dtypes, out_dtype)
+
+
+def _packed_rhs_gemm(a, packed_q, *, dims, recipe, key, gemm_name, operand_dtypes=None,
+                     out_dtype=None, platform=None) -> jax.Array:
+    del gemm_name  # the emulation's form does not depend on it (its CUDA FP8 form packs none)
+    return emulated_packed_rhs_gemm(a, packed_q, dims, recipe, key, operand_dtypes, out_dtype,
+                                    platform)
 
 
 def packed_dot(lhs_q: MXArray, rhs_q: MXArray, *, platform=None, **tiles) -> jax.Array:
@@ -55,4 +62,5 @@ ROUTE = Route(
     packed_dot=packed_dot,
     evidence=("layer_8b.h200.measured", "layer_8b.h200.rates_roofline",
               "layer_8b.b200.rates_roofline", "gemm_8192.h200.measured"),
+    packed_rhs_gemm=_packed_rhs_gemm,
 )

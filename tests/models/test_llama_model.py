@@ -14,6 +14,7 @@ from llama_test_utils import RecordingPolicy, expected_layer_keys, max_abs, smal
 
 from models import llama as L
 from models.llama import Llama, LlamaConfig, RopeScaling, param_count
+from mxjax import policies
 
 
 @pytest.fixture(scope="module")
@@ -236,6 +237,24 @@ def test_remat_equals_no_remat(tokens):
     lu, gu = _loss_and_grads(unrolled_remat, tokens)
     assert abs(float(lp) - float(lu)) <= 1e-6
     assert max(jax.tree.leaves(jax.tree.map(max_abs, gp, gu))) <= 1e-5
+
+
+def test_remat_keeping_quantized_residuals_equals_no_remat(tokens):
+    # The packed residuals saved by the remat policy are those the forward made: the
+    # gradients are bit for bit those without remat and with the default (full) remat.
+    cfg = small(scan_layers=False)
+    plain = Llama(cfg, rngs=nnx.Rngs(4))
+    keep = Llama(cfg.replace(remat=True, remat_policy="quantized_residuals"), rngs=nnx.Rngs(4))
+    full = Llama(cfg.replace(remat=True), rngs=nnx.Rngs(4))
+    policy = policies.get("nvfp4")  # packs its residuals on every chip (mxjax.residuals)
+    kw = {"policy": policy, "policy_key": jax.random.key(7)}
+    lp, gp = _loss_and_grads(plain, tokens, **kw)
+    for model in (keep, full):
+        lr, gr = _loss_and_grads(model, tokens, **kw)
+        assert float(lp) == float(lr)
+        assert max(jax.tree.leaves(jax.tree.map(max_abs, gp, gr))) == 0.0
+    with pytest.raises(ValueError, match="remat_policy must be one of"):
+        small(remat_policy="dots")
 
 
 def test_bf16_compute_runs_and_tracks_fp32(tokens):

@@ -22,16 +22,17 @@ DIMS = (((1,), (0,)), ((), ()))
 
 @pytest.fixture
 def cpu_form_traces(monkeypatch):
-    """A list that gets one entry per trace of a GEMM's CPU form."""
+    """A list that gets one entry per trace of a GEMM's CPU form (`forms._cpu_gemm`, which
+    the canonical form and the form of a packed rhs, the backward's, both run)."""
     jax.clear_caches()
     calls = []
-    inner = forms._canonical_cpu_form
+    inner = forms._cpu_gemm
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape)
         return inner(*args, **kwargs)
 
-    monkeypatch.setattr(forms, "_canonical_cpu_form", counted)
+    monkeypatch.setattr(forms, "_cpu_gemm", counted)
     yield calls
     jax.clear_caches()  # the cached traces hold the counting wrapper
 

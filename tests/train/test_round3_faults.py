@@ -234,3 +234,9 @@ def test_execution_changes_name_mesh_devices_and_eval_batch():
               "compat": {"model": {"remat": False, "attention_impl": "explicit"}}}
     assert execution.changes(before, dict(old, micro_batch=4, eval_batch=4)) == [
         "train.micro_batch: 8 -> 4", "train.eval_batch: 8 -> 4"]
+    # The remat policy is an execution setting: named when it changes, not compared with a
+    # checkpoint that predates it.
+    keep = dict(old, remat=True, remat_policy="quantized_residuals")
+    assert execution.changes({"execution": dict(keep, remat_policy="full")}, keep) == [
+        "model.overrides.remat_policy: 'full' -> 'quantized_residuals'"]
+    assert execution.changes({"execution": old}, dict(old, remat_policy="full")) == []
