@@ -385,19 +385,19 @@ def run_gemm(a: jax.Array, b: jax.Array, *, dims, recipe, key, gemm_name: str,
                              out_dtype=out_dtype)
 
 
-def run_packed_rhs_gemm(a: jax.Array, packed_q: MXArray, *, dims, recipe, key, gemm_name: str,
-                        operand_dtypes=None, out_dtype=None) -> jax.Array:
+def run_packed_rhs_gemm(a: jax.Array, packed_q: MXArray, *, b_shape, dims, recipe, key,
+                        gemm_name: str, operand_dtypes=None, out_dtype=None) -> jax.Array:
     """:func:`run_gemm` with the rhs given quantized (``Route.packed_rhs_gemm``), per
     lowering platform.
 
     ``packed_q``: the canonical MXArray of the rhs (`mxjax.residuals.pack_rhs`;
-    ``operand_dtypes[1]`` already applied). Every platform's route must have a
-    ``packed_rhs_gemm`` (`mxjax.residuals.saves_packed` packs only then): ValueError
-    otherwise. The same result as :func:`run_gemm` of the primal rhs.
+    ``operand_dtypes[1]`` already applied); ``b_shape``: the rhs's shape. Every platform's
+    route must have a ``packed_rhs_gemm`` (`mxjax.residuals.saves_packed` packs only then):
+    ValueError otherwise. The same result as :func:`run_gemm` of the primal rhs.
     """
-    return _run_per_platform("packed_rhs_gemm", a, packed_q, dims=dims, recipe=recipe,
-                             key=key, gemm_name=gemm_name, operand_dtypes=operand_dtypes,
-                             out_dtype=out_dtype)
+    return _run_per_platform("packed_rhs_gemm", a, packed_q, b_shape=tuple(b_shape),
+                             dims=dims, recipe=recipe, key=key, gemm_name=gemm_name,
+                             operand_dtypes=operand_dtypes, out_dtype=out_dtype)
 
 
 def _route_fn(route: Route, field: str, gemm_name: str):

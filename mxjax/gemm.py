@@ -123,7 +123,7 @@ def gemm_packed_rhs(a: jax.Array, packed_q: MXArray, b: jax.ShapeDtypeStruct, di
     if recipe.is_passthrough:
         raise ValueError(f"{gemm_name}: a pass-through recipe quantizes no rhs to pack")
     out_type = _result_type(a, b, dims, preferred_element_type, operand_dtypes, False)
-    out = run_packed_rhs_gemm(a, packed_q, dims=dims, recipe=recipe,
+    out = run_packed_rhs_gemm(a, packed_q, b_shape=tuple(b.shape), dims=dims, recipe=recipe,
                               key=key if recipe.needs_key else None, gemm_name=gemm_name,
                               operand_dtypes=operand_dtypes, out_dtype=out_type.dtype)
     return _unflattened(out, a.shape, b.shape, dims, out_type.dtype)

@@ -46,15 +46,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from mxjax._platform import per_platform
 from mxjax.backends import ROUTES, routes_per_platform
+from mxjax.chips import target_chip
 from mxjax.dimensions import Dims
-from mxjax.emulation.forms import emulates_packed_rhs
+from mxjax.emulation.forms import emulates_packed_rhs, emulation_packs_rhs
 from mxjax.operands import canonical_operand, rotate_operand, split_key
 from mxjax.quantization import MXArray, quantize_with
 from mxjax.remat import PACKED_RESIDUAL
@@ -99,9 +101,9 @@ class PackedResidual:
 
 
 def _takes_packed_rhs(route, recipe, platform: str) -> bool:
-    """Whether `route`, the one `platform` resolves to, takes the packed rhs; the emulation
-    only where its form on that platform is the canonical one. None (the backend cannot run
-    there: its branch raises when lowered, packed or not) is no obstacle."""
+    """Whether `route`, the one `platform` resolves to, takes the packed rhs with the same
+    bits (the emulation: `emulates_packed_rhs`). None (the backend cannot run there: its
+    branch raises when lowered, packed or not) is no obstacle."""
     if route is None:
         return True
     if route.packed_rhs_gemm is None:
@@ -111,11 +113,13 @@ def _takes_packed_rhs(route, recipe, platform: str) -> bool:
 
 def saves_packed(recipe) -> bool:
     """Whether the backward GEMM under `recipe` takes its rhs operand packed (module
-    docstring): a block-scaled rhs and, on every platform the backend resolves to (one
-    where it cannot run aside), a route with a ``packed_rhs_gemm``, the emulation's only
-    where its form on that platform is the canonical one (`emulates_packed_rhs`). Every
-    platform counts, not only the one compiled for: the program carries one branch per
-    platform (``lax.platform_dependent``) and may be lowered for any of them."""
+    docstring): a block-scaled rhs; on every platform the backend resolves to (one where it
+    cannot run aside) a route that takes the packed rhs with the same bits, since the
+    program carries one branch per platform (``lax.platform_dependent``) and may be lowered
+    for any of them; and on the chip the program is traced for (`mxjax.chips.target_chip`),
+    a form for which packing is the better choice: everywhere but the emulation's TPU
+    kernel for MX operands (`emulation_packs_rhs`), which reads X and W in place in the
+    backward faster than XLA quantizes them in the forward."""
     op = recipe.rhs
     if recipe.is_passthrough or op.is_passthrough or op.fmt.is_per_tensor:
         return False
@@ -123,8 +127,12 @@ def saves_packed(recipe) -> bool:
         choices = routes_per_platform(recipe.backend, recipe.lhs.fmt, op.fmt)
     except ValueError:
         return False
-    return all(_takes_packed_rhs(route, recipe, platform)
-               for platform, (route, _) in choices.items())
+    if not all(_takes_packed_rhs(route, recipe, platform)
+               for platform, (route, _) in choices.items()):
+        return False
+    platform = target_chip().platform
+    route = choices[platform][0]
+    return route is not ROUTES["xla"] or emulation_packs_rhs(recipe, platform)
 
 
 def pack_rhs(b: jax.Array, dims: Dims, recipe, key, dtype=None) -> PackedResidual:
@@ -132,27 +140,51 @@ def pack_rhs(b: jax.Array, dims: Dims, recipe, key, dtype=None) -> PackedResidua
     quantizes it (cast to `dtype` first if given), packed and named for remat policies.
 
     ``key``: the GEMM's key (None when the recipe needs none); its splits are the GEMM's.
+    Lowered for a GPU whose route has its own operand kernels (``Route.pack_rhs``: the
+    one-pass kernel of 'xla_fp4', which reads the forward GEMM's operand once for both),
+    those make it; elsewhere `mxjax.quantize_with`: the same bits.
     """
-    primal_dtype = jnp.dtype(b.dtype)
-    if dtype is not None:
-        b = b.astype(dtype)
-    (_, cb), (_, bb) = dims
-    _, k_rhs, k_had = split_key(key if recipe.needs_key else None)
-    b3 = rotate_operand(canonical_operand(b, bb, cb), recipe, k_had)
-    q = _residual(b3, k_rhs, recipe.rhs)
+    q = _residual(b, key if recipe.needs_key else None, _PackSpec(dims, recipe, dtype))
     q = jax.tree.map(lambda x: checkpoint_name(x, PACKED_RESIDUAL), q)
-    return PackedResidual(q, tuple(b.shape), primal_dtype)
+    return PackedResidual(q, tuple(b.shape), jnp.dtype(b.dtype))
+
+
+class _PackSpec(NamedTuple):
+    dims: Dims
+    recipe: Any
+    dtype: Any
+
+
+def _canonical_pack(b: jax.Array, key, spec: _PackSpec) -> MXArray:
+    (_, cb), (_, bb) = spec.dims
+    _, k_rhs, k_had = split_key(key)
+    if spec.dtype is not None:
+        b = b.astype(spec.dtype)
+    b3 = rotate_operand(canonical_operand(b, bb, cb), spec.recipe, k_had)
+    return quantize_with(b3, spec.recipe.rhs, -1, key=k_rhs)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _residual(b3: jax.Array, key, op) -> MXArray:
-    """``quantize_with(b3, op, -1, key=key)``, which must not be differentiated (below)."""
-    return quantize_with(b3, op, -1, key=key)
+def _residual(b: jax.Array, key, spec: _PackSpec) -> MXArray:
+    """`_canonical_pack`, or on a GPU the route's own kernel (`pack_rhs`); never
+    differentiated (below)."""
+    recipe = spec.recipe
+    route, _ = routes_per_platform(recipe.backend, recipe.lhs.fmt, recipe.rhs.fmt)["gpu"]
+    if route is None or route.pack_rhs is None:
+        return _canonical_pack(b, key, spec)
+
+    def gpu(b, key):
+        q = route.pack_rhs(b, dims=spec.dims, recipe=recipe, key=key,
+                           operand_dtype=spec.dtype)
+        return _canonical_pack(b, key, spec) if q is None else q
+
+    return per_platform(b, key, cpu=functools.partial(_canonical_pack, spec=spec),
+                        tpu=functools.partial(_canonical_pack, spec=spec), gpu=gpu)
 
 
 @_residual.defjvp
-def _residual_jvp(op, primals, tangents):
-    del op, primals, tangents
+def _residual_jvp(spec, primals, tangents):
+    del spec, primals, tangents
     raise TypeError(
         "mxjax.dot_general: a gradient computed from packed quantized residuals "
         "(mxjax.residuals) is being differentiated again, across a jax.jit boundary that hid "

@@ -39,7 +39,8 @@ from mxjax.quantization import MXArray, dequantize, fake_quantize_parts_with, fa
 from mxjax.scaling import SR_UNSCALE, OperandRange
 
 __all__ = ["accelerator_gemm", "accelerator_operand_dtype", "emulated_gemm",
-           "emulated_packed_rhs_gemm", "emulates_packed_rhs", "operand_range",
+           "emulated_packed_rhs_gemm", "emulates_packed_rhs", "emulation_packs_rhs",
+           "operand_range",
            "takes_f8_on_cuda"]
 
 
@@ -278,45 +279,72 @@ def emulated_gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe, key,
 
 def emulates_packed_rhs(recipe, platform: str) -> bool:
     """Whether the GEMM under `recipe`, lowered for `platform` ('cpu', 'gpu', 'tpu'), may take
-    its rhs quantized by the forward pass (`emulated_packed_rhs_gemm`): where its form there
-    is the canonical one on block-scaled operands, which the packed form reproduces. Not
-    where an operand is per-tensor (quantized in place on XLA:CPU and CUDA); on GPUs not
-    where CUDA runs the recipe on FP8 tensor cores (`takes_f8_on_cuda`); on GPUs and TPUs
-    not for MX operands, whose in-place forms (`mxjax.emulation.in_place`, the TPU's Pallas
-    quantizer) read each operand in both directions in their own passes."""
+    its rhs quantized by the forward pass (`emulated_packed_rhs_gemm`) with the same bits:
+    block-scaled operands, whose canonical form (XLA:CPU; NVFP4 on GPUs and TPUs) and
+    in-place forms (the MX formats on GPUs and TPUs: `mxjax.emulation.in_place`'s
+    `mx_gemm_packed_rhs`) contract the packed values in the GEMM's own layout. Not where an
+    operand is per-tensor (quantized in place on XLA:CPU and CUDA, in no canonical layout),
+    nor on GPUs where CUDA runs the recipe on FP8 tensor cores (`takes_f8_on_cuda`)."""
     if recipe.lhs.fmt.is_per_tensor or recipe.rhs.fmt.is_per_tensor:
         return False
-    if platform == "cpu":
-        return True
-    return not _in_place_mx(recipe) and not (platform == "gpu" and takes_f8_on_cuda(recipe))
+    return platform != "gpu" or not takes_f8_on_cuda(recipe)
+
+
+def emulation_packs_rhs(recipe, platform: str) -> bool:
+    """Whether packing the backward GEMMs' rhs operands is the emulation's choice on
+    `platform` (where `emulates_packed_rhs` allows it): not on TPUs for MX operands, whose
+    Pallas kernel quantizes X and W in place in the backward in one read each (packing
+    would quantize them by XLA in the forward); everywhere else, yes."""
+    return emulates_packed_rhs(recipe, platform) and not (
+        platform == "tpu" and _in_place_mx(recipe))
 
 
 @functools.partial(jax.jit, inline=True,  # cached per types, as emulated_gemm
-                   static_argnames=("dims", "recipe", "operand_dtypes", "out_dtype", "platform"))
-def emulated_packed_rhs_gemm(a: jax.Array, b_q: MXArray, dims: Dims, recipe, key,
-                             operand_dtypes=None, out_dtype=None,
+                   static_argnames=("b_shape", "dims", "recipe", "operand_dtypes", "out_dtype",
+                                    "platform"))
+def emulated_packed_rhs_gemm(a: jax.Array, b_q: MXArray, b_shape: tuple[int, ...], dims: Dims,
+                             recipe, key, operand_dtypes=None, out_dtype=None,
                              platform: str | None = None) -> jax.Array:
     """`emulated_gemm` with the rhs given quantized: ``b_q``, the canonical rhs
-    ``[batch..., Fb, K']`` rotated by the recipe's Hadamard and quantized along K' under
-    ``recipe.rhs`` with the GEMM's rhs key (`mxjax.residuals.pack_rhs`).
+    ``[batch..., Fb, K']`` of the primal of shape ``b_shape``, rotated by the recipe's
+    Hadamard and quantized along K' under ``recipe.rhs`` with the GEMM's rhs key
+    (`mxjax.residuals.pack_rhs`).
 
-    The lhs takes `emulated_gemm`'s path (canonical layout, rotation, quantization with the
-    lhs key); the GEMM is the canonical form of `platform` ('cpu': `_cpu_gemm`, 'gpu' or
-    'tpu': `accelerator_gemm`; None: each under ``lax.platform_dependent``) on the values
-    ``b_q`` holds: `emulated_gemm`'s bits wherever `emulates_packed_rhs` holds.
+    Each platform's form of `emulated_gemm` ('cpu': `_cpu_gemm`; 'gpu', 'tpu': the in-place
+    MX forms, `mxjax.emulation.in_place.mx_gemm_packed_rhs`, or `accelerator_gemm`; None:
+    each under ``lax.platform_dependent``), its lhs quantized as there, contracting the
+    values ``b_q`` holds: `emulated_gemm`'s bits wherever `emulates_packed_rhs` holds.
     ``operand_dtypes[0]`` casts `a` (``[1]`` is already applied to ``b_q``). Returns
     ``[batch..., Fa, Fb]``, f32 or out_dtype.
     """
     (ca, _), (ba, _) = dims
-    if operand_dtypes is not None and operand_dtypes[0] is not None:
-        a = a.astype(operand_dtypes[0])
+    da = None if operand_dtypes is None else operand_dtypes[0]
     k_lhs, _, k_had = split_key(key if recipe.needs_key else None)
-    a3 = rotate_operand(canonical_operand(a, ba, ca), recipe, k_had)
-    forms = {"cpu": _cpu_gemm, "gpu": accelerator_gemm, "tpu": accelerator_gemm}
-    branches = {p: functools.partial(f, recipe=recipe, k_lhs=k_lhs, k_rhs=None)
-                for p, f in forms.items()}
+
+    def canonical(form):
+        def run(a, b_q):
+            a3 = rotate_operand(canonical_operand(a if da is None else a.astype(da), ba, ca),
+                                recipe, k_had)
+            return form(a3, b_q, recipe=recipe, k_lhs=k_lhs, k_rhs=None)
+        return run
+
+    def accelerator(form):
+        if not _in_place_mx(recipe):
+            return canonical(accelerator_gemm)
+
+        def run(a, b_q):
+            signs = None if recipe.hadamard is None else rotation_signs(recipe.hadamard, k_had)
+            out = in_place.mx_gemm_packed_rhs(a, b_q, b_shape, dims, recipe, k_lhs, signs,
+                                              form=form, operand_dtype=da)
+            nb = len(ba)
+            return out.reshape(out.shape[:nb] + (
+                math.prod(a.shape[i] for i in free_axes(a.ndim, ba, ca)), b_q.shape[-2]))
+        return run
+
+    branches = {"cpu": canonical(_cpu_gemm), "gpu": accelerator("gpu"),
+                "tpu": accelerator("tpu")}
     if platform is None:
-        out = per_platform(a3, b_q, **branches)
+        out = per_platform(a, b_q, **branches)
     else:
-        out = branches[platform](a3, b_q)
+        out = branches[platform](a, b_q)
     return out if out_dtype is None else out.astype(out_dtype)

@@ -44,14 +44,19 @@ class Route:
       packed_dot: ``packed_dot(lhs_q, rhs_q, *, platform, **tiles)``: the f32 dot of two
         quantized operands (MXArrays), or None when the route quantizes its own operands.
       evidence: keys of ``mxjax/measurements.json`` whose figures time this route.
-      packed_rhs_gemm: ``packed_rhs_gemm(a, packed_q, *, dims, recipe, key, gemm_name,
-        operand_dtypes, out_dtype, platform)``: `gemm` with the rhs given quantized, or None
-        (the route takes its rhs as the primal only). ``packed_q`` is the canonical
-        `mxjax.MXArray` of the rhs ``b`` (``[batch..., Fb, K']``: rotated by the recipe's
-        Hadamard, K' padded to its size, quantized along K' under ``recipe.rhs`` with the
-        GEMM's rhs key: `mxjax.residuals.pack_rhs`), ``operand_dtypes[1]`` already applied
-        to it; the result is ``gemm(a, b, ...)``'s, bit for bit. A route that has it takes
-        the packed residuals of the backward GEMMs (`mxjax.residuals.saves_packed`).
+      packed_rhs_gemm: ``packed_rhs_gemm(a, packed_q, *, b_shape, dims, recipe, key,
+        gemm_name, operand_dtypes, out_dtype, platform)``: `gemm` with the rhs given
+        quantized, or None (the route takes its rhs as the primal only). ``packed_q`` is the
+        canonical `mxjax.MXArray` of the rhs ``b`` of shape ``b_shape`` (``[batch..., Fb,
+        K']``: rotated by the recipe's Hadamard, K' padded to its size, quantized along K'
+        under ``recipe.rhs`` with the GEMM's rhs key: `mxjax.residuals.pack_rhs`),
+        ``operand_dtypes[1]`` already applied to it; the result is ``gemm(a, b, ...)``'s,
+        bit for bit. A route that has it takes the packed residuals of the backward GEMMs
+        (`mxjax.residuals.saves_packed`).
+      pack_rhs: ``pack_rhs(b, *, dims, recipe, key, operand_dtype)``: the same MXArray as
+        `mxjax.residuals.pack_rhs` of ``b``, bit for bit, made by the route's own operand
+        kernels when lowering for a GPU (e.g. in the same read as the forward GEMM's
+        operand), or None where the route has no such kernel (`mxjax.quantize_with` then).
     """
 
     name: str
@@ -62,6 +67,7 @@ class Route:
     packed_dot: Callable[..., jax.Array] | None
     evidence: tuple[str, ...]
     packed_rhs_gemm: Callable[..., jax.Array] | None = None
+    pack_rhs: Callable[..., object] | None = None
 
     def serves(self, lhs_fmt, rhs_fmt) -> bool:
         """Whether the route implements a GEMM of these two operand formats."""

@@ -26,11 +26,11 @@ def _gemm(a, b, *, dims, recipe, key, gemm_name, operand_dtypes=None, out_dtype=
     return emulated_gemm(a, b, dims, recipe, key, gemm_name, operand_dtypes, out_dtype)
 
 
-def _packed_rhs_gemm(a, packed_q, *, dims, recipe, key, gemm_name, operand_dtypes=None,
-                     out_dtype=None, platform=None) -> jax.Array:
+def _packed_rhs_gemm(a, packed_q, *, b_shape, dims, recipe, key, gemm_name,
+                     operand_dtypes=None, out_dtype=None, platform=None) -> jax.Array:
     del gemm_name  # the emulation's form does not depend on it (its CUDA FP8 form packs none)
-    return emulated_packed_rhs_gemm(a, packed_q, dims, recipe, key, operand_dtypes, out_dtype,
-                                    platform)
+    return emulated_packed_rhs_gemm(a, packed_q, tuple(b_shape), dims, recipe, key,
+                                    operand_dtypes, out_dtype, platform)
 
 
 def packed_dot(lhs_q: MXArray, rhs_q: MXArray, *, platform=None, **tiles) -> jax.Array:

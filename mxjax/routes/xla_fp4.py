@@ -64,6 +64,7 @@ from mxjax import _bits
 from mxjax.chips import Chip, target_chip
 from mxjax.emulation import in_place
 from mxjax.layout import canonical_dimension_numbers
+from mxjax.operands import free_size, rotation_signs, split_key
 from mxjax.quantization import MXArray, dequantize, quantize_with
 from mxjax.routes import xla_fp8
 from mxjax.routes.spec import Route, in_place_route_gemm
@@ -576,20 +577,65 @@ def _block_shape(view, k_pad):
     return tuple(shape)
 
 
+def _kernel_options(platform) -> dict:
+    """`mx_gemm_fp4`'s kernel settings for lowering `platform`: on a GPU the one-pass operand
+    kernel ('xla_fp8' keeps XLA's two passes: on an H200 a one-pass Pallas kernel for its
+    operands ran 3x (row) to 10x (column) slower), converting by PTX's cvt where the chip
+    has it."""
+    if platform != "gpu":
+        return {}
+    from mxjax.routes.xla_fp4_kernel import has_e2m1_cvt  # Pallas: on first use
+
+    return {"kernel": True, "e2m1_cvt": has_e2m1_cvt(target_chip("gpu").compute_capability)}
+
+
 def _gemm(a, b, *, dims, recipe, key, gemm_name, operand_dtypes=None, out_dtype=None,
           platform=None) -> jax.Array:
     del gemm_name
-    route = mx_gemm_fp4
-    if platform == "gpu":
-        # The one-pass operand kernel (mxjax.routes.xla_fp4_kernel). 'xla_fp8' keeps XLA's
-        # two passes: on an H200 a one-pass Pallas kernel for its operands ran 3x (row) to
-        # 10x (column) slower.
-        from mxjax.routes.xla_fp4_kernel import has_e2m1_cvt  # Pallas: on first use
-
-        cc = target_chip("gpu").compute_capability
-        route = functools.partial(route, kernel=True, e2m1_cvt=has_e2m1_cvt(cc))
+    route = functools.partial(mx_gemm_fp4, **_kernel_options(platform))
     return in_place_route_gemm(route, a, b, dims=dims, recipe=recipe, key=key,
                                operand_dtypes=operand_dtypes, out_dtype=out_dtype)
+
+
+def _packed_rhs_gemm(a, packed_q, *, b_shape, dims, recipe, key, gemm_name,
+                     operand_dtypes=None, out_dtype=None, platform=None) -> jax.Array:
+    """``Route.packed_rhs_gemm``: `_gemm` with the rhs given quantized (a packed residual)."""
+    del gemm_name
+    k_lhs, _, k_had = split_key(key if recipe.needs_key else None)
+    signs = None if recipe.hadamard is None else rotation_signs(recipe.hadamard, k_had)
+    out = mx_gemm_fp4_packed_rhs(a, packed_q, b_shape, dims, recipe, k_lhs, signs,
+                                 operand_dtype=None if operand_dtypes is None
+                                 else operand_dtypes[0],
+                                 out_dtype=out_dtype, **_kernel_options(platform))
+    (ca, _), (ba, _) = dims
+    return out.reshape(tuple(a.shape[i] for i in ba)
+                       + (free_size(a, ba, ca), packed_q.shape[-2]))
+
+
+def _pack_rhs(b, *, dims, recipe, key, operand_dtype=None,
+              interpret: bool = False) -> MXArray | None:
+    """``Route.pack_rhs`` (lowering for a GPU): the rhs of the GEMM `dims` as
+    `mxjax.residuals.pack_rhs` makes it, by the one-pass kernel (`kernel_packed`), paired
+    with the forward GEMM's call on the same operand; None where the kernel does not take
+    the operand (batch axes, free axes on both sides of the contraction, stochastic
+    rounding, ...). ``interpret``: the Pallas interpreter (CPU tests)."""
+    if not takes_mxfp4(recipe):
+        return None
+    (_, cb), (_, bb) = dims
+    bf16_values = (operand_dtype is not None and jnp.dtype(operand_dtype) == jnp.bfloat16
+                   and b.dtype == jnp.float32)
+    if operand_dtype is not None and not bf16_values:
+        b = b.astype(operand_dtype)
+    x2 = kernel_view(in_place.contraction_view(b, bb, cb))
+    h = None if recipe.hadamard is None else recipe.hadamard.block_size
+    if x2 is None or not _takes_kernel(recipe.rhs, h, x2[0].dtype):
+        return None
+    _, _, k_had = split_key(key)
+    signs = None if h is None else rotation_signs(recipe.hadamard, k_had)
+    return kernel_packed(*x2, recipe.rhs, hadamard_size=h, signs=signs,
+                         pair=not recipe.hadamard or not recipe.hadamard.randomized,
+                         bf16_values=bf16_values, interpret=interpret,
+                         e2m1_cvt=not interpret and _kernel_options("gpu")["e2m1_cvt"])
 
 
 def _runs_on(chip: Chip) -> str:
@@ -614,4 +660,6 @@ ROUTE = Route(
     gemm=_gemm,
     packed_dot=None,
     evidence=("layer_8b.b200.rates_roofline",),
+    packed_rhs_gemm=_packed_rhs_gemm,
+    pack_rhs=_pack_rhs,
 )

@@ -144,9 +144,11 @@ def test_cpu_export_keeps_the_cpu_form():
     """The same program lowered for CPU: f32 operands at HIGHEST, stages materialized."""
     s = _shape("dot", "mxfp4_all_h16", "cpu")
     assert len(s.quantized) == 3 and s.f32_highest == 3
-    # 2 operands x 3 GEMMs x (H16's 4 butterfly stages in two passes: one barrier between
-    # them + rotated operand + quantized operand)
-    assert s.barriers == 3 * 2 * 3
+    # fprop's 2 operands x (H16's 4 butterfly stages in two passes: one barrier between
+    # them + rotated operand + quantized operand); the forward's packed residuals of X and W
+    # (mxjax.residuals) x the same three; each backward GEMM: its lhs's three and one for
+    # the values of its packed rhs
+    assert s.barriers == 2 * 3 + 2 * 3 + 2 * (3 + 1)
 
 
 def test_auto_backend_exported_for_cuda_from_cpu_is_the_xla_emulation():
@@ -161,8 +163,9 @@ def test_auto_backend_exported_for_cuda_from_cpu_is_the_xla_emulation():
     auto = _shape("dot", "mxfp4_all_h16", "cuda", backend="auto")
     xla = _shape("dot", "mxfp4_all_h16", "cuda", backend="xla")
     assert auto == xla
-    # the GPU form's: two per operand (BARRIERS_PER_OPERAND)
-    assert auto.f32_highest == 0 and auto.barriers == 3 * 2 * 2
+    # the GPU form's: two per operand quantized in place (BARRIERS_PER_OPERAND): fprop's two
+    # and each backward GEMM's lhs; its rhs is the packed residual, read by integer ops
+    assert auto.f32_highest == 0 and auto.barriers == (2 + 1 + 1) * 2
 
 
 def test_analyzer_counts_calls_and_reads_precision():
@@ -204,7 +207,7 @@ def test_cpu_barriers_hold_one_operand_each():
 
     text = _text("dot", "mxfp4_all_h16", "cpu")
     operand_lists = re.findall(r"stablehlo\.optimization_barrier ([^:]*) :", text)
-    assert len(operand_lists) == 3 * 2 * 3
+    assert len(operand_lists) == 2 * 3 + 2 * 3 + 2 * (3 + 1)  # as counted above
     assert all("," not in ops for ops in operand_lists), operand_lists
 
 
@@ -220,7 +223,11 @@ def test_tpu_mxfp4_operands_that_tile_are_one_kernel_each():
 
     args = (jax.ShapeDtypeStruct((256, 256), jnp.bfloat16),
             jax.ShapeDtypeStruct((256, 128), jnp.bfloat16))
-    text = es.export_text(f, args, "tpu")
+    # Traced for a TPU: the emulation keeps MX operands for its kernel (no packed residuals).
+    dev = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=None, platform="tpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                  abstract_device=dev)):
+        text = es.export_text(f, args, "tpu")
     s = es.analyze(text)
     assert len(s.quantized) == 3 and s.f32_highest == 0
     assert s.tpu_kernels == 6

@@ -6,11 +6,10 @@ False in the interceptor): the path every backward GEMM took before. Shapes are 
 multiples of 32 or 16 (the quantizer pads), and the dimension numbers cover a plain
 activation x weight product, batch dimensions, and several non-trailing contractions.
 
-By default the emulation packs NVFP4 only: its GPU and TPU branches quantize MX operands
-in place. The packed form must still be exact for every block-scaled recipe (it is
-where a CPU-only program, or another route's branch, lets it pack), so the gradient
-tests pack as a program for CPUs alone would (`_as_on_a_cpu`): every preset in
-`PACKING_ON_A_CPU`.
+Every block-scaled preset packs (its GPU and TPU branches take the packed rhs in their
+in-place forms too) except MXFP8, which CUDA runs on FP8 tensor cores in no canonical
+layout. Its CPU form still packs exactly, so the gradient tests pack as a program for CPUs
+alone would (`_as_on_a_cpu`): every preset in `PACKING_ON_A_CPU`.
 """
 
 from __future__ import annotations
@@ -90,10 +89,11 @@ def _grads(policy, case, jit, packed, monkeypatch, **kw):
 
 
 def test_the_packing_presets():
-    # Every platform's branch counts: the MX formats' GPU/TPU forms quantize in place.
-    assert PACKING == ("nvfp4",)
-    p = policies.get("nvfp4")
-    assert saves_packed(p.dgrad) and saves_packed(p.wgrad)
+    # Every platform's branch counts: MXFP8's CUDA form (FP8 tensor cores) takes no packed rhs.
+    assert set(PACKING) == set(PACKING_ON_A_CPU) - {"mxfp8"}
+    for name in ("nvfp4", "mxfp4_all_h16", "mxfp4_all_h16@auto"):
+        p = policies.get(name)
+        assert saves_packed(p.dgrad) and saves_packed(p.wgrad)
     assert set(PACKING_ON_A_CPU) == {
         "mxfp4_fprop_dgrad", "mxfp4_all", "mxfp4_all_sr", "mxfp4_all_rht16", "mxfp4_all_h16",
         "mxfp4_all_h32", "mxfp4_all_h16_wgrad", "mxfp8", "nvfp4", "tseng"}
@@ -222,25 +222,31 @@ def _abstract_mesh(kind, platform):
     return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
 
 
-@pytest.mark.parametrize("kind,platform", [("NVIDIA H200", "gpu"), ("TPU v5 lite", "tpu")])
-def test_the_decision_is_the_same_whatever_the_target(kind, platform):
-    # The program holds every platform's branch (an export for a TPU from a CPU host
-    # included): MX operands, quantized in place on GPUs and TPUs, stay bf16 on every
-    # target; NVFP4's forms are canonical everywhere.
-    for mesh in (_abstract_mesh(kind, platform), jax.sharding.get_abstract_mesh()):
-        with jax.sharding.use_abstract_mesh(mesh):
-            assert not saves_packed(policies.get("mxfp4_all_h16").wgrad)
-            assert saves_packed(policies.get("nvfp4").wgrad)
-            assert saves_packed(policies.get("nvfp4").dgrad)
+@pytest.mark.parametrize("kind,platform,mx_packs,auto_packs", [
+    ("NVIDIA H200", "gpu", True, False), ("NVIDIA B200", "gpu", True, True),
+    ("TPU v5 lite", "tpu", False, False)])
+def test_the_decision_follows_every_platforms_route_and_the_target(kind, platform, mx_packs,
+                                                                   auto_packs):
+    # Every platform's branch must take the packed rhs (the program may be lowered for any):
+    # the emulation does on every platform; under 'auto' the GPU branch is the target's
+    # route: 'xla_fp4' (B200) takes it, 'xla_fp8' (H200) does not yet. The target then
+    # chooses: the emulation's TPU kernel keeps MX operands in place; NVFP4 packs there too.
+    target = _abstract_mesh(kind, platform)
+    with jax.sharding.use_abstract_mesh(target):
+        mx, auto = policies.get("mxfp4_all_h16"), policies.get("mxfp4_all_h16@auto")
+        assert saves_packed(mx.wgrad) == saves_packed(mx.dgrad) == mx_packs
+        assert saves_packed(auto.wgrad) == saves_packed(auto.dgrad) == auto_packs
+        assert saves_packed(policies.get("nvfp4").wgrad)
+        assert saves_packed(policies.get("nvfp4").dgrad)
 
 
 @pytest.mark.parametrize("platform", ["gpu", "tpu"])
 @pytest.mark.parametrize("policy", ["nvfp4", "mxfp4_all_sr", "tseng"])
 def test_accelerator_form_from_the_residual_equals_the_emulations(policy, platform):
-    # The GPU/TPU branch of the emulation's packed-rhs GEMM against forms.accelerator_gemm
-    # on the same canonical operands (both run here: bf16 operands, f32 accumulation).
-    from mxjax.emulation.forms import accelerator_gemm, emulated_packed_rhs_gemm
-    from mxjax.operands import rotate
+    # The GPU/TPU branch of the emulation's packed-rhs GEMM against the emulation's GPU/TPU
+    # form of the primals (both run here: NVFP4's canonical form, the MX formats' in-place
+    # forms; bf16 operands, f32 accumulation).
+    from mxjax.emulation.forms import _accelerator_form, emulated_packed_rhs_gemm
 
     recipe = policies.get(policy).wgrad
     a = jax.random.normal(jax.random.key(4), (45, 111), jnp.float32)
@@ -248,9 +254,9 @@ def test_accelerator_form_from_the_residual_equals_the_emulations(policy, platfo
     key = jax.random.key(6)
     k_lhs, k_rhs, k_had = split_key(key)
     dims = Dims(*canonical_dimension_numbers(0))
-    got = emulated_packed_rhs_gemm(a, pack_rhs(b, dims, recipe, key).q, dims, recipe, key,
-                                   platform=platform)
-    want = accelerator_gemm(*rotate(a, b, recipe, k_had), recipe, k_lhs, k_rhs)
+    got = emulated_packed_rhs_gemm(a, pack_rhs(b, dims, recipe, key).q, b.shape, dims, recipe,
+                                   key, platform=platform)
+    want = _accelerator_form(a, b, dims, recipe, k_lhs, k_rhs, k_had, form=platform)
     chex.assert_trees_all_equal(got, want)
 
 
@@ -317,4 +323,5 @@ def test_the_registry_refuses_a_packed_rhs_for_a_route_without_it():
     dims = Dims(*canonical_dimension_numbers(0))
     q = pack_rhs(jnp.ones((16, 64), jnp.float32), dims, recipe, None).q
     with pytest.raises(ValueError, match="'xla_fp8' has no packed_rhs_gemm"):
-        backends.run_packed_rhs_gemm(a, q, dims=dims, recipe=recipe, key=None, gemm_name="wgrad")
+        backends.run_packed_rhs_gemm(a, q, b_shape=(16, 64), dims=dims, recipe=recipe, key=None,
+                                     gemm_name="wgrad")
