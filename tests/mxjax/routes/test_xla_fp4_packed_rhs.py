@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.ad_checkpoint import saved_residuals  # print_saved_residuals's list
 
 import mxjax
 from mxjax import OperandRecipe, Rounding, ScaleRule, policies
@@ -217,4 +218,68 @@ def test_kernel_packed_is_the_canonical_operand_bit_for_bit(axis, h, pair):
                         hadamard=None if h is None else mxjax.Hadamard(block_size=h))
     dims = (((axis,), (axis,)), ((), ()))
     want = _canonical_q(x.astype(jnp.bfloat16), dims, recipe, None, signs)
+    chex.assert_trees_all_equal(got, want)
+
+
+# ------------------------------------------------- the route in mxjax.dot_general's backward
+_CALLS = {
+    "activation_weight": ((3, 37, 50), (50, 45), (((2,), (0,)), ((), ()))),
+    "two_contractions": ((6, 37, 5), (5, 45, 6), (((0, 2), (2, 0)), ((), ()))),
+}
+
+
+def _route_grads(case, packed, monkeypatch):
+    from mxjax import interceptor
+
+    ls, rs, dims = _CALLS[case]
+    x = jax.random.normal(jax.random.key(2), ls, jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(3), rs, jnp.float32) * 0.2  # f32, cast to bf16
+    policy = policies.get("mxfp4_all_h16@xla_fp4")
+
+    def loss(x, w):
+        y = mxjax.dot_general(x, w, dims, policy=policy, operand_dtype=jnp.bfloat16)
+        return jnp.sum(jnp.sin(y.astype(jnp.float32)))
+
+    with monkeypatch.context() as m:
+        if not packed:
+            m.setattr(interceptor, "saves_packed", lambda recipe: False)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+        residuals = [(r.dtype, r.shape) for r, _ in saved_residuals(loss, x, w)]
+    return grads, residuals
+
+
+@pytest.mark.parametrize("case", list(_CALLS))
+def test_dot_generals_gradients_on_the_route_are_the_same_with_packed_residuals(case,
+                                                                                 monkeypatch):
+    from mxjax.residuals import saves_packed
+
+    recipe = policies.get("mxfp4_all_h16@xla_fp4")
+    assert saves_packed(recipe.dgrad) and saves_packed(recipe.wgrad)
+    got, packed = _route_grads(case, True, monkeypatch)
+    want, plain = _route_grads(case, False, monkeypatch)
+    chex.assert_trees_all_equal(got, want)
+    x_shape = _CALLS[case][0]
+    assert (jnp.dtype(jnp.bfloat16), x_shape) in plain
+    assert (jnp.dtype(jnp.bfloat16), x_shape) not in packed  # X saved as codes and scales
+    assert any(d == jnp.uint8 for d, _ in packed)
+
+
+@pytest.mark.parametrize("gemm", ["dgrad", "wgrad"])
+def test_the_routes_kernel_pack_is_the_canonical_pack(gemm):
+    # Route.pack_rhs (a GPU's: the one-pass kernel, here in the Pallas interpreter) against
+    # mxjax.residuals' canonical pack: W [64, 96] f32 cast to bf16 for dgrad (contracted
+    # along its N), X [2, 32, 64] for wgrad (contracted along its tokens).
+    from mxjax.residuals import _canonical_pack, _PackSpec
+
+    recipe = getattr(policies.get("mxfp4_all_h16@xla_fp4"), gemm)
+    rng = np.random.default_rng(9)
+    if gemm == "dgrad":
+        b, dims, dtype = jnp.asarray(rng.standard_normal((64, 96)), jnp.float32), \
+            (((1,), (1,)), ((), ())), jnp.bfloat16
+    else:
+        b, dims, dtype = jnp.asarray(rng.standard_normal((2, 32, 64)), jnp.bfloat16), \
+            (((0, 1), (0, 1)), ((), ())), None
+    got = jax.jit(lambda b: xla_fp4.ROUTE.pack_rhs(b, dims=dims, recipe=recipe, key=None,
+                                                    operand_dtype=dtype, interpret=True))(b)
+    want = jax.jit(lambda b: _canonical_pack(b, None, _PackSpec(dims, recipe, dtype)))(b)
     chex.assert_trees_all_equal(got, want)
