@@ -54,8 +54,16 @@ from jax import lax
 from mxjax.chips import Chip
 from mxjax.emulation import in_place
 from mxjax.emulation.in_place import cast_operands
-from mxjax.operands import canonical_operands, quantizer_operands
-from mxjax.quantization import quantize_with
+from mxjax.operands import (
+    canonical_operand,
+    canonical_operands,
+    free_size,
+    quantizer_operands,
+    rotate_operand,
+    rotation_signs,
+    split_key,
+)
+from mxjax.quantization import MXArray, quantize_with
 from mxjax.rotation import hadamard
 from mxjax.routes import xla_fp8
 from mxjax.routes.spec import NO_GPU_TARGET, Route, in_place_route_gemm
@@ -63,7 +71,7 @@ from mxjax.routes.xla_fp4 import kernel_view
 from mxjax.scaling import SR_UNSCALE
 
 __all__ = ["ROUTE", "kernel_operand", "nvfp4_gemm", "nvfp4_kernel_gemm", "nvfp4_operand",
-           "takes_nvfp4"]
+           "packed_operand", "takes_nvfp4"]
 
 _NV_BLOCK = 16
 # cuDNN's block-scaled dot takes FP4 operands whose K is a multiple of 32.
@@ -100,7 +108,17 @@ def nvfp4_operand(x3: jax.Array, op, key):
         raise ValueError(f"op: expected an NVFP4 operand recipe, got {op!r}")
     if x3.ndim < 2:
         raise ValueError(f"x3: expected [batch..., F, K], got shape {x3.shape}")
-    q = quantize_with(x3, op, -1, key=key)
+    return packed_operand(quantize_with(x3, op, -1, key=key))
+
+
+def packed_operand(q: MXArray):
+    """`nvfp4_operand`'s result for an operand quantized already: ``q``, the canonical
+    NVFP4 MXArray ``[batch..., F, K]`` (blocked along its last axis), e.g. a quantized
+    residual (`mxjax.residuals`): its codes and scale bytes reinterpreted, padded to 32."""
+    if q.fmt.name != "nvfp4" or q.axis != len(q.shape) - 1 or len(q.shape) < 2:
+        raise ValueError(f"q: expected an NVFP4 MXArray blocked along the last axis of "
+                         f"[batch..., F, K], got {q.fmt.name} with shape {q.shape}, axis "
+                         f"{q.axis}")
     f, half = q.codes.shape[-2:]
     codes = q.codes.reshape(-1, f, half)
     scales = q.scales.reshape(-1, f, q.scales.shape[-1])
@@ -183,36 +201,99 @@ def nvfp4_kernel_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, si
     a0, b0 = a, b
     _, _, va, vb, h = xla_fp8.in_place_views(a, b, dims, recipe, operand_dtypes, "xla_nvfp4",
                                              takes=takes_nvfp4, formats="NVFP4 x NVFP4")
-    k = va.x.shape[va.axis]
-    fixed_signs = recipe.hadamard is None or not recipe.hadamard.randomized
+    operand = functools.partial(_route_operand, recipe=recipe, h=h, signs=signs,
+                                compiled=compiled, interpret=interpret)
+    (ca, cb), (ba, bb) = dims
+    da, db = operand_dtypes or (None, None)
+    out = _block_scaled(operand(va, recipe.lhs, k_lhs, a0, ba, ca, da, False),
+                        operand(vb, recipe.rhs, k_rhs, b0, bb, cb, db, pair_rhs), recipe)
+    return out if out_dtype is None else out.astype(out_dtype)
 
-    def canonical(view, op, key):
+
+def _route_operand(view, op, key, x, batch, contract, dtype, pair, *, recipe, h, signs,
+                   compiled, interpret):
+    """One operand of `nvfp4_kernel_gemm`: by the one-pass kernel where it takes it, else
+    `nvfp4_operand` of the canonical, rotated layout."""
+    from mxjax.routes import xla_nvfp4_kernel as kernel  # Pallas: loaded on first use
+
+    bf16_values = (dtype is not None and jnp.dtype(dtype) == jnp.bfloat16
+                   and x.dtype == jnp.float32)
+    kview = in_place.contraction_view(x, batch, contract) if bf16_values else view
+    x2 = kernel_view(kview)
+    if x2 is None or not kernel.takes_kernel(op, h, x2[0].dtype):
+        k = view.x.shape[view.axis]
         # f32, as `canonical_operands` hands the operands to the rotation
         x3 = in_place.canonical_layout(view.x, view, k).astype(jnp.float32)
         if h is not None:
             x3 = jnp.pad(x3, ((0, 0), (0, 0), (0, (-k) % h)))
             x3 = hadamard(x3, h, axis=-1, signs=signs)
         return nvfp4_operand(x3, op, key)
+    fixed_signs = recipe.hadamard is None or not recipe.hadamard.randomized
+    pair = pair and fixed_signs and all(n % _K_MULTIPLE == 0 for n in x2[0].shape)
+    return kernel_operand(*x2, op, hadamard_size=h, signs=signs, pair=pair,
+                          bf16_values=bf16_values, compiled=compiled, interpret=interpret)
 
-    def operand(view, op, key, x, batch, contract, dtype, pair):
-        from mxjax.routes import xla_nvfp4_kernel as kernel  # Pallas: loaded on first use
 
-        bf16_values = (dtype is not None and jnp.dtype(dtype) == jnp.bfloat16
-                       and x.dtype == jnp.float32)
-        kview = in_place.contraction_view(x, batch, contract) if bf16_values else view
-        x2 = kernel_view(kview)
-        if x2 is None or not kernel.takes_kernel(op, h, x2[0].dtype):
-            return canonical(view, op, key)
-        pair = pair and fixed_signs and all(n % _K_MULTIPLE == 0 for n in x2[0].shape)
-        return kernel_operand(*x2, op, hadamard_size=h, signs=signs, pair=pair,
-                              bf16_values=bf16_values, compiled=compiled,
-                              interpret=interpret)
-
-    (ca, cb), (ba, bb) = dims
-    da, db = operand_dtypes or (None, None)
-    out = _block_scaled(operand(va, recipe.lhs, k_lhs, a0, ba, ca, da, False),
-                        operand(vb, recipe.rhs, k_rhs, b0, bb, cb, db, pair_rhs), recipe)
+def _packed_rhs_gemm(a, packed_q, *, b_shape, dims, recipe, key, gemm_name,
+                     operand_dtypes=None, out_dtype=None, platform=None,
+                     interpret: bool = False) -> jax.Array:
+    """``Route.packed_rhs_gemm``: `_gemm` with the rhs given quantized (a packed residual):
+    the lhs as `_gemm` quantizes it for `platform`, the rhs's codes and scales as they are.
+    ``interpret``: the GPU path's kernel in the Pallas interpreter (CPU tests)."""
+    del b_shape, gemm_name  # NVFP4's block-scaled dot reads the canonical rhs directly
+    if not takes_nvfp4(recipe):
+        raise ValueError(f"recipe: the 'xla_nvfp4' backend takes NVFP4 x NVFP4, got "
+                         f"{recipe.lhs.fmt.name} x {recipe.rhs.fmt.name}")
+    k_lhs, _, k_had = split_key(key if recipe.needs_key else None)
+    da = None if operand_dtypes is None else operand_dtypes[0]
+    (ca, _), (ba, _) = dims
+    if platform == "gpu" or interpret:
+        h = None if recipe.hadamard is None else recipe.hadamard.block_size
+        signs = None if h is None else rotation_signs(recipe.hadamard, k_had)
+        cast = a if da is None else a.astype(da)
+        lhs = _route_operand(in_place.contraction_view(cast, ba, ca), recipe.lhs, k_lhs, a,
+                             ba, ca, da, False, recipe=recipe, h=h, signs=signs,
+                             compiled=not interpret, interpret=interpret)
+    else:
+        a3 = rotate_operand(canonical_operand(a if da is None else a.astype(da), ba, ca),
+                            recipe, k_had)
+        lhs = nvfp4_operand(a3, recipe.lhs, k_lhs)
+    out = _block_scaled(lhs, packed_operand(packed_q), recipe)
+    out = out.reshape(tuple(a.shape[i] for i in ba)
+                      + (free_size(a, ba, ca), packed_q.shape[-2]))
     return out if out_dtype is None else out.astype(out_dtype)
+
+
+def _pack_rhs(b, *, dims, recipe, key, operand_dtype=None,
+              interpret: bool = False) -> MXArray | None:
+    """``Route.pack_rhs`` (lowering for a GPU): the rhs of the GEMM `dims` as
+    `mxjax.residuals.pack_rhs` makes it, by the one-pass kernel (its tensor scale by one
+    reduction, codes and scales by one read); None where the kernel does not take it
+    (stochastic rounding, batch axes, ...)."""
+    from mxjax.routes import xla_nvfp4_kernel as kernel  # Pallas: loaded on first use
+
+    if not takes_nvfp4(recipe):
+        return None
+    (_, cb), (_, bb) = dims
+    bf16_values = (operand_dtype is not None and jnp.dtype(operand_dtype) == jnp.bfloat16
+                   and b.dtype == jnp.float32)
+    if operand_dtype is not None and not bf16_values:
+        b = b.astype(operand_dtype)
+    x2 = kernel_view(in_place.contraction_view(b, bb, cb))
+    h = None if recipe.hadamard is None else recipe.hadamard.block_size
+    if x2 is None or not kernel.takes_kernel(recipe.rhs, h, x2[0].dtype):
+        return None
+    _, _, k_had = split_key(key)
+    signs = None if h is None else rotation_signs(recipe.hadamard, k_had)
+    codes, scale_bytes, t = kernel.nvfp4_operand(
+        *x2, recipe.rhs, hadamard_size=h, signs=signs, bf16_values=bf16_values,
+        compiled=not interpret, interpret=interpret)
+    k = x2[0].shape[x2[1]]
+    k_logical = k if h is None else -(-k // h) * h
+    k16 = -(-k_logical // _NV_BLOCK) * _NV_BLOCK  # quantize_with's codes stop at 16
+    return MXArray(codes[:, :k16 // 2], scale_bytes[:, :k16 // _NV_BLOCK], t,
+                   (x2[0].shape[1 - x2[1]], k_logical), 1, recipe.rhs.fmt,
+                   bool(recipe.rhs.sr_prescale))
 
 
 def kernel_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, signs,
@@ -278,4 +359,6 @@ ROUTE = Route(
     gemm=_gemm,
     packed_dot=None,
     evidence=("layer_8b.b200.nvfp4_rates_roofline",),
+    packed_rhs_gemm=_packed_rhs_gemm,
+    pack_rhs=_pack_rhs,
 )

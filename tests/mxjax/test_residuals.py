@@ -100,7 +100,7 @@ def test_the_packing_presets():
     for name in ("passthrough", "fp8", "mxfp4_fprop"):
         assert name not in PACKING_ON_A_CPU
     # An explicit route without packed_rhs_gemm keeps the bf16 residuals.
-    p = policies.get("nvfp4").with_backend("xla_nvfp4")
+    p = policies.get("mxfp8").with_backend("xla_mxfp8")
     assert not saves_packed(p.dgrad) and not saves_packed(p.wgrad)
 
 
