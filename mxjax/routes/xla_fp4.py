@@ -79,6 +79,7 @@ __all__ = [
     "fp4_operand",
     "in_place_operand",
     "kernel_operand",
+    "kernel_pack_input",
     "kernel_packed",
     "kernel_view",
     "mx_gemm_fp4",
@@ -612,6 +613,26 @@ def _packed_rhs_gemm(a, packed_q, *, b_shape, dims, recipe, key, gemm_name,
                        + (free_size(a, ba, ca), packed_q.shape[-2]))
 
 
+def kernel_pack_input(b, *, dims, recipe, key, operand_dtype, takes_kernel):
+    """What a route's one-pass kernel reads to pack the rhs `b` of the GEMM `dims`
+    (``Route.pack_rhs``): ``(x2, axis, hadamard_size, signs, bf16_values)`` for the kernel
+    call, or None where ``takes_kernel(op, h, dtype)`` refuses the operand or it is not
+    2-D-viewable (`kernel_view`). An f32 `b` cast to bf16 is read as it is and rounded by
+    the kernel (``bf16_values``), as the forward GEMM's operand is."""
+    (_, cb), (_, bb) = dims
+    bf16_values = (operand_dtype is not None and jnp.dtype(operand_dtype) == jnp.bfloat16
+                   and b.dtype == jnp.float32)
+    if operand_dtype is not None and not bf16_values:
+        b = b.astype(operand_dtype)
+    x2 = kernel_view(in_place.contraction_view(b, bb, cb))
+    h = None if recipe.hadamard is None else recipe.hadamard.block_size
+    if x2 is None or not takes_kernel(recipe.rhs, h, x2[0].dtype):
+        return None
+    _, _, k_had = split_key(key)
+    signs = None if h is None else rotation_signs(recipe.hadamard, k_had)
+    return x2[0], x2[1], h, signs, bf16_values
+
+
 def _pack_rhs(b, *, dims, recipe, key, operand_dtype=None,
               interpret: bool = False) -> MXArray | None:
     """``Route.pack_rhs`` (lowering for a GPU): the rhs of the GEMM `dims` as
@@ -621,18 +642,12 @@ def _pack_rhs(b, *, dims, recipe, key, operand_dtype=None,
     rounding, ...). ``interpret``: the Pallas interpreter (CPU tests)."""
     if not takes_mxfp4(recipe):
         return None
-    (_, cb), (_, bb) = dims
-    bf16_values = (operand_dtype is not None and jnp.dtype(operand_dtype) == jnp.bfloat16
-                   and b.dtype == jnp.float32)
-    if operand_dtype is not None and not bf16_values:
-        b = b.astype(operand_dtype)
-    x2 = kernel_view(in_place.contraction_view(b, bb, cb))
-    h = None if recipe.hadamard is None else recipe.hadamard.block_size
-    if x2 is None or not _takes_kernel(recipe.rhs, h, x2[0].dtype):
+    read = kernel_pack_input(b, dims=dims, recipe=recipe, key=key,
+                             operand_dtype=operand_dtype, takes_kernel=_takes_kernel)
+    if read is None:
         return None
-    _, _, k_had = split_key(key)
-    signs = None if h is None else rotation_signs(recipe.hadamard, k_had)
-    return kernel_packed(*x2, recipe.rhs, hadamard_size=h, signs=signs,
+    x2, axis, h, signs, bf16_values = read
+    return kernel_packed(x2, axis, recipe.rhs, hadamard_size=h, signs=signs,
                          pair=not recipe.hadamard or not recipe.hadamard.randomized,
                          bf16_values=bf16_values, interpret=interpret,
                          e2m1_cvt=not interpret and _kernel_options("gpu")["e2m1_cvt"])

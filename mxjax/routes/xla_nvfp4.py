@@ -67,7 +67,7 @@ from mxjax.quantization import MXArray, quantize_with
 from mxjax.rotation import hadamard
 from mxjax.routes import xla_fp8
 from mxjax.routes.spec import NO_GPU_TARGET, Route, in_place_route_gemm
-from mxjax.routes.xla_fp4 import kernel_view
+from mxjax.routes.xla_fp4 import kernel_pack_input, kernel_view
 from mxjax.scaling import SR_UNSCALE
 
 __all__ = ["ROUTE", "kernel_operand", "nvfp4_gemm", "nvfp4_kernel_gemm", "nvfp4_operand",
@@ -274,25 +274,19 @@ def _pack_rhs(b, *, dims, recipe, key, operand_dtype=None,
 
     if not takes_nvfp4(recipe):
         return None
-    (_, cb), (_, bb) = dims
-    bf16_values = (operand_dtype is not None and jnp.dtype(operand_dtype) == jnp.bfloat16
-                   and b.dtype == jnp.float32)
-    if operand_dtype is not None and not bf16_values:
-        b = b.astype(operand_dtype)
-    x2 = kernel_view(in_place.contraction_view(b, bb, cb))
-    h = None if recipe.hadamard is None else recipe.hadamard.block_size
-    if x2 is None or not kernel.takes_kernel(recipe.rhs, h, x2[0].dtype):
+    read = kernel_pack_input(b, dims=dims, recipe=recipe, key=key,
+                             operand_dtype=operand_dtype, takes_kernel=kernel.takes_kernel)
+    if read is None:
         return None
-    _, _, k_had = split_key(key)
-    signs = None if h is None else rotation_signs(recipe.hadamard, k_had)
+    x2, axis, h, signs, bf16_values = read
     codes, scale_bytes, t = kernel.nvfp4_operand(
-        *x2, recipe.rhs, hadamard_size=h, signs=signs, bf16_values=bf16_values,
+        x2, axis, recipe.rhs, hadamard_size=h, signs=signs, bf16_values=bf16_values,
         compiled=not interpret, interpret=interpret)
-    k = x2[0].shape[x2[1]]
+    k = x2.shape[axis]
     k_logical = k if h is None else -(-k // h) * h
     k16 = -(-k_logical // _NV_BLOCK) * _NV_BLOCK  # quantize_with's codes stop at 16
     return MXArray(codes[:, :k16 // 2], scale_bytes[:, :k16 // _NV_BLOCK], t,
-                   (x2[0].shape[1 - x2[1]], k_logical), 1, recipe.rhs.fmt,
+                   (x2.shape[1 - axis], k_logical), 1, recipe.rhs.fmt,
                    bool(recipe.rhs.sr_prescale))
 
 
