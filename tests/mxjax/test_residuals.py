@@ -245,6 +245,8 @@ def test_the_decision_follows_every_platforms_route_and_the_target(kind, platfor
         assert saves_packed(auto.wgrad) == saves_packed(auto.dgrad) == auto_packs
         assert saves_packed(policies.get("nvfp4").wgrad)
         assert saves_packed(policies.get("nvfp4").dgrad)
+        nv_auto = policies.get("nvfp4@auto")  # 'xla_nvfp4' on a B200 takes it too
+        assert saves_packed(nv_auto.wgrad) and saves_packed(nv_auto.dgrad)
 
 
 @pytest.mark.parametrize("platform,policy", [
