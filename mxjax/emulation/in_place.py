@@ -37,6 +37,7 @@ operands.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -267,6 +268,131 @@ def mx_operand_values(view: ContractionView, op, *, k_out: int, hadamard_size: i
     return v if finish is None else (v, extra)
 
 
+# --------------------------------------------------------------------------- #
+# Sharded operands (custom_partitioning): each device quantizes its own shard
+# --------------------------------------------------------------------------- #
+# The bit view's reshapes, the barriers and the halves' concatenation leave XLA's sharding
+# propagation without the operand's sharding at the GEMM: under FSDP it then partitioned the
+# wgrad by gathering the quantized values along the sharded token axis (8B layer on 8 B200s:
+# 448 MiB per operand). Here the values keep the operand's partition: blocks run along one
+# axis, so wherever every shard holds whole blocks each device quantizes its own shard (the
+# same bits); elsewhere that axis is gathered first, as before.
+
+def _entry_names(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def values_spec(mesh, spec, shape, axis: int, step: int, whole: bool) -> tuple:
+    """The partition the values are computed in, from the one XLA proposes for the operand:
+    each axis keeps the mesh axes that divide it, the block axis only where ``whole`` (no
+    padding along it) and each shard holds whole blocks of ``step``."""
+    out = []
+    for ax, entry in enumerate(tuple(spec) + (None,) * (len(shape) - len(spec))):
+        n = math.prod(mesh.shape[a] for a in _entry_names(entry))
+        if n > 1 and (shape[ax] % n or (ax == axis and (not whole or (shape[ax] // n) % step))):
+            entry = None
+        out.append(entry if n > 1 else None)
+    return tuple(out)
+
+
+def _blockwise_rule(fn, axis, k_out, step, n_extra, mesh, value_types, result_types):
+    """The Shardy rule: the values follow the operand axis for axis (the block axis too,
+    unless padded); the other operands (signs, the program's constants) are replicated."""
+    del fn, step, n_extra, mesh, result_types
+    from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule
+    from jax.extend.mlir import ir
+
+    shape = ir.RankedTensorType(value_types[0]).shape
+    x_map = [f"d{i}" for i in range(len(shape))]
+    v_map, replicated = list(x_map), []
+    if shape[axis] != k_out:
+        x_map[axis], v_map[axis] = "kin", "kout"
+        replicated += ["kin", "kout"]
+    operands = [ArrayMapping(*x_map)]
+    for i, t in enumerate(value_types[1:]):
+        names = [f"c{i}_{j}" for j in range(len(ir.RankedTensorType(t).shape))]
+        operands.append(ArrayMapping(*names))
+        replicated += names
+    return SdyShardingRule(tuple(operands), (ArrayMapping(*v_map),),
+                           need_replication_factors=tuple(replicated))
+
+
+def _blockwise_partition(fn, axis, k_out, step, n_extra, mesh, arg_shapes, result_shape):
+    del result_shape
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    x = arg_shapes[0]
+    spec = values_spec(mesh, x.sharding.spec, x.shape, axis, step, x.shape[axis] == k_out)
+    args = (NamedSharding(mesh, PartitionSpec(*spec)),) + (
+        NamedSharding(mesh, PartitionSpec()),) * (len(arg_shapes) - 1)
+    n = math.prod(mesh.shape[a] for a in _entry_names(spec[axis]))
+
+    def lower(x, *rest):  # the constants are traced anew for the shard
+        return fn(x, k_out // n, *rest[:n_extra])
+
+    return mesh, lower, NamedSharding(mesh, PartitionSpec(*spec)), args
+
+
+def _blockwise_call(fn, axis, k_out, step, n_extra, x, *rest):
+    """The unpartitioned values: the traced program with its constants as operands
+    (custom_partitioning takes no closed-over constants)."""
+    del axis, step
+    extra, consts = rest[:n_extra], rest[n_extra:]
+    closed = jax.make_jaxpr(lambda x, *e: fn(x, k_out, *e))(x, *extra)
+    (out,) = jax.core.eval_jaxpr(closed.jaxpr, consts, x, *extra)
+    return out
+
+
+_BLOCKWISE = []
+
+
+def blockwise(fn, x: jax.Array, *extra, axis: int, k_out: int, step: int) -> jax.Array:
+    """``fn(x, k_out, *extra)``, partitionable: values of x computed by blocks along `axis`
+    (of whole ``step`` elements; their length there ``k_out``, x's padded with zeros), every
+    other axis elementwise. Under a multi-device sharding of x each device computes its own
+    shard (`values_spec`: where no block crosses a shard boundary and nothing is padded;
+    elsewhere that axis is gathered first), and the values keep x's partition: the same
+    bits as unsharded. ``fn`` is static (hashable); ``extra``: small replicated arrays.
+    """
+    if not _BLOCKWISE:
+        from jax.experimental.custom_partitioning import custom_partitioning
+
+        wrapped = custom_partitioning(_blockwise_call, static_argnums=(0, 1, 2, 3, 4))
+        wrapped.def_partition(partition=_blockwise_partition, sharding_rule=_blockwise_rule)
+        _BLOCKWISE.append(wrapped)
+    axis = axis % x.ndim
+    consts = jax.make_jaxpr(lambda x, *e: fn(x, k_out, *e))(x, *extra).consts
+    return _BLOCKWISE[0](fn, axis, k_out, step, len(extra), x, *extra,
+                         *[jnp.asarray(c) for c in consts])
+
+
+def _values(x, k_out, *signs, axis, op, hadamard_size):
+    return mx_operand_values(ContractionView(x, axis, (), ()), op, k_out=k_out,
+                             hadamard_size=hadamard_size, signs=signs[0] if signs else None,
+                             key=None)
+
+
+def sharded_operand_values(view: ContractionView, op, *, k_out: int,
+                           hadamard_size: int | None, signs: jax.Array | None,
+                           key: jax.Array | None) -> jax.Array:
+    """`mx_operand_values` (no ``finish``), partitionable (`blockwise`): under a
+    multi-device sharding of the operand each device quantizes its shard where no block
+    crosses a shard boundary, and the values keep the operand's partition. The same bits.
+
+    Stochastic rounding (uniforms drawn in the canonical shape) takes `mx_operand_values`
+    as it is.
+    """
+    if key is not None or op.rounding is Rounding.STOCHASTIC:
+        return mx_operand_values(view, op, k_out=k_out, hadamard_size=hadamard_size,
+                                 signs=signs, key=key)
+    extra = () if signs is None else (jnp.asarray(signs, jnp.float32),)
+    fn = functools.partial(_values, axis=view.axis, op=op, hadamard_size=hadamard_size)
+    return blockwise(fn, view.x, *extra, axis=view.axis, k_out=k_out,
+                     step=max(MX_BLOCK, hadamard_size or 1))
+
+
 def mx_operand_values_tpu(view: ContractionView, op, *, k_out: int,
                           hadamard_size: int | None, signs: jax.Array | None,
                           key: jax.Array | None, interpret: bool = False,
@@ -339,8 +465,8 @@ def mx_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
         av = mx_operand_values_tpu(va, recipe.lhs, key=k_lhs, operand_dtype=da, **kw)
         bv = mx_operand_values_tpu(vb, recipe.rhs, key=k_rhs, operand_dtype=db, **kw)
     else:
-        av = mx_operand_values(va, recipe.lhs, key=k_lhs, **kw)
-        bv = mx_operand_values(vb, recipe.rhs, key=k_rhs, **kw)
+        av = sharded_operand_values(va, recipe.lhs, key=k_lhs, **kw)
+        bv = sharded_operand_values(vb, recipe.rhs, key=k_rhs, **kw)
     out = lax.dot_general(av, bv, (((va.axis,), (vb.axis,)), (va.batch, vb.batch)),
                           precision=lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
     for op in (recipe.lhs, recipe.rhs):
