@@ -19,7 +19,7 @@ from jax import lax
 
 from mxjax.backends import run_gemm
 from mxjax.dimensions import Dims, free_axes
-from mxjax.emulation.in_place import cast_operands
+from mxjax.emulation.in_place import cast_operands, whole_operands
 from mxjax.recipes import GemmRecipe
 
 __all__ = ["gemm", "has_explicit_axes"]
@@ -83,7 +83,8 @@ def gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key, *,
         return out.astype(out_type.dtype)
 
     if explicit:
-        return jax.sharding.auto_axes(emulated, out_sharding=out_type.sharding)(a, b, key)
+        with whole_operands():
+            return jax.sharding.auto_axes(emulated, out_sharding=out_type.sharding)(a, b, key)
     out = emulated(a, b, key)
     if out_sharding is not None:
         out = jax.sharding.reshard(out, out_sharding)

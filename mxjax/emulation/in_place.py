@@ -37,6 +37,8 @@ operands.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 from collections.abc import Sequence
@@ -319,11 +321,25 @@ def _blockwise_rule(fn, axis, k_out, step, n_extra, mesh, value_types, result_ty
                            need_replication_factors=tuple(replicated))
 
 
+def replicated_partition(mesh, arg_shapes, result_shape, lower):
+    """A custom_partitioning partition computing everything whole on every device (for
+    shardings no mesh names: what XLA's partitioner does with an opaque op)."""
+    from jax._src.sharding_impls import GSPMDSharding
+
+    def whole(s):
+        return GSPMDSharding.get_replicated(s.sharding._device_assignment)
+
+    return (mesh, lower, jax.tree.map(whole, result_shape),
+            jax.tree.map(whole, arg_shapes))
+
+
 def _blockwise_partition(fn, axis, k_out, step, n_extra, mesh, arg_shapes, result_shape):
-    del result_shape
     from jax.sharding import NamedSharding, PartitionSpec
 
     x = arg_shapes[0]
+    if not hasattr(x.sharding, "spec"):  # no mesh to name the axes by: computed whole
+        return replicated_partition(mesh, arg_shapes, result_shape,
+                                    lambda x, *rest: fn(x, k_out, *rest[:n_extra]))
     spec = values_spec(mesh, x.sharding.spec, x.shape, axis, step, x.shape[axis] == k_out)
     args = (NamedSharding(mesh, PartitionSpec(*spec)),) + (
         NamedSharding(mesh, PartitionSpec()),) * (len(arg_shapes) - 1)
@@ -346,6 +362,28 @@ def _blockwise_call(fn, axis, k_out, step, n_extra, x, *rest):
 
 
 _BLOCKWISE = []
+# Set while `mxjax.gemm` traces a GEMM under a mesh with explicit axes (inside
+# jax.sharding.auto_axes): there a custom_partitioning op left XLA:CPU a 'Sharding' custom
+# call it cannot run, so the operands are quantized as before (XLA partitions them).
+_WHOLE = contextvars.ContextVar("mxjax_whole_operands", default=False)
+
+
+@contextlib.contextmanager
+def whole_operands():
+    """Within the block, `blockwise` (and the kernels' `run_codec_sharded`) trace the plain
+    computation, no custom_partitioning op."""
+    token = _WHOLE.set(True)
+    try:
+        yield
+    finally:
+        _WHOLE.reset(token)
+
+
+def partitioned() -> bool:
+    """Whether per-shard custom_partitioning ops are traced here: outside `whole_operands`
+    and not under a mesh context with explicit axes (there `mxjax.gemm` runs the GEMM
+    under ``auto_axes`` in `whole_operands`)."""
+    return not _WHOLE.get() and not jax.sharding.get_abstract_mesh().explicit_axes
 
 
 def blockwise(fn, x: jax.Array, *extra, axis: int, k_out: int, step: int) -> jax.Array:
@@ -356,6 +394,8 @@ def blockwise(fn, x: jax.Array, *extra, axis: int, k_out: int, step: int) -> jax
     elsewhere that axis is gathered first), and the values keep x's partition: the same
     bits as unsharded. ``fn`` is static (hashable); ``extra``: small replicated arrays.
     """
+    if not partitioned():
+        return fn(x, k_out, *extra)
     if not _BLOCKWISE:
         from jax.experimental.custom_partitioning import custom_partitioning
 
@@ -363,9 +403,30 @@ def blockwise(fn, x: jax.Array, *extra, axis: int, k_out: int, step: int) -> jax
         wrapped.def_partition(partition=_blockwise_partition, sharding_rule=_blockwise_rule)
         _BLOCKWISE.append(wrapped)
     axis = axis % x.ndim
-    consts = jax.make_jaxpr(lambda x, *e: fn(x, k_out, *e))(x, *extra).consts
-    return _BLOCKWISE[0](fn, axis, k_out, step, len(extra), x, *extra,
-                         *[jnp.asarray(c) for c in consts])
+
+    def plain(x, *e):
+        return fn(x, k_out, *e)
+
+    def call(x, *e):
+        consts = jax.make_jaxpr(plain)(x, *e).consts
+        return _BLOCKWISE[0](fn, axis, k_out, step, len(e), x, *e,
+                             *[jnp.asarray(c) for c in consts])
+
+    return batchable(call, plain)(x, *extra)
+
+
+def batchable(call, plain):
+    """``call`` (a custom_partitioning op), batched under ``jax.vmap`` as ``plain`` (the same
+    values, unpartitioned): custom_partitioning has no batching rule."""
+    wrapped = jax.custom_batching.custom_vmap(call)
+
+    @wrapped.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        del axis_size
+        out = jax.vmap(plain, in_axes=[0 if b else None for b in in_batched])(*args)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return wrapped
 
 
 def _values(x, k_out, *signs, axis, op, hadamard_size):

@@ -614,6 +614,17 @@ def _codec_partition(directions, codec, interpret, bf16_values, launch, has_sign
     from jax.sharding import NamedSharding, PartitionSpec
 
     x = arg_shapes[0]
+    if not hasattr(x.sharding, "spec"):  # no mesh to name the axes by: the whole operand
+        from mxjax.emulation.in_place import replicated_partition
+
+        def whole(x2, *rest):
+            rest = list(rest)
+            signs = rest.pop(0) if has_signs else None
+            params = rest.pop(0) if has_params else None
+            return _codec_flat(x2, signs, params, directions, codec, interpret, bf16_values,
+                               launch, has_signs, has_params)
+
+        return replicated_partition(mesh, arg_shapes, result_shape, whole)
     spec = shard_spec(mesh, x.sharding.spec, x.shape, directions, codec.hadamard_size)
     axes = tuple(n for e in spec for n in _entry_names(e))
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -681,14 +692,27 @@ def run_codec_sharded(x2, signs, params, *, directions, codec, interpret, bf16_v
             from mxjax.chips import target_chip
 
             launch = launch_for(target_chip("gpu").compute_capability)
+    from mxjax.emulation.in_place import batchable, partitioned
+
+    if not partitioned():
+        out = _run_codec(x2, signs, params, directions=tuple(directions), codec=codec,
+                         interpret=interpret, bf16_values=bf16_values, launch=launch)
+        return _trim_codec(out, x2.shape, directions, codec)
     if not _SHARDED:
         _SHARDED.append(_make_sharded())
     has_signs, has_params = signs is not None, params is not None
     rest = [v for v, has in ((signs, has_signs), (params, has_params)) if has]
     if has_params:
         rest[-1] = jnp.asarray(params, jnp.float32).reshape(len(directions))
-    flat = _SHARDED[0](tuple(directions), codec, interpret, bf16_values, launch, has_signs,
-                       has_params, x2, *rest)
+    static = (tuple(directions), codec, interpret, bf16_values, launch, has_signs, has_params)
+
+    def plain(x2, *rest):
+        rest = list(rest)
+        signs = rest.pop(0) if has_signs else None
+        params = rest.pop(0) if has_params else None
+        return _codec_flat(x2, signs, params, *static[:5], has_signs, has_params)
+
+    flat = batchable(lambda *args: _SHARDED[0](*static, *args), plain)(x2, *rest)
     return [tuple(flat[3 * i:3 * i + 3]) for i in range(len(directions))]
 
 
