@@ -22,7 +22,7 @@ from jax import lax
 
 from mxjax.backends import run_gemm, run_packed_rhs_gemm
 from mxjax.dimensions import Dims, free_axes
-from mxjax.emulation.in_place import cast_operands
+from mxjax.emulation.in_place import cast_operands, whole_operands
 from mxjax.quantization import MXArray
 from mxjax.recipes import GemmRecipe
 
@@ -99,7 +99,8 @@ def gemm(a: jax.Array, b: jax.Array, dims: Dims, recipe: GemmRecipe, key, *,
         return _unflattened(out, a.shape, b.shape, dims, out_type.dtype)
 
     if explicit:
-        return jax.sharding.auto_axes(emulated, out_sharding=out_type.sharding)(a, b, key)
+        with whole_operands():
+            return jax.sharding.auto_axes(emulated, out_sharding=out_type.sharding)(a, b, key)
     out = emulated(a, b, key)
     if out_sharding is not None:
         out = jax.sharding.reshard(out, out_sharding)

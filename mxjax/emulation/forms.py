@@ -36,6 +36,7 @@ from mxjax.operands import (
     split_key,
 )
 from mxjax.quantization import MXArray, dequantize, fake_quantize_parts_with, fake_quantize_with
+from mxjax.rotation import hadamard
 from mxjax.scaling import SR_UNSCALE, OperandRange
 
 __all__ = ["accelerator_gemm", "accelerator_operand_dtype", "emulated_gemm",
@@ -155,8 +156,41 @@ def _canonical_cpu_form(a, b, dims: Dims, recipe, k_lhs, k_rhs, k_had):
         return lax.dot_general(a3, b3, canonical_dimension_numbers(a3.ndim - 2),
                                precision=lax.Precision.HIGHEST,
                                preferred_element_type=jnp.float32)
+    if _blockwise_mx(recipe):
+        # MX operands, deterministic: each device rotates and quantizes its own shard
+        # (`in_place.blockwise`), where XLA's partitioner would gather it first.
+        a3, b3 = canonical_operands(a, b, dims)
+        h = None if recipe.hadamard is None else recipe.hadamard.block_size
+        signs = None if h is None else rotation_signs(recipe.hadamard, None)
+        extra = () if signs is None else (jnp.asarray(signs, jnp.float32),)
+        k = a3.shape[-1]
+        k_out = k if h is None else -(-k // h) * h
+        step = max(in_place.MX_BLOCK, h or 1)
+        aq, bq = (in_place.blockwise(functools.partial(_cpu_operand, op=op, h=h), x3, *extra,
+                                     axis=-1, k_out=k_out, step=step)
+                  for x3, op in ((a3, recipe.lhs), (b3, recipe.rhs)))
+        return lax.dot_general(aq, bq, canonical_dimension_numbers(a3.ndim - 2),
+                               precision=lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
     a3, b3 = rotate(*canonical_operands(a, b, dims), recipe, k_had)
     return _cpu_gemm(a3, b3, recipe, k_lhs, k_rhs)
+
+
+def _blockwise_mx(recipe) -> bool:
+    """Whether both operands are E8M0-scaled (no per-tensor scale) and nothing is random."""
+    return (recipe.lhs.fmt.scale == "e8m0" and recipe.rhs.fmt.scale == "e8m0"
+            and not recipe.needs_key)
+
+
+def _cpu_operand(x3, k_out, *signs, op, h):
+    """One canonical operand as `_cpu_gemm` gets it from `rotate`: zero-padded to k_out,
+    rotated (each materialized), fake-quantized along K."""
+    if h is not None:
+        pad = k_out - x3.shape[-1]
+        if pad:
+            x3 = jnp.pad(x3, [(0, 0)] * (x3.ndim - 1) + [(0, pad)])
+        x3 = cpu_barrier(hadamard(x3, h, axis=-1, signs=signs[0] if signs else None))
+    return cpu_barrier(_prepare_operand(x3, op, None))
 
 
 def _in_place_mx(recipe) -> bool:

@@ -37,6 +37,9 @@ operands.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -279,6 +282,190 @@ def mx_operand_values(view: ContractionView, op, *, k_out: int, hadamard_size: i
     return v if finish is None else (v, extra)
 
 
+# --------------------------------------------------------------------------- #
+# Sharded operands (custom_partitioning): each device quantizes its own shard
+# --------------------------------------------------------------------------- #
+# The bit view's reshapes, the barriers and the halves' concatenation leave XLA's sharding
+# propagation without the operand's sharding at the GEMM: under FSDP it then partitioned the
+# wgrad by gathering the quantized values along the sharded token axis (8B layer on 8 B200s:
+# 448 MiB per operand). Here the values keep the operand's partition: blocks run along one
+# axis, so wherever every shard holds whole blocks each device quantizes its own shard (the
+# same bits); elsewhere that axis is gathered first, as before.
+
+def _entry_names(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def values_spec(mesh, spec, shape, axis: int, step: int, whole: bool) -> tuple:
+    """The partition the values are computed in, from the one XLA proposes for the operand:
+    each axis keeps the mesh axes that divide it, the block axis only where ``whole`` (no
+    padding along it) and each shard holds whole blocks of ``step``."""
+    out = []
+    for ax, entry in enumerate(tuple(spec) + (None,) * (len(shape) - len(spec))):
+        n = math.prod(mesh.shape[a] for a in _entry_names(entry))
+        if n > 1 and (shape[ax] % n or (ax == axis and (not whole or (shape[ax] // n) % step))):
+            entry = None
+        out.append(entry if n > 1 else None)
+    return tuple(out)
+
+
+def _blockwise_rule(fn, axis, k_out, step, n_extra, mesh, value_types, result_types):
+    """The Shardy rule: the values follow the operand axis for axis (the block axis too,
+    unless padded); the other operands (signs, the program's constants) are replicated."""
+    del fn, step, n_extra, mesh, result_types
+    from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule
+    from jax.extend.mlir import ir
+
+    shape = ir.RankedTensorType(value_types[0]).shape
+    x_map = [f"d{i}" for i in range(len(shape))]
+    v_map, replicated = list(x_map), []
+    if shape[axis] != k_out:
+        x_map[axis], v_map[axis] = "kin", "kout"
+        replicated += ["kin", "kout"]
+    operands = [ArrayMapping(*x_map)]
+    for i, t in enumerate(value_types[1:]):
+        names = [f"c{i}_{j}" for j in range(len(ir.RankedTensorType(t).shape))]
+        operands.append(ArrayMapping(*names))
+        replicated += names
+    return SdyShardingRule(tuple(operands), (ArrayMapping(*v_map),),
+                           need_replication_factors=tuple(replicated))
+
+
+def replicated_partition(mesh, arg_shapes, result_shape, lower):
+    """A custom_partitioning partition computing everything whole on every device (for
+    shardings no mesh names: what XLA's partitioner does with an opaque op)."""
+    from jax._src.sharding_impls import GSPMDSharding
+
+    def whole(s):
+        return GSPMDSharding.get_replicated(s.sharding._device_assignment)
+
+    return (mesh, lower, jax.tree.map(whole, result_shape),
+            jax.tree.map(whole, arg_shapes))
+
+
+def _blockwise_partition(fn, axis, k_out, step, n_extra, mesh, arg_shapes, result_shape):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    x = arg_shapes[0]
+    if not hasattr(x.sharding, "spec"):  # no mesh to name the axes by: computed whole
+        return replicated_partition(mesh, arg_shapes, result_shape,
+                                    lambda x, *rest: fn(x, k_out, *rest[:n_extra]))
+    spec = values_spec(mesh, x.sharding.spec, x.shape, axis, step, x.shape[axis] == k_out)
+    args = (NamedSharding(mesh, PartitionSpec(*spec)),) + (
+        NamedSharding(mesh, PartitionSpec()),) * (len(arg_shapes) - 1)
+    n = math.prod(mesh.shape[a] for a in _entry_names(spec[axis]))
+
+    def lower(x, *rest):  # the constants are traced anew for the shard
+        return fn(x, k_out // n, *rest[:n_extra])
+
+    return mesh, lower, NamedSharding(mesh, PartitionSpec(*spec)), args
+
+
+def _blockwise_call(fn, axis, k_out, step, n_extra, x, *rest):
+    """The unpartitioned values: the traced program with its constants as operands
+    (custom_partitioning takes no closed-over constants)."""
+    del axis, step
+    extra, consts = rest[:n_extra], rest[n_extra:]
+    closed = jax.make_jaxpr(lambda x, *e: fn(x, k_out, *e))(x, *extra)
+    (out,) = jax.core.eval_jaxpr(closed.jaxpr, consts, x, *extra)
+    return out
+
+
+_BLOCKWISE = []
+# Set while `mxjax.gemm` traces a GEMM under a mesh with explicit axes (inside
+# jax.sharding.auto_axes): there a custom_partitioning op left XLA:CPU a 'Sharding' custom
+# call it cannot run, so the operands are quantized as before (XLA partitions them).
+_WHOLE = contextvars.ContextVar("mxjax_whole_operands", default=False)
+
+
+@contextlib.contextmanager
+def whole_operands():
+    """Within the block, `blockwise` (and the kernels' `run_codec_sharded`) trace the plain
+    computation, no custom_partitioning op."""
+    token = _WHOLE.set(True)
+    try:
+        yield
+    finally:
+        _WHOLE.reset(token)
+
+
+def partitioned() -> bool:
+    """Whether per-shard custom_partitioning ops are traced here: outside `whole_operands`
+    and not under a mesh context with explicit axes (there `mxjax.gemm` runs the GEMM
+    under ``auto_axes`` in `whole_operands`)."""
+    return not _WHOLE.get() and not jax.sharding.get_abstract_mesh().explicit_axes
+
+
+def blockwise(fn, x: jax.Array, *extra, axis: int, k_out: int, step: int) -> jax.Array:
+    """``fn(x, k_out, *extra)``, partitionable: values of x computed by blocks along `axis`
+    (of whole ``step`` elements; their length there ``k_out``, x's padded with zeros), every
+    other axis elementwise. Under a multi-device sharding of x each device computes its own
+    shard (`values_spec`: where no block crosses a shard boundary and nothing is padded;
+    elsewhere that axis is gathered first), and the values keep x's partition: the same
+    bits as unsharded. ``fn`` is static (hashable); ``extra``: small replicated arrays.
+    """
+    if not partitioned():
+        return fn(x, k_out, *extra)
+    if not _BLOCKWISE:
+        from jax.experimental.custom_partitioning import custom_partitioning
+
+        wrapped = custom_partitioning(_blockwise_call, static_argnums=(0, 1, 2, 3, 4))
+        wrapped.def_partition(partition=_blockwise_partition, sharding_rule=_blockwise_rule)
+        _BLOCKWISE.append(wrapped)
+    axis = axis % x.ndim
+
+    def plain(x, *e):
+        return fn(x, k_out, *e)
+
+    def call(x, *e):
+        consts = jax.make_jaxpr(plain)(x, *e).consts
+        return _BLOCKWISE[0](fn, axis, k_out, step, len(e), x, *e,
+                             *[jnp.asarray(c) for c in consts])
+
+    return batchable(call, plain)(x, *extra)
+
+
+def batchable(call, plain):
+    """``call`` (a custom_partitioning op), batched under ``jax.vmap`` as ``plain`` (the same
+    values, unpartitioned): custom_partitioning has no batching rule."""
+    wrapped = jax.custom_batching.custom_vmap(call)
+
+    @wrapped.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        del axis_size
+        out = jax.vmap(plain, in_axes=[0 if b else None for b in in_batched])(*args)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return wrapped
+
+
+def _values(x, k_out, *signs, axis, op, hadamard_size):
+    return mx_operand_values(ContractionView(x, axis, (), ()), op, k_out=k_out,
+                             hadamard_size=hadamard_size, signs=signs[0] if signs else None,
+                             key=None)
+
+
+def sharded_operand_values(view: ContractionView, op, *, k_out: int,
+                           hadamard_size: int | None, signs: jax.Array | None,
+                           key: jax.Array | None) -> jax.Array:
+    """`mx_operand_values` (no ``finish``), partitionable (`blockwise`): under a
+    multi-device sharding of the operand each device quantizes its shard where no block
+    crosses a shard boundary, and the values keep the operand's partition. The same bits.
+
+    Stochastic rounding (uniforms drawn in the canonical shape) takes `mx_operand_values`
+    as it is.
+    """
+    if key is not None or op.rounding is Rounding.STOCHASTIC:
+        return mx_operand_values(view, op, k_out=k_out, hadamard_size=hadamard_size,
+                                 signs=signs, key=key)
+    extra = () if signs is None else (jnp.asarray(signs, jnp.float32),)
+    fn = functools.partial(_values, axis=view.axis, op=op, hadamard_size=hadamard_size)
+    return blockwise(fn, view.x, *extra, axis=view.axis, k_out=k_out,
+                     step=max(MX_BLOCK, hadamard_size or 1))
+
+
 def mx_operand_values_tpu(view: ContractionView, op, *, k_out: int,
                           hadamard_size: int | None, signs: jax.Array | None,
                           key: jax.Array | None, interpret: bool = False,
@@ -351,8 +538,8 @@ def mx_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
         av = mx_operand_values_tpu(va, recipe.lhs, key=k_lhs, operand_dtype=da, **kw)
         bv = mx_operand_values_tpu(vb, recipe.rhs, key=k_rhs, operand_dtype=db, **kw)
     else:
-        av = mx_operand_values(va, recipe.lhs, key=k_lhs, **kw)
-        bv = mx_operand_values(vb, recipe.rhs, key=k_rhs, **kw)
+        av = sharded_operand_values(va, recipe.lhs, key=k_lhs, **kw)
+        bv = sharded_operand_values(vb, recipe.rhs, key=k_rhs, **kw)
     out = lax.dot_general(av, bv, (((va.axis,), (vb.axis,)), (va.batch, vb.batch)),
                           precision=lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
     for op in (recipe.lhs, recipe.rhs):

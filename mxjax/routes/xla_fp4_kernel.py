@@ -502,13 +502,227 @@ def _run_codec(x2, signs, params, *, directions, codec, interpret, bf16_values, 
             for d in range(len(directions))]
 
 
+# --------------------------------------------------------------------------- #
+# Sharded operands: each device quantizes its own shard (custom_partitioning)
+# --------------------------------------------------------------------------- #
+# A Pallas kernel is a custom call that XLA's SPMD partitioner cannot split: left alone it
+# gathers the whole operand on every device and quantizes all of it there (FSDP, 8B layer on
+# 8 B200s: 448 MiB activation gathers). Every block lies along one axis and the statistics
+# are maxima, so the kernel runs per shard wherever no block crosses a shard boundary, and
+# the statistics take one max over the devices holding the shards.
+
+def _mesh_size(mesh, entry) -> int:
+    if entry is None:
+        return 1
+    names = (entry,) if isinstance(entry, str) else tuple(entry)
+    return math.prod(mesh.shape[n] for n in names)
+
+
+def _entry_names(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def shard_spec(mesh, spec, shape, directions, hadamard_size) -> tuple:
+    """The partition of x2 the kernel runs on, from the one XLA proposes (``spec``: one
+    entry per axis): an axis keeps its mesh axes where they divide it and, along an axis
+    some direction blocks along, each shard holds whole 32-blocks and Hadamard blocks;
+    otherwise that axis is gathered (the whole operand's kernel, as unsharded)."""
+    step = max(_MX, hadamard_size or 1)
+    blocked = {1 if d == 1 else 0 for d in directions}
+    out = []
+    for ax, entry in enumerate(tuple(spec) + (None,) * (2 - len(spec))):
+        n = _mesh_size(mesh, entry)
+        if n > 1 and (shape[ax] % n or (ax in blocked and (shape[ax] // n) % step)):
+            entry = None
+        out.append(entry if n > 1 else None)
+    return tuple(out)
+
+
+def _trim_codec(out, shape, directions, codec):
+    """run_codec's tile-padded results cut to x2's own sizes (K padded to 32)."""
+    r, c = shape
+    res = []
+    for d, (codes, scales, stats) in zip(directions, out):
+        f, k = (r, c) if d == 1 else (c, r)
+        kp = -(-k // _MX) * _MX
+        res.append((codes[:f, :kp * codec.code_columns // _MX],
+                    scales[:f, :kp * codec.scale_columns // _MX], stats))
+    return res
+
+
+def _codec_local(x2, signs, params, directions, codec, interpret, bf16_values, launch):
+    out = _run_codec(x2, signs, params, directions=directions, codec=codec,
+                     interpret=interpret, bf16_values=bf16_values, launch=launch)
+    return _trim_codec(out, x2.shape, directions, codec)
+
+
+def _codec_rule(directions, codec, interpret, bf16_values, launch, has_signs, has_params,
+                mesh, value_types, result_types):
+    """The Shardy rule: results follow x2's rows and columns (codes and scales along K by
+    whole 32-groups, as the factor of an axis' 32-groups); statistics, signs and params
+    are replicated. `_codec_partition` decides the partition itself."""
+    del interpret, bf16_values, launch, mesh, result_types
+    from jax.experimental.custom_partitioning import ArrayMapping, CompoundFactor, SdyShardingRule
+    from jax.extend.mlir import ir
+
+    shape = dict(zip("rc", ir.RankedTensorType(value_types[0]).shape))
+    sizes: dict = {}
+    whole: set = set()
+
+    def groups(name):  # an axis of x2 (or a result's F axis): (32-groups, 32) when it has them
+        n = shape[name]
+        if n % _MX or n == _MX:
+            whole.add(name)
+            return name
+        sizes[name], sizes[name + "w"] = n // _MX, _MX
+        return CompoundFactor(name, name + "w")
+
+    def along(name, columns, tag):  # a result's K axis: n / 32 * columns
+        n = shape[name]
+        if n % _MX or n == _MX:  # never sharded (`shard_spec`): a factor of its own
+            whole.add(name + tag)
+            return name + tag
+        sizes[name] = n // _MX
+        if columns == 1:
+            whole.add(name)
+            return name
+        sizes[name + tag] = columns
+        return CompoundFactor(name, name + tag)
+
+    operands = [ArrayMapping(groups("r"), groups("c"))]
+    replicated = []
+    for has, name in ((has_signs, "hs"), (has_params, "pp")):
+        if has:
+            operands.append(ArrayMapping(name))
+            replicated.append(name)
+    results = []
+    for i, d in enumerate(directions):
+        f, k = ("r", "c") if d == 1 else ("c", "r")
+        results.append(ArrayMapping(groups(f), along(k, codec.code_columns, f"q{i}")))
+        results.append(ArrayMapping(groups(f), along(k, codec.scale_columns, f"s{i}")))
+        results.append(ArrayMapping(f"t{i}"))
+        replicated.append(f"t{i}")
+    sizes = {name: n for name, n in sizes.items() if name not in whole}
+    return SdyShardingRule(tuple(operands), tuple(results),
+                           need_replication_factors=tuple(replicated), **sizes)
+
+
+def _codec_partition(directions, codec, interpret, bf16_values, launch, has_signs, has_params,
+                     mesh, arg_shapes, result_shape):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    x = arg_shapes[0]
+    if not hasattr(x.sharding, "spec"):  # no mesh to name the axes by: the whole operand
+        from mxjax.emulation.in_place import replicated_partition
+
+        def whole(x2, *rest):
+            rest = list(rest)
+            signs = rest.pop(0) if has_signs else None
+            params = rest.pop(0) if has_params else None
+            return _codec_flat(x2, signs, params, directions, codec, interpret, bf16_values,
+                               launch, has_signs, has_params)
+
+        return replicated_partition(mesh, arg_shapes, result_shape, whole)
+    spec = shard_spec(mesh, x.sharding.spec, x.shape, directions, codec.hadamard_size)
+    axes = tuple(n for e in spec for n in _entry_names(e))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    args = [NamedSharding(mesh, PartitionSpec(*spec))] + [replicated] * (len(arg_shapes) - 1)
+    results = []
+    for d in directions:
+        layout = PartitionSpec(*spec) if d == 1 else PartitionSpec(spec[1], spec[0])
+        results += [NamedSharding(mesh, layout)] * 2 + [replicated]
+
+    def lower(x2, *rest):
+        rest = list(rest)
+        signs = rest.pop(0) if has_signs else None
+        params = rest.pop(0) if has_params else None
+        out = _codec_local(x2, signs, params, directions, codec, interpret, bf16_values,
+                           launch)
+        flat = []
+        for codes, scales, stats in out:
+            if axes and stats.size:
+                stats = lax.pmax(stats, axes)
+            flat += [codes, scales, stats]
+        return tuple(flat)
+
+    return mesh, lower, tuple(results), tuple(args)
+
+
+def _codec_flat(x2, signs, params, directions, codec, interpret, bf16_values, launch,
+                has_signs, has_params):
+    out = _codec_local(x2, signs if has_signs else None, params if has_params else None,
+                       directions, codec, interpret, bf16_values, launch)
+    return tuple(v for triple in out for v in triple)
+
+
+def _make_sharded():
+    from jax.experimental.custom_partitioning import custom_partitioning
+
+    def fn(directions, codec, interpret, bf16_values, launch, has_signs, has_params, x2,
+           *rest):
+        rest = list(rest)
+        signs = rest.pop(0) if has_signs else None
+        params = rest.pop(0) if has_params else None
+        return _codec_flat(x2, signs, params, directions, codec, interpret, bf16_values,
+                           launch, has_signs, has_params)
+
+    sharded = custom_partitioning(fn, static_argnums=(0, 1, 2, 3, 4, 5, 6))
+    sharded.def_partition(partition=_codec_partition, sharding_rule=_codec_rule)
+    return sharded
+
+
+_SHARDED = []
+
+
+def run_codec_sharded(x2, signs, params, *, directions, codec, interpret, bf16_values=False,
+                      launch: Launch | None = None):
+    """`run_codec` cut to x2's sizes, partitionable: under a multi-device sharding of x2 each
+    device runs the kernel on its shard (`shard_spec`) and the statistics are reduced by one
+    max across the shards; the same bits as the unsharded kernel.
+
+    Returns per direction ``(codes [F, Kp * code_columns / 32], scale bytes [F, Kp *
+    scale_columns / 32], stats)``, F and K x2's sizes (Kp: K padded to 32).
+    """
+    if launch is None:
+        if interpret:
+            launch = DEFAULT_LAUNCH
+        else:
+            from mxjax.chips import target_chip
+
+            launch = launch_for(target_chip("gpu").compute_capability)
+    from mxjax.emulation.in_place import batchable, partitioned
+
+    if not partitioned():
+        out = _run_codec(x2, signs, params, directions=tuple(directions), codec=codec,
+                         interpret=interpret, bf16_values=bf16_values, launch=launch)
+        return _trim_codec(out, x2.shape, directions, codec)
+    if not _SHARDED:
+        _SHARDED.append(_make_sharded())
+    has_signs, has_params = signs is not None, params is not None
+    rest = [v for v, has in ((signs, has_signs), (params, has_params)) if has]
+    if has_params:
+        rest[-1] = jnp.asarray(params, jnp.float32).reshape(len(directions))
+    static = (tuple(directions), codec, interpret, bf16_values, launch, has_signs, has_params)
+
+    def plain(x2, *rest):
+        rest = list(rest)
+        signs = rest.pop(0) if has_signs else None
+        params = rest.pop(0) if has_params else None
+        return _codec_flat(x2, signs, params, *static[:5], has_signs, has_params)
+
+    flat = batchable(lambda *args: _SHARDED[0](*static, *args), plain)(x2, *rest)
+    return [tuple(flat[3 * i:3 * i + 3]) for i in range(len(directions))]
+
+
 def _quantize(x2, signs, *, directions, op, hadamard_size, interpret, bf16_values=False,
               e2m1_cvt=False, launch=None):
-    """MXFP4 per direction: (codes, scale bytes, s_max, s_min), laid out [F, K] (F, K the
-    tile-padded sizes)."""
+    """MXFP4 per direction: (codes, scale bytes, s_max, s_min), laid out [F, K] (x2's sizes:
+    the kernel runs per shard of a sharded x2, `run_codec_sharded`)."""
     codec = Mxfp4Codec(op=op, hadamard_size=hadamard_size, e2m1_cvt=e2m1_cvt)
-    out = run_codec(x2, signs, None, directions=directions, codec=codec, interpret=interpret,
-                    bf16_values=bf16_values, launch=launch)
+    out = run_codec_sharded(x2, signs, None, directions=directions, codec=codec,
+                            interpret=interpret, bf16_values=bf16_values, launch=launch)
     return [(codes, scales, stats[0], -stats[1]) for codes, scales, stats in out]
 
 

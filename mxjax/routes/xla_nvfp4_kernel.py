@@ -147,8 +147,8 @@ def _run(x2, directions, op, hadamard_size, signs, bf16_values, compiled, interp
     scales = jnp.stack([tensor_scale(x2, d, hadamard_size=hadamard_size, signs=signs,
                                      bf16_values=bf16_values) for d in directions])
     codec = Nvfp4Codec(op=op, hadamard_size=hadamard_size, compiled=compiled)
-    out = fp4k.run_codec(x2, signs, scales, directions=directions, codec=codec,
-                         interpret=interpret, bf16_values=bf16_values, launch=launch)
+    out = fp4k.run_codec_sharded(x2, signs, scales, directions=directions, codec=codec,
+                                 interpret=interpret, bf16_values=bf16_values, launch=launch)
     return [(codes, sb, scales[i]) for i, (codes, sb, _) in enumerate(out)]
 
 
