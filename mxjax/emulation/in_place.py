@@ -373,7 +373,16 @@ def _blockwise_call(fn, axis, k_out, step, n_extra, x, *rest):
     return out
 
 
-_BLOCKWISE = []
+@functools.cache
+def _blockwise_op():
+    """`_blockwise_call` as one custom_partitioning op (built once, on first use)."""
+    from jax.experimental.custom_partitioning import custom_partitioning
+
+    op = custom_partitioning(_blockwise_call, static_argnums=(0, 1, 2, 3, 4))
+    op.def_partition(partition=_blockwise_partition, sharding_rule=_blockwise_rule)
+    return op
+
+
 # Set while `mxjax.gemm` traces a GEMM under a mesh with explicit axes (inside
 # jax.sharding.auto_axes): there a custom_partitioning op left XLA:CPU a 'Sharding' custom
 # call it cannot run, so the operands are quantized as before (XLA partitions them).
@@ -408,12 +417,6 @@ def blockwise(fn, x: jax.Array, *extra, axis: int, k_out: int, step: int) -> jax
     """
     if not partitioned():
         return fn(x, k_out, *extra)
-    if not _BLOCKWISE:
-        from jax.experimental.custom_partitioning import custom_partitioning
-
-        wrapped = custom_partitioning(_blockwise_call, static_argnums=(0, 1, 2, 3, 4))
-        wrapped.def_partition(partition=_blockwise_partition, sharding_rule=_blockwise_rule)
-        _BLOCKWISE.append(wrapped)
     axis = axis % x.ndim
 
     def plain(x, *e):
@@ -421,7 +424,7 @@ def blockwise(fn, x: jax.Array, *extra, axis: int, k_out: int, step: int) -> jax
 
     def call(x, *e):
         consts = jax.make_jaxpr(plain)(x, *e).consts
-        return _BLOCKWISE[0](fn, axis, k_out, step, len(e), x, *e,
+        return _blockwise_op()(fn, axis, k_out, step, len(e), x, *e,
                              *[jnp.asarray(c) for c in consts])
 
     return batchable(call, plain)(x, *extra)

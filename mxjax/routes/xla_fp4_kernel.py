@@ -657,7 +657,9 @@ def _codec_flat(x2, signs, params, directions, codec, interpret, bf16_values, la
     return tuple(v for triple in out for v in triple)
 
 
-def _make_sharded():
+@functools.cache
+def _sharded_codec():
+    """The kernel call as one custom_partitioning op (built once, on first use)."""
     from jax.experimental.custom_partitioning import custom_partitioning
 
     def fn(directions, codec, interpret, bf16_values, launch, has_signs, has_params, x2,
@@ -671,9 +673,6 @@ def _make_sharded():
     sharded = custom_partitioning(fn, static_argnums=(0, 1, 2, 3, 4, 5, 6))
     sharded.def_partition(partition=_codec_partition, sharding_rule=_codec_rule)
     return sharded
-
-
-_SHARDED = []
 
 
 def run_codec_sharded(x2, signs, params, *, directions, codec, interpret, bf16_values=False,
@@ -698,8 +697,6 @@ def run_codec_sharded(x2, signs, params, *, directions, codec, interpret, bf16_v
         out = _run_codec(x2, signs, params, directions=tuple(directions), codec=codec,
                          interpret=interpret, bf16_values=bf16_values, launch=launch)
         return _trim_codec(out, x2.shape, directions, codec)
-    if not _SHARDED:
-        _SHARDED.append(_make_sharded())
     has_signs, has_params = signs is not None, params is not None
     rest = [v for v, has in ((signs, has_signs), (params, has_params)) if has]
     if has_params:
@@ -712,7 +709,7 @@ def run_codec_sharded(x2, signs, params, *, directions, codec, interpret, bf16_v
         params = rest.pop(0) if has_params else None
         return _codec_flat(x2, signs, params, *static[:5], has_signs, has_params)
 
-    flat = batchable(lambda *args: _SHARDED[0](*static, *args), plain)(x2, *rest)
+    flat = batchable(lambda *args: _sharded_codec()(*static, *args), plain)(x2, *rest)
     return [tuple(flat[3 * i:3 * i + 3]) for i in range(len(directions))]
 
 
