@@ -401,10 +401,16 @@ def whole_operands():
 
 
 def partitioned() -> bool:
-    """Whether per-shard custom_partitioning ops are traced here: outside `whole_operands`
-    and not under a mesh context with explicit axes (there `mxjax.gemm` runs the GEMM
-    under ``auto_axes`` in `whole_operands`)."""
-    return not _WHOLE.get() and not jax.sharding.get_abstract_mesh().explicit_axes
+    """Whether per-shard custom_partitioning ops are traced here: a program for more than
+    one device (the context mesh's, e.g. a deviceless compile for 8 GPUs, or this host's
+    devices: a single device has nothing to partition, and there the plain computation
+    traces and compiles faster), outside `whole_operands` and not under a mesh context
+    with explicit axes (there `mxjax.gemm` runs the GEMM under ``auto_axes`` in
+    `whole_operands`)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if _WHOLE.get() or mesh.explicit_axes:
+        return False
+    return (not mesh.empty and mesh.size > 1) or jax.device_count() > 1
 
 
 def blockwise(fn, x: jax.Array, *extra, axis: int, k_out: int, step: int) -> jax.Array:

@@ -52,7 +52,7 @@ def test_layers_of_the_same_shapes_trace_each_gemm_once(cpu_form_traces):
     want = jax.jit(jax.grad(_loss("mxfp4_all_h16", 1), argnums=(0, 1)))
     jax.block_until_ready(want(x, ws))
     # dgrad and wgrad of one layer (on their packed residuals); fprop, deterministic MX,
-    # takes the per-shard form (`forms._canonical_cpu_form`'s blockwise operands) instead
+    # takes `forms._canonical_cpu_form`'s blockwise operands (per shard where sharded)
     assert len(cpu_form_traces) == 2
     gx, gws = grad(x, ws)
     # Three layers, one more jitted program: the same traces serve them all.
