@@ -125,10 +125,11 @@ def test_gradients_bit_identical_without_jit(policy, monkeypatch):
     chex.assert_trees_all_equal(got, want)
 
 
-@pytest.mark.parametrize("case", ["batched", "two_contractions"])
 # NVFP4 (tensor scale, fixed-sign H16) and tseng (SR prescale, randomized H64); every
 # preset on every axis, eager and jitted, under make test-slow (below).
-@pytest.mark.parametrize("policy", ["nvfp4", "tseng"])
+@pytest.mark.parametrize("policy,case", [("nvfp4", "batched"), ("tseng", "two_contractions")]
+                         + [pytest.param(p, c, marks=pytest.mark.slow)
+                            for p, c in (("nvfp4", "two_contractions"), ("tseng", "batched"))])
 def test_gradients_bit_identical_on_every_gemm_axis(policy, case, monkeypatch):
     got = _grads(policy, case, True, True, monkeypatch)
     want = _grads(policy, case, True, False, monkeypatch)
@@ -249,11 +250,11 @@ def test_the_decision_follows_every_platforms_route_and_the_target(kind, platfor
         assert saves_packed(nv_auto.wgrad) and saves_packed(nv_auto.dgrad)
 
 
-@pytest.mark.parametrize("platform,policy", [
-    ("gpu", "nvfp4"), ("tpu", "mxfp4_all_sr")] + [
+# NVFP4's canonical form in the default run (the MX in-place forms' packed GEMM is
+# tests/mxjax/emulation/test_in_place.py's); every form and preset under make test-slow.
+@pytest.mark.parametrize("platform,policy", [("gpu", "nvfp4")] + [
     pytest.param(pl, po, marks=pytest.mark.slow) for pl in ("gpu", "tpu")
-    for po in ("nvfp4", "mxfp4_all_sr", "tseng")
-    if (pl, po) not in (("gpu", "nvfp4"), ("tpu", "mxfp4_all_sr"))])
+    for po in ("nvfp4", "mxfp4_all_sr", "tseng") if (pl, po) != ("gpu", "nvfp4")])
 def test_accelerator_form_from_the_residual_equals_the_emulations(policy, platform):
     # The GPU/TPU branch of the emulation's packed-rhs GEMM against the emulation's GPU/TPU
     # form of the primals (both run here: NVFP4's canonical form, the MX formats' in-place

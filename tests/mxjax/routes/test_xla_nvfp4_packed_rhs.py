@@ -57,8 +57,8 @@ def _both(a, b, dims, recipe, key, *, gpu):
     return want, got
 
 
-@pytest.mark.parametrize("gpu", [False, True])
-@pytest.mark.parametrize("gemm", ["dgrad", "wgrad"])
+@pytest.mark.parametrize("gemm,gpu", [("dgrad", False), ("wgrad", False), ("wgrad", True),
+                                      pytest.param("dgrad", True, marks=pytest.mark.slow)])
 def test_the_packed_rhs_gemm_is_the_routes_gemm_bit_for_bit(gemm, gpu):
     # dgrad: SR lhs (dY), no Hadamard; wgrad: SR lhs, H16 on both (fixed signs).
     a, b = _ab((64, 96), (96, 48))
@@ -75,8 +75,9 @@ def test_a_contraction_not_last():
     chex.assert_trees_all_equal(want, got)
 
 
-@pytest.mark.parametrize("shape,dims", [((64, 96), (((1,), (1,)), ((), ()))),
-                                        ((48, 40), (((0,), (0,)), ((), ())))])
+@pytest.mark.parametrize("shape,dims", [
+    pytest.param((64, 96), (((1,), (1,)), ((), ())), marks=pytest.mark.slow),
+    ((48, 40), (((0,), (0,)), ((), ())))])
 def test_the_routes_kernel_pack_is_the_canonical_pack(shape, dims):
     # W-like f32 cast to bf16, contracted along either axis; 48 rows: K % 32 == 16.
     recipe = _recipe("wgrad")  # H16 with fixed signs, round to nearest even
