@@ -279,9 +279,15 @@ def _pack_rhs(b, *, dims, recipe, key, operand_dtype=None,
     if read is None:
         return None
     x2, axis, h, signs, bf16_values = read
-    codes, scale_bytes, t = kernel.nvfp4_operand(
-        x2, axis, recipe.rhs, hadamard_size=h, signs=signs, bf16_values=bf16_values,
-        compiled=not interpret, interpret=interpret)
+    kw = {"hadamard_size": h, "signs": signs, "bf16_values": bf16_values,
+          "compiled": not interpret, "interpret": interpret}
+    if h is None and all(n % _K_MULTIPLE == 0 for n in x2.shape):
+        # The weight without a Hadamard: fprop's pair call (`_gemm`'s pair_rhs), which
+        # XLA merges with this one, quantizes it in both directions in one read.
+        row, col = kernel.nvfp4_operand_pair(x2, recipe.rhs, **kw)
+        codes, scale_bytes, t = row if axis == 1 else col
+    else:
+        codes, scale_bytes, t = kernel.nvfp4_operand(x2, axis, recipe.rhs, **kw)
     k = x2.shape[axis]
     k_logical = k if h is None else -(-k // h) * h
     k16 = -(-k_logical // _NV_BLOCK) * _NV_BLOCK  # quantize_with's codes stop at 16
