@@ -64,34 +64,17 @@ def gathers(hlo_text: str, skip_dim: int | None = None) -> list[tuple[str, float
 
 def compile_step(target: str, devices: int, seq: int, policy_name: str) -> str:
     """The optimized HLO text of the one-layer 8B train step under `policy_name`."""
-    import jax
-    import jax.numpy as jnp
-
-    from bench.costmodel.train_memory import mesh_for
-    from models import sharding as shd
+    from bench.costmodel.train_memory import compile_train_step
     from models.llama import LlamaConfig
     from mxjax import policies
-    from train import config as cfgmod
-    from train.optimizer import make_optimizer
-    from train.state import make_state_layout
-    from train.step import make_train_step
 
-    policy = None if policy_name == "bf16" else policies.get(policy_name)
     mc = LlamaConfig.llama3_8b(n_layers=1, max_seq_len=seq, remat=True,
                                attention_impl="fused", dtype="bfloat16",
                                param_dtype="float32")
-    mesh = mesh_for(target, (1, devices, 1))
-    tx, schedule = make_optimizer(cfgmod.load(None, []))
-    lay = make_state_layout(mc, mesh, tx, 0)
-    fn = make_train_step(graphdef=lay.graphdef, policy=policy, tx=tx, schedule=schedule,
-                         accum_steps=1)
-    batch = jax.ShapeDtypeStruct((devices, seq + 1), jnp.int32, sharding=lay.batch)
-    key = jax.random.key(0)
-    key_s = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=lay.replicated)
-    jitted = jax.jit(fn, in_shardings=(lay.shardings, lay.batch, lay.replicated),
-                     out_shardings=(lay.shardings, lay.replicated), donate_argnums=(0,))
-    with jax.set_mesh(mesh), shd.use_mesh(mesh):
-        return jitted.trace(lay.abstract, batch, key_s).lower().compile().as_text()
+    policy = None if policy_name == "bf16" else policies.get(policy_name)
+    return compile_train_step(mc, seq_len=seq, micro_batch=devices,
+                              mesh_shape=(1, devices, 1), target_name=target,
+                              policy=policy).as_text()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 
 from bench.costmodel import aot
 
-__all__ = ["MemoryRow", "compare", "mesh_for"]
+__all__ = ["MemoryRow", "compare", "compile_train_step", "mesh_for"]
 
 AXES = ("data", "fsdp", "tensor")
 
@@ -67,13 +67,14 @@ def mesh_for(target_name: str, shape: tuple[int, int, int]) -> jax.sharding.Mesh
     return topologies.make_mesh(topo, shape, AXES)
 
 
-def compare(mc, *, seq_len: int, micro_batch: int, mesh_shape: tuple[int, int, int],
-            target_name: str = "cpu", policy=None) -> MemoryRow:
-    """Compile `mc`'s train step (one micro-batch of `micro_batch` sequences of `seq_len`
-    tokens, no accumulation) on `mesh_shape` devices of `target_name`; its `MemoryRow`."""
+def compile_train_step(mc, *, seq_len: int, micro_batch: int,
+                       mesh_shape: tuple[int, int, int], target_name: str = "cpu",
+                       policy=None):
+    """`mc`'s train step (one micro-batch of `micro_batch` sequences of `seq_len` tokens,
+    no accumulation) compiled on `mesh_shape` devices of `target_name`, with the state
+    layout's shardings and the activation constraints a run has."""
     from models import sharding as shd
     from train import config as cfgmod
-    from train import memory
     from train.optimizer import make_optimizer
     from train.state import make_state_layout
     from train.step import make_train_step
@@ -89,7 +90,18 @@ def compare(mc, *, seq_len: int, micro_batch: int, mesh_shape: tuple[int, int, i
     jitted = jax.jit(fn, in_shardings=(lay.shardings, lay.batch, lay.replicated),
                      out_shardings=(lay.shardings, lay.replicated), donate_argnums=(0,))
     with jax.set_mesh(mesh), shd.use_mesh(mesh):  # the activation constraints, as a run has
-        compiled = jitted.trace(lay.abstract, batch, key_s).lower().compile()
+        return jitted.trace(lay.abstract, batch, key_s).lower().compile()
+
+
+def compare(mc, *, seq_len: int, micro_batch: int, mesh_shape: tuple[int, int, int],
+            target_name: str = "cpu", policy=None) -> MemoryRow:
+    """Compile `mc`'s train step (one micro-batch of `micro_batch` sequences of `seq_len`
+    tokens, no accumulation) on `mesh_shape` devices of `target_name`; its `MemoryRow`."""
+    from train import memory
+
+    compiled = compile_train_step(mc, seq_len=seq_len, micro_batch=micro_batch,
+                                  mesh_shape=mesh_shape, target_name=target_name,
+                                  policy=policy)
     m = compiled.memory_analysis()
     xla = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
            + m.temp_size_in_bytes)
