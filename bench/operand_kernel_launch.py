@@ -13,10 +13,10 @@ the first shape, and the others' threads and bytes scaled from it.
 
     .venv-aot/bin/python bench/operand_kernel_launch.py [--targets b200,h200]
         [--shapes 8192x4096,4096x8192,8192x14336] [--launches default,128x128/r2/w8]
-        [--kinds pair,row,col] [--codec mxfp4|nvfp4|mxfp8]
+        [--kinds pair,row,col] [--codec mxfp4|nvfp4|nvfp4_sr|mxfp8|mxfp8_cvt]
 
-A launch is ``ROWSxCOLS[/rN][/cN][/wN][/sN]`` (row parts, column parts, warps, stages;
-defaults 1, 1, 8, 1), or
+A launch is ``ROWSxCOLS[/rN][/cN][/wN][/sN][/p0]`` (row parts, column parts, warps,
+stages, bf16 read as pairs along columns; defaults 1, 1, 8, 1, 1), or
 ``default`` (`DEFAULT_LAUNCH`) or ``auto`` (`launch_for` the target).
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import sys
 import tempfile
@@ -40,19 +41,23 @@ class _MainLaunch:  # a tree from before `Launch`: 128-tiles
     cols: int = 128
 
 
-def parse_launch(text: str, target_cc):
+def parse_launch(text: str, target_cc, kind: str = "pair"):
     from mxjax.routes import xla_fp4_kernel as fp4k
 
     if text == "default":
         return getattr(fp4k, "DEFAULT_LAUNCH", None) or _MainLaunch()
     if text == "auto":
-        return fp4k.launch_for(target_cc)
+        try:
+            return fp4k.launch_for(target_cc, directions=(1, 0) if kind == "pair" else (1,))
+        except TypeError:  # a tree whose launch_for takes no directions
+            return fp4k.launch_for(target_cc)
     tile, *opts = text.split("/")
     rows, cols = (int(n) for n in tile.split("x"))
     kw = {"rows": rows, "cols": cols}
-    names = {"r": "row_parts", "c": "col_parts", "w": "num_warps", "s": "num_stages"}
+    names = {"r": "row_parts", "c": "col_parts", "w": "num_warps", "s": "num_stages",
+             "p": "col_pairs"}
     for o in opts:
-        kw[names[o[0]]] = int(o[1:])
+        kw[names[o[0]]] = bool(int(o[1:])) if o[0] == "p" else int(o[1:])
     return fp4k.Launch(**kw)
 
 
@@ -66,17 +71,24 @@ def _fn(kind: str, launch, e2m1_cvt: bool, codec: str):
         op = policies.get("mxfp4_all_h16").fprop.lhs
         kw = {"hadamard_size": 16, "signs": signs, "e2m1_cvt": e2m1_cvt}
         one, pair = fp4k.mxfp4_operand, fp4k.mxfp4_operand_pair
-    elif codec == "nvfp4":
+    elif codec in ("nvfp4", "nvfp4_sr"):
+        import jax
+
         from mxjax.routes import xla_nvfp4_kernel as k
 
         op = policies.get("nvfp4").fprop.rhs
         kw = {"hadamard_size": 16, "signs": signs, "compiled": True}
         one, pair = k.nvfp4_operand, k.nvfp4_operand_pair
+        if codec == "nvfp4_sr":  # dY's: stochastic rounding drawn in the kernel (no pair)
+            op = policies.get("nvfp4").wgrad.lhs
+            one = functools.partial(one, key=jax.random.key(0))
     else:
         from mxjax.routes import xla_mxfp8_kernel as k
 
         op = policies.get("mxfp8").fprop.lhs
         kw = {"hadamard_size": None, "signs": None}
+        if codec == "mxfp8_cvt":
+            kw["f8_cvt"] = True
         one, pair = k.mxfp8_operand, k.mxfp8_operand_pair
     if hasattr(fp4k, "Launch"):  # (a tree from before `Launch` takes none: "default")
         kw["launch"] = launch
@@ -149,8 +161,11 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="8192x4096,4096x8192,8192x14336")
     ap.add_argument("--launches", default="default,auto")
     ap.add_argument("--kinds", default=",".join(KINDS))
-    ap.add_argument("--codec", default="mxfp4", choices=("mxfp4", "nvfp4", "mxfp8"),
-                    help="the kernel: 'xla_fp4's (default), 'xla_nvfp4's or 'xla_mxfp8's")
+    ap.add_argument("--codec", default="mxfp4",
+                    choices=("mxfp4", "nvfp4", "nvfp4_sr", "mxfp8", "mxfp8_cvt"),
+                    help="the kernel: 'xla_fp4's (default), 'xla_nvfp4's (nvfp4_sr: dY's, "
+                         "stochastic rounding drawn inside; row and col only) or "
+                         "'xla_mxfp8's (mxfp8_cvt: with PTX's FP8 cvt)")
     args = ap.parse_args(argv)
     from bench.costmodel import aot
 
@@ -161,8 +176,8 @@ def main(argv=None) -> int:
     for target_name in args.targets.split(","):
         cc = compute_capability_of(aot.TARGETS[target_name].description)
         for text in args.launches.split(","):
-            launch = parse_launch(text, cc)
             for kind in args.kinds.split(","):
+                launch = parse_launch(text, cc, kind)
                 try:
                     k, tk = measure(target_name, kind, launch, shapes[0], args.codec)
                 except Exception as e:  # noqa: BLE001 - a launch Triton refuses: say so

@@ -99,9 +99,10 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     #    FP8), then 'xla_fp4' (NVFP4, sharing xla_fp8's window and result scaling; its
     #    operand kernel below it); the one-pass NVFP4/MXFP8 operand kernels on the
     #    generic kernel of xla_fp4_kernel; 'xla_nvfp4' and 'xla_mxfp8' on xla_fp4's
-    #    operand views.
+    #    operand views. threefry (jax.random's draws at given indices) below the kernels.
     "mxjax.routes": (
-        ("spec", "xla_fp4_kernel"),
+        ("spec", "threefry"),
+        ("xla_fp4_kernel",),
         ("xla", "triton", "xla_fp8", "xla_nvfp4_kernel", "xla_mxfp8_kernel"),
         ("xla_fp4",),
         ("xla_nvfp4",),

@@ -147,7 +147,9 @@ def kernel_costs(case: QuantizeCase, dump: Path) -> list[KernelCost]:
         b = k.bytes_read + k.bytes_written
         name = k.name.replace(".", "_")
         if k.category == "custom-call" and name not in ptx:
-            name = "mxfp4_operand"  # a Pallas kernel's PTX entry has the kernel's name
+            # a Pallas kernel's PTX entry has the kernel's name (xla_fp4_kernel.kernel_name)
+            entries = [e for e in ptx if e.startswith("mxfp4_operand")]
+            name = entries[0] if len(entries) == 1 else "mxfp4_operand"
         thr, ins = ptx.get(name, (0, 0))
         sass_ins = thr * sass.get(name, 0)
         costs.append(KernelCost(

@@ -57,10 +57,11 @@ from mxjax import _bits, elements
 from mxjax.elements import round_to_value
 from mxjax.formats import E2M1, Rounding
 
-__all__ = ["DEFAULT_LAUNCH", "NONFINITE_SENTINEL", "TILE", "Launch", "Mxfp4Codec",
-           "abs_max_bits", "check_contraction", "check_matrix", "has_e2m1_cvt", "launch_for",
-           "mxfp4_operand", "mxfp4_operand_pair", "nearest_even_code", "quantize_slices",
-           "rotate_slices", "run_codec", "signs_array", "takes_kernel"]
+__all__ = ["DEFAULT_LAUNCH", "NONFINITE_SENTINEL", "TILE", "Launch", "Mxfp4Codec", "SliceDraws",
+           "abs_max_bits", "check_contraction", "check_matrix", "cvt_e2m1x2", "has_e2m1_cvt",
+           "kernel_name",
+           "launch_for", "mxfp4_operand", "mxfp4_operand_pair", "nearest_even_code",
+           "quantize_slices", "rotate_slices", "run_codec", "signs_array", "takes_kernel"]
 
 _MX = 32
 _NV = 16  # NVFP4's scale block: the MMA's scales are per 16 elements
@@ -82,7 +83,10 @@ class Launch:
     columns (direction 0) in chunks of its columns. A thread then holds 1/parts of the
     32-slice set at a time: fewer live registers, the same instructions as long as each
     chunk's slices still span the block's threads (smaller ones are replicated across
-    threads). ``num_warps``, ``num_stages``: Triton's.
+    threads). ``num_warps``, ``num_stages``: Triton's. ``col_pairs``: a kernel that
+    blocks along columns only reads a bf16 operand as uint32 pairs (two slice sets at
+    once, as a pair kernel must) or, False, element by element (one set: fewer
+    registers).
     """
 
     rows: int = TILE
@@ -91,6 +95,7 @@ class Launch:
     col_parts: int = 1
     num_warps: int = 8
     num_stages: int = 1
+    col_pairs: bool = True
 
     def __post_init__(self):
         for name in ("rows", "cols"):
@@ -117,15 +122,24 @@ DEFAULT_LAUNCH = Launch()
 # replicate them too (112 registers, 1 block); loading the odd columns' set again after the
 # even one's stores held more registers, not fewer.
 _TUNED = Launch(rows=128, cols=64, row_parts=2, num_warps=4)
-_LAUNCHES: dict[tuple[int, int], Launch] = {(9, 0): _TUNED, (10, 0): _TUNED}
+# A kernel of one direction there: 64 x 64 tiles over 4 warps, bf16 along columns read
+# element by element. B200, [8192, 4096] (bench/operand_kernel_launch.py, calibrated):
+# NVFP4 along rows 147 -> 103 us (96 -> 72 registers), along columns 158 -> 99 (95 -> 56);
+# with stochastic rounding's draws 403 -> 275 and 483 -> 249; MXFP4 35 -> 33, 49 -> 36.
+_ONE_DIRECTION = Launch(rows=64, cols=64, num_warps=4, col_pairs=False)
+_LAUNCHES: dict[tuple[int, int], tuple[Launch, Launch]] = {
+    (9, 0): (_TUNED, _ONE_DIRECTION), (10, 0): (_TUNED, _ONE_DIRECTION)}
 
 
-def launch_for(compute_capability: tuple[int, int] | None) -> Launch:
+def launch_for(compute_capability: tuple[int, int] | None, *,
+               directions: tuple[int, ...] = (1, 0)) -> Launch:
     """The launch of the kernels compiled for a GPU of this compute capability (by major
-    version; `DEFAULT_LAUNCH` for others)."""
+    version; `DEFAULT_LAUNCH` for others), for a kernel of these directions (a pair's or
+    one's)."""
     if compute_capability is None:
         return DEFAULT_LAUNCH
-    return _LAUNCHES.get((compute_capability[0], 0), DEFAULT_LAUNCH)
+    pair, one = _LAUNCHES.get((compute_capability[0], 0), (DEFAULT_LAUNCH, DEFAULT_LAUNCH))
+    return pair if len(directions) > 1 else one
 
 
 def has_e2m1_cvt(compute_capability: tuple[int, int] | None) -> bool:
@@ -166,7 +180,7 @@ def nearest_even_code(y):
     return code | (sign << 3).astype(jnp.int32)
 
 
-def _cvt_e2m1x2(even, odd):
+def cvt_e2m1x2(even, odd):
     """Byte p of a block from its elements 2p (low nibble) and 2p + 1 (high), by PTX's
     ``cvt.rn.satfinite.e2m1x2.f32`` (sm_100a): the source written first fills the high
     nibble."""
@@ -258,7 +272,7 @@ def quantize_slices(xs, op, hadamard_size, signs, e2m1_cvt=False):
     live = (amax_bits != 0) & ~nonfinite
     if fast and e2m1_cvt:
         y = [v * factor for v in r]
-        return ([_cvt_e2m1x2(y[2 * p], y[2 * p + 1]) for p in range(_MX // 2)], s, live,
+        return ([cvt_e2m1x2(y[2 * p], y[2 * p + 1]) for p in range(_MX // 2)], s, live,
                 nonfinite)
     codes = []
     for v in r:
@@ -328,6 +342,7 @@ class Mxfp4Codec:
     scale_columns: ClassVar[int] = 2
     n_stats: ClassVar[int] = 2
     has_param: ClassVar[bool] = False
+    draw_columns: ClassVar[tuple[int, ...]] = ()  # no stochastic rounding
 
     def encode(self, xs, signs, param):
         del param
@@ -337,13 +352,60 @@ class Mxfp4Codec:
         return packed, [scale_bytes, scale_bytes], list(_stats(s, live, nonfinite))
 
 
+@dataclasses.dataclass(frozen=True)
+class SliceDraws:
+    """``jax.random.uniform``'s draws for a set of 32 slices (`mxjax.routes.threefry`): the
+    key's words and the flat index ``(hi, lo)`` of slice 0's elements in the canonical
+    ``[F, K]`` operand; slice j's elements lie j further along K."""
+
+    k0: jax.Array
+    k1: jax.Array
+    hi: jax.Array
+    lo: jax.Array
+    legacy: bool
+
+    def slice(self, j: int):
+        """f32 uniforms of slice j (the slices' shape)."""
+        from mxjax.routes import threefry
+
+        lo = self.lo + jnp.uint32(j)
+        hi = self.hi + (lo < self.lo).astype(jnp.uint32)
+        return threefry.uniform_at(self.k0, self.k1, hi, lo, legacy=self.legacy)
+
+
+def _set_draws(keys_ref, d, columns, direction, pairs, x_shape, q, n, c, legacy):
+    """`SliceDraws` of one set of one direction's chunk q (n rows, or n columns of words)
+    of the tile: the set's F and K positions from the tile's place in the grid."""
+    from mxjax.routes import threefry
+
+    tr = x_shape[0]
+    tc = x_shape[1] * (2 if pairs else 1)
+    n_dirs = (keys_ref.shape[0] - 2) // 2
+    # The shard's origin in the whole operand (0, 0 unsharded), after the key words.
+    row0 = keys_ref[2 * n_dirs] + (pl.program_id(0) * tr).astype(jnp.uint32)
+    col0 = keys_ref[2 * n_dirs + 1] + (pl.program_id(1) * tc).astype(jnp.uint32)
+    if direction == 1:  # slice j = x[chunk, j::32]: F the row, K the column
+        shape = (n, tc // _MX)
+        free = row0 + jnp.uint32(q * n) + lax.broadcasted_iota(jnp.uint32, shape, 0)
+        k = col0 + jnp.uint32(_MX) * lax.broadcasted_iota(jnp.uint32, shape, 1)
+    else:  # slice j = x[j::32, chunk]: F the column (of a pair's set c), K the row
+        shape = (tr // _MX, n)
+        word = jnp.uint32(q * n) + lax.broadcasted_iota(jnp.uint32, shape, 1)
+        free = col0 + (jnp.uint32(2) * word + jnp.uint32(c) if pairs else word)
+        k = row0 + jnp.uint32(_MX) * lax.broadcasted_iota(jnp.uint32, shape, 0)
+    hi, lo = threefry.flat_index(free, columns, k)
+    return SliceDraws(keys_ref[2 * d], keys_ref[2 * d + 1], hi, lo, legacy)
+
+
 def _kernel(*refs, directions, codec, pairs, has_signs, bf16_values, row_parts, col_parts):
     """One tile, every direction: the codec's code and scale columns stored with stride into
     the [F, K] layout, and one row of its statistics (each reduced by a max). Each
-    direction runs over its slices in chunks (`Launch`)."""
+    direction runs over its slices in chunks (`Launch`). A codec that rounds
+    stochastically (``draw_columns``) also gets each set's `SliceDraws`."""
     x_ref, *rest = refs
     signs_ref = rest.pop(0) if has_signs else None
     params_ref = rest.pop(0) if codec.has_param else None
+    keys_ref = rest.pop(0) if codec.draw_columns else None
     stats_ref = rest.pop() if codec.n_stats else None
     outs = rest
     signs = None
@@ -361,7 +423,12 @@ def _kernel(*refs, directions, codec, pairs, has_signs, bf16_values, row_parts, 
             chunk = pl.ds(q * n, n)
             sets = _slices(x_ref, direction, pairs, bf16_values, chunk)
             for c, xs in enumerate(sets):
-                codes, scales, tile_stats = codec.encode(xs, signs, param)
+                if codec.draw_columns:
+                    draws = _set_draws(keys_ref, d, codec.draw_columns[d], direction, pairs,
+                                       x_ref.shape, q, n, c, codec.legacy_uniforms)
+                    codes, scales, tile_stats = codec.encode(xs, signs, param, draws)
+                else:
+                    codes, scales, tile_stats = codec.encode(xs, signs, param)
                 # Free rows of the [F, K] output this set fills: the chunk's, or every
                 # other one of the chunk's pairs.
                 rows = chunk if len(sets) == 1 else pl.ds(2 * q * n + c, n, stride=2)
@@ -405,7 +472,7 @@ def check_matrix(x2):
 
 
 def run_codec(x2, signs, params, *, directions, codec, interpret, bf16_values=False,
-              launch: Launch | None = None):
+              launch: Launch | None = None, keys=None):
     """The one-pass kernel of a codec over x2 padded with zeros to whole tiles.
 
     Args:
@@ -421,6 +488,10 @@ def run_codec(x2, signs, params, *, directions, codec, interpret, bf16_values=Fa
       bf16_values: round an f32 x2 to bf16 in the kernel first.
       launch: the tiles and Triton's launch parameters (the same bits under any); None:
         `DEFAULT_LAUNCH` in the interpreter, else `launch_for` the GPU traced for.
+      keys: uint32 ``[2 * len(directions)]``, each direction's key words
+        (`mxjax.routes.threefry.key_words`), for a codec that draws uniforms
+        (``draw_columns``: the canonical K of each direction, the row length of its
+        draws; the draws are at x2's positions, K along the direction's axis); else None.
     Returns:
       per direction ``(codes, scale bytes, stats)``: uint8 ``[F, K * code_columns / 32]``
       and ``[F, K * scale_columns / 32]`` (F, K the tile-padded sizes) and the codec's
@@ -432,9 +503,44 @@ def run_codec(x2, signs, params, *, directions, codec, interpret, bf16_values=Fa
         else:
             from mxjax.chips import target_chip
 
-            launch = launch_for(target_chip("gpu").compute_capability)
-    return _run_codec(x2, signs, params, directions=directions, codec=codec,
-                      interpret=interpret, bf16_values=bf16_values, launch=launch)
+            launch = launch_for(target_chip("gpu").compute_capability,
+                                directions=tuple(directions))
+    _check_keys(codec, keys)
+    return _run_codec(x2, signs, params, _with_origin(keys), directions=directions,
+                      codec=codec, interpret=interpret, bf16_values=bf16_values, launch=launch)
+
+
+def kernel_name(codec, directions) -> str:
+    """The Triton kernel's name: the codec's for a pair (both directions), with the one
+    direction (``_rows``: blocks along x2's rows, axis 1; ``_cols``), the Hadamard size
+    and ``_sr`` (draws uniforms) for others, so that profiles and the cost model's match
+    of calls to compiled kernels (by name and grid) tell the variants apart."""
+    name = codec.name
+    if tuple(directions) != (1, 0):
+        name += "".join("_rows" if d == 1 else "_cols" for d in directions)
+        if codec.hadamard_size:
+            name += f"_h{codec.hadamard_size}"
+    if codec.draw_columns:
+        name += "_sr"
+    return name
+
+
+def _check_keys(codec, keys):
+    if bool(codec.draw_columns) != (keys is not None):
+        raise ValueError(f"keys: expected the key words exactly for a codec that draws "
+                         f"uniforms; codec draws: {bool(codec.draw_columns)}, keys: "
+                         f"{keys is not None}")
+
+
+def _with_origin(keys, origin=None):
+    """The kernel's uint32 key input: the key words, then the origin of x2 (a shard's) in
+    the whole operand, (0, 0) by default; None without keys."""
+    if keys is None:
+        return None
+    keys = jnp.asarray(keys, jnp.uint32).reshape(-1)
+    if origin is None:
+        origin = jnp.zeros((2,), jnp.uint32)
+    return jnp.concatenate([keys, jnp.asarray(origin, jnp.uint32).reshape(2)])
 
 
 # Jitted (its trace cached per operand type and codec): two GEMMs that quantize the same
@@ -443,12 +549,12 @@ def run_codec(x2, signs, params, *, directions, codec, interpret, bf16_values=Fa
 # two calls (CSE). Traced anew in each GEMM, the tracebacks would differ.
 @functools.partial(jax.jit, static_argnames=("directions", "codec", "interpret",
                                              "bf16_values", "launch"))
-def _run_codec(x2, signs, params, *, directions, codec, interpret, bf16_values, launch):
+def _run_codec(x2, signs, params, keys, *, directions, codec, interpret, bf16_values, launch):
     tr, tc = launch.rows, launch.cols
     r, c = -(-x2.shape[0] // tr) * tr, -(-x2.shape[1] // tc) * tc
     x2 = jnp.pad(x2, ((0, r - x2.shape[0]), (0, c - x2.shape[1])))
     grid = (r // tr, c // tc)
-    pairs = x2.dtype == jnp.bfloat16
+    pairs = x2.dtype == jnp.bfloat16 and (launch.col_pairs or tuple(directions) != (0,))
     if pairs:  # free in XLA: a bitcast of the row-major buffer
         x2 = lax.bitcast_convert_type(x2.reshape(r, c // 2, 2), jnp.uint32)
     inputs = [x2]
@@ -459,6 +565,9 @@ def _run_codec(x2, signs, params, *, directions, codec, interpret, bf16_values, 
     if codec.has_param:
         inputs.append(jnp.asarray(params, jnp.float32).reshape(len(directions)))
         in_specs.append(pl.BlockSpec((len(directions),), lambda i, j: (0,)))
+    if codec.draw_columns:
+        inputs.append(keys)
+        in_specs.append(pl.BlockSpec((2 * len(directions) + 2,), lambda i, j: (0,)))
     code_w, scale_w = codec.code_columns, codec.scale_columns
     out_shape, out_specs = [], []
     for direction in directions:
@@ -490,7 +599,7 @@ def _run_codec(x2, signs, params, *, directions, codec, interpret, bf16_values, 
         out_specs=tuple(out_specs),
         interpret=interpret,
         compiler_params=compiler_params,
-        name=codec.name,
+        name=kernel_name(codec, directions),
     )(*inputs)
     if n_stats:
         *outs, stats = outs
@@ -552,17 +661,30 @@ def _trim_codec(out, shape, directions, codec):
     return res
 
 
-def _codec_local(x2, signs, params, directions, codec, interpret, bf16_values, launch):
-    out = _run_codec(x2, signs, params, directions=directions, codec=codec,
-                     interpret=interpret, bf16_values=bf16_values, launch=launch)
+def _codec_local(x2, extras, directions, codec, interpret, bf16_values, launch,
+                 origin=None):
+    signs, params, keys = extras
+    out = _run_codec(x2, signs, params, _with_origin(keys, origin), directions=directions,
+                     codec=codec, interpret=interpret, bf16_values=bf16_values, launch=launch)
     return _trim_codec(out, x2.shape, directions, codec)
 
 
-def _codec_rule(directions, codec, interpret, bf16_values, launch, has_signs, has_params,
-                mesh, value_types, result_types):
+# The kernel's small replicated inputs, in order: the Hadamard's signs, the per-direction
+# params, the key words (each present or not: the ``has`` flags).
+_EXTRAS = ("hs", "pp", "kk")
+
+
+def _split_extras(rest, has):
+    """(signs, params, keys) from the present ones, in `_EXTRAS`' order."""
+    rest = list(rest)
+    return tuple(rest.pop(0) if h else None for h in has)
+
+
+def _codec_rule(directions, codec, interpret, bf16_values, launch, has, mesh, value_types,
+                result_types):
     """The Shardy rule: results follow x2's rows and columns (codes and scales along K by
-    whole 32-groups, as the factor of an axis' 32-groups); statistics, signs and params
-    are replicated. `_codec_partition` decides the partition itself."""
+    whole 32-groups, as the factor of an axis' 32-groups); statistics, signs, params and
+    keys are replicated. `_codec_partition` decides the partition itself."""
     del interpret, bf16_values, launch, mesh, result_types
     from jax.experimental.custom_partitioning import ArrayMapping, CompoundFactor, SdyShardingRule
     from jax.extend.mlir import ir
@@ -593,8 +715,8 @@ def _codec_rule(directions, codec, interpret, bf16_values, launch, has_signs, ha
 
     operands = [ArrayMapping(groups("r"), groups("c"))]
     replicated = []
-    for has, name in ((has_signs, "hs"), (has_params, "pp")):
-        if has:
+    for present, name in zip(has, _EXTRAS):
+        if present:
             operands.append(ArrayMapping(name))
             replicated.append(name)
     results = []
@@ -609,8 +731,18 @@ def _codec_rule(directions, codec, interpret, bf16_values, launch, has_signs, ha
                            need_replication_factors=tuple(replicated), **sizes)
 
 
-def _codec_partition(directions, codec, interpret, bf16_values, launch, has_signs, has_params,
-                     mesh, arg_shapes, result_shape):
+def _shard_origin(mesh, spec, local_shape):
+    """uint32 ``[2]``: where this device's shard of x2 (partitioned by ``spec``) starts."""
+    origin = []
+    for entry, n in zip(spec, local_shape):
+        names = _entry_names(entry)
+        index = lax.axis_index(names) if names else 0
+        origin.append(jnp.asarray(index, jnp.uint32) * jnp.uint32(n))
+    return jnp.stack(origin)
+
+
+def _codec_partition(directions, codec, interpret, bf16_values, launch, has, mesh,
+                     arg_shapes, result_shape):
     from jax.sharding import NamedSharding, PartitionSpec
 
     x = arg_shapes[0]
@@ -618,11 +750,8 @@ def _codec_partition(directions, codec, interpret, bf16_values, launch, has_sign
         from mxjax.emulation.in_place import replicated_partition
 
         def whole(x2, *rest):
-            rest = list(rest)
-            signs = rest.pop(0) if has_signs else None
-            params = rest.pop(0) if has_params else None
-            return _codec_flat(x2, signs, params, directions, codec, interpret, bf16_values,
-                               launch, has_signs, has_params)
+            return _codec_flat(x2, _split_extras(rest, has), directions, codec, interpret,
+                               bf16_values, launch)
 
         return replicated_partition(mesh, arg_shapes, result_shape, whole)
     spec = shard_spec(mesh, x.sharding.spec, x.shape, directions, codec.hadamard_size)
@@ -635,11 +764,10 @@ def _codec_partition(directions, codec, interpret, bf16_values, launch, has_sign
         results += [NamedSharding(mesh, layout)] * 2 + [replicated]
 
     def lower(x2, *rest):
-        rest = list(rest)
-        signs = rest.pop(0) if has_signs else None
-        params = rest.pop(0) if has_params else None
-        out = _codec_local(x2, signs, params, directions, codec, interpret, bf16_values,
-                           launch)
+        # Stochastic rounding draws at the whole operand's positions: the shard's origin.
+        origin = _shard_origin(mesh, spec, x2.shape) if codec.draw_columns else None
+        out = _codec_local(x2, _split_extras(rest, has), directions, codec, interpret,
+                           bf16_values, launch, origin)
         flat = []
         for codes, scales, stats in out:
             if axes and stats.size:
@@ -650,10 +778,8 @@ def _codec_partition(directions, codec, interpret, bf16_values, launch, has_sign
     return mesh, lower, tuple(results), tuple(args)
 
 
-def _codec_flat(x2, signs, params, directions, codec, interpret, bf16_values, launch,
-                has_signs, has_params):
-    out = _codec_local(x2, signs if has_signs else None, params if has_params else None,
-                       directions, codec, interpret, bf16_values, launch)
+def _codec_flat(x2, extras, directions, codec, interpret, bf16_values, launch):
+    out = _codec_local(x2, extras, directions, codec, interpret, bf16_values, launch)
     return tuple(v for triple in out for v in triple)
 
 
@@ -662,24 +788,21 @@ def _sharded_codec():
     """The kernel call as one custom_partitioning op (built once, on first use)."""
     from jax.experimental.custom_partitioning import custom_partitioning
 
-    def fn(directions, codec, interpret, bf16_values, launch, has_signs, has_params, x2,
-           *rest):
-        rest = list(rest)
-        signs = rest.pop(0) if has_signs else None
-        params = rest.pop(0) if has_params else None
-        return _codec_flat(x2, signs, params, directions, codec, interpret, bf16_values,
-                           launch, has_signs, has_params)
+    def fn(directions, codec, interpret, bf16_values, launch, has, x2, *rest):
+        return _codec_flat(x2, _split_extras(rest, has), directions, codec, interpret,
+                           bf16_values, launch)
 
-    sharded = custom_partitioning(fn, static_argnums=(0, 1, 2, 3, 4, 5, 6))
+    sharded = custom_partitioning(fn, static_argnums=(0, 1, 2, 3, 4, 5))
     sharded.def_partition(partition=_codec_partition, sharding_rule=_codec_rule)
     return sharded
 
 
 def run_codec_sharded(x2, signs, params, *, directions, codec, interpret, bf16_values=False,
-                      launch: Launch | None = None):
+                      launch: Launch | None = None, keys=None):
     """`run_codec` cut to x2's sizes, partitionable: under a multi-device sharding of x2 each
-    device runs the kernel on its shard (`shard_spec`) and the statistics are reduced by one
-    max across the shards; the same bits as the unsharded kernel.
+    device runs the kernel on its shard (`shard_spec`; stochastic rounding draws at the
+    shard's positions in the whole operand) and the statistics are reduced by one max
+    across the shards; the same bits as the unsharded kernel.
 
     Returns per direction ``(codes [F, Kp * code_columns / 32], scale bytes [F, Kp *
     scale_columns / 32], stats)``, F and K x2's sizes (Kp: K padded to 32).
@@ -690,26 +813,26 @@ def run_codec_sharded(x2, signs, params, *, directions, codec, interpret, bf16_v
         else:
             from mxjax.chips import target_chip
 
-            launch = launch_for(target_chip("gpu").compute_capability)
+            launch = launch_for(target_chip("gpu").compute_capability,
+                                directions=tuple(directions))
+    _check_keys(codec, keys)
     from mxjax.emulation.in_place import batchable, partitioned
 
+    if params is not None:
+        params = jnp.asarray(params, jnp.float32).reshape(len(directions))
+    if keys is not None:
+        keys = jnp.asarray(keys, jnp.uint32).reshape(2 * len(directions))
+    extras = (signs, params, keys)
+    static = (tuple(directions), codec, interpret, bf16_values, launch)
     if not partitioned():
-        out = _run_codec(x2, signs, params, directions=tuple(directions), codec=codec,
-                         interpret=interpret, bf16_values=bf16_values, launch=launch)
-        return _trim_codec(out, x2.shape, directions, codec)
-    has_signs, has_params = signs is not None, params is not None
-    rest = [v for v, has in ((signs, has_signs), (params, has_params)) if has]
-    if has_params:
-        rest[-1] = jnp.asarray(params, jnp.float32).reshape(len(directions))
-    static = (tuple(directions), codec, interpret, bf16_values, launch, has_signs, has_params)
+        return _codec_local(x2, extras, *static)
+    has = tuple(v is not None for v in extras)
+    rest = [v for v in extras if v is not None]
 
     def plain(x2, *rest):
-        rest = list(rest)
-        signs = rest.pop(0) if has_signs else None
-        params = rest.pop(0) if has_params else None
-        return _codec_flat(x2, signs, params, *static[:5], has_signs, has_params)
+        return _codec_flat(x2, _split_extras(rest, has), *static)
 
-    flat = batchable(lambda *args: _sharded_codec()(*static, *args), plain)(x2, *rest)
+    flat = batchable(lambda *args: _sharded_codec()(*static, has, *args), plain)(x2, *rest)
     return [tuple(flat[3 * i:3 * i + 3]) for i in range(len(directions))]
 
 

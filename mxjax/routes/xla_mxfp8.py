@@ -14,8 +14,8 @@ scale, the rounding and the f8 encode in a second that writes one byte per eleme
 and lays the f8 codes (not the bf16 input) out as ``[B, F, K]`` for the dot.
 ``mxfp8_gemm(kernel=True)`` takes the operands the one-pass kernel takes
 (`mxjax.routes.xla_mxfp8_kernel`: deterministic rounding, no batch axes) from it instead:
-one read, both directions (`kernel_operand`), the same bits. The route's GEMM does not
-(yet): the calibrated cost model rates the kernel slower on a B200 (`_gemm`).
+one read, both directions (`kernel_operand`), the same bits; the route's GEMM does so
+when lowering for a GPU, rounding by PTX's FP8 cvt (`_gemm`).
 
 **Values.** The in-place values are `mxjax.quantize`'s bit for bit (stochastic
 rounding's uniforms drawn in the canonical shape from the same key,
@@ -100,7 +100,7 @@ def in_place_operand(view, op, key, *, k_out: int, hadamard_size: int | None, si
 
 def mxfp8_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
                operand_dtypes=None, out_dtype=None, kernel: bool = False,
-               interpret: bool = False) -> jax.Array:
+               f8_cvt: bool = False, interpret: bool = False) -> jax.Array:
     """``dot_general(a, b, dims)`` under an MXFP8 recipe on the block-scaled dot.
 
     Args:
@@ -114,7 +114,8 @@ def mxfp8_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
         (`mxjax.routes.xla_mxfp8_kernel.takes_kernel`, `xla_fp4.kernel_view`) by it
         (`kernel_operand`: one read, both directions where the signs are fixed and both
         sizes are multiples of the step), the others in place; the same bits either way.
-        The route's GEMM leaves it off (`_gemm` says why).
+        The route's GEMM sets it when lowering for a GPU (`_gemm`).
+      f8_cvt: the kernel rounds by PTX's FP8 cvt (`xla_mxfp8_kernel.has_f8_cvt`).
       interpret: run the kernel in the Pallas interpreter (CPU tests).
     Returns:
       ``[B, Fa, Fb]`` (batch and free axes flattened), f32 or out_dtype, times each
@@ -139,7 +140,8 @@ def mxfp8_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
             if x2 is not None and one_pass.takes_kernel(op, h, x2[0].dtype):
                 pair = fixed_signs and all(n % step == 0 for n in x2[0].shape)
                 return kernel_operand(*x2, op, hadamard_size=h, signs=signs, pair=pair,
-                                      bf16_values=bf16_values, interpret=interpret)
+                                      bf16_values=bf16_values, interpret=interpret,
+                                      f8_cvt=f8_cvt)
         return in_place_operand(view, op, key, **kw)
 
     (ca, cb), (ba, bb) = dims
@@ -158,19 +160,21 @@ def mxfp8_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
 
 
 def kernel_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, signs,
-                   pair: bool = False, bf16_values: bool = False, interpret: bool = False):
+                   pair: bool = False, bf16_values: bool = False, interpret: bool = False,
+                   f8_cvt: bool = False):
     """`in_place_operand`'s result for a 2-D operand by the one-pass kernel
     (`mxjax.routes.xla_mxfp8_kernel`): (f8 elements ``[1, F, Kp]``, ``float8_e8m0fnu``
     scales ``[1, F, Kp // 32]``), Kp the contraction padded to 32 and the Hadamard size.
 
     ``pair``: quantize x2 along both axes in one kernel call and take this axis' copy (the
     other GEMM that reads x2 with the same recipe makes the identical call, which XLA
-    merges); both sizes multiples of 32 and of the Hadamard size.
+    merges); both sizes multiples of 32 and of the Hadamard size. ``f8_cvt``: round by
+    PTX's FP8 cvt (`xla_mxfp8_kernel.has_f8_cvt`; the same codes).
     """
     from mxjax.routes import xla_mxfp8_kernel as one_pass  # Pallas: loaded on first use
 
     kw = {"hadamard_size": hadamard_size, "signs": signs, "bf16_values": bf16_values,
-          "interpret": interpret}
+          "interpret": interpret, "f8_cvt": f8_cvt}
     if pair:
         row, col = one_pass.mxfp8_operand_pair(x2, op, **kw)
         codes, scale_bytes = row if axis == 1 else col
@@ -184,14 +188,19 @@ def kernel_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, s
 
 def _gemm(a, b, *, dims, recipe, key, gemm_name, operand_dtypes=None, out_dtype=None,
           platform=None) -> jax.Array:
-    del gemm_name, platform  # one program: XLA lowers scaled_matmul per chip
-    # The in-place XLA form, not the one-pass kernel (`mxfp8_gemm(kernel=True)`, the same
-    # bits): on the B200 the peak roofline gives the kernel 4.61 ms against 7.27 (8B layer),
-    # but the calibrated model, which charges Triton kernels by their SASS at their
-    # occupancy (within 4-9% of the H200's Pallas kernels), 27.34 against 12.96: its
-    # arithmetic issues slower than the XLA passes' bytes move. Until a device or cheaper
-    # arithmetic settles it, 'auto' runs the form the better-founded model prefers.
-    return in_place_route_gemm(mxfp8_gemm, a, b, dims=dims, recipe=recipe, key=key,
+    del gemm_name
+    route = mxfp8_gemm
+    if platform == "gpu":
+        # The one-pass operand kernel, rounding by PTX's FP8 cvt (the same bits as the XLA
+        # form). Without the cvt its integer rounding made it the slower form (B200
+        # calibrated, 8B layer: 27.34 ms against the XLA form's 12.96); the cvt takes a
+        # pair kernel at [8192, 4096] from 583 to 87 us (bench/operand_kernel_launch.py).
+        from mxjax.chips import target_chip
+        from mxjax.routes.xla_mxfp8_kernel import has_f8_cvt  # Pallas: on first use
+
+        cvt = has_f8_cvt(target_chip("gpu").compute_capability)
+        route = functools.partial(mxfp8_gemm, kernel=True, f8_cvt=cvt)
+    return in_place_route_gemm(route, a, b, dims=dims, recipe=recipe, key=key,
                                operand_dtypes=operand_dtypes, out_dtype=out_dtype)
 
 

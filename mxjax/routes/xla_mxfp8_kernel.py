@@ -13,6 +13,15 @@ inputs too), the rounding onto the E4M3/E5M2 grid (`mxjax.elements.round_to_grid
 the code byte ``sign << 7 | magnitude code``. A block holding NaN or Inf has zero codes
 and E8M0's NaN byte 0xFF, as the quantizer writes them.
 
+**On a GPU with FP8 conversions** (sm_89 and later, `has_f8_cvt`), ``f8_cvt`` rounds to
+nearest even by PTX's ``cvt.rn.satfinite.e4m3x2.f32`` (``e5m2x2``), one instruction per
+two codes, and forms ``y`` by two multiplies by powers of two instead of the exponent
+arithmetic: both exact wherever y is a normal f32, and a smaller y is below half of the
+f8 format's smallest subnormal, a (signed) zero code either way. IEEE rounding to nearest
+even on the f8 grid, saturated at its largest finite value, is `round_to_grid`'s
+(``tests/mxjax/routes/test_xla_mxfp8_kernel.py`` compares the two on every f32 exponent
+the codes can see, with PTX's conversion modelled by ml_dtypes on saturated inputs).
+
 Scope: MXFP8 operands, a Hadamard of 16 or 32 or none, deterministic rounding without
 the SR pre-scale, bf16 or f32 input (`takes_kernel`); stochastic rounding takes the
 route's XLA form.
@@ -31,9 +40,29 @@ from mxjax.elements import round_to_grid
 from mxjax.formats import Rounding
 from mxjax.routes import xla_fp4_kernel as fp4k
 
-__all__ = ["Mxfp8Codec", "mxfp8_operand", "mxfp8_operand_pair", "takes_kernel"]
+__all__ = ["Mxfp8Codec", "has_f8_cvt", "mxfp8_operand", "mxfp8_operand_pair",
+           "takes_kernel"]
 
 _MX = 32
+
+
+def has_f8_cvt(compute_capability: tuple[int, int] | None) -> bool:
+    """Whether the NVIDIA GPU of this compute capability has PTX's
+    ``cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32`` (sm_89 and later: Ada, Hopper, Blackwell)."""
+    return compute_capability is not None and tuple(compute_capability) >= (8, 9)
+
+
+def _cvt_f8x2(even, odd, element: str):
+    """The code bytes of elements 2p (low byte) and 2p + 1 (high) as one int32, by PTX's
+    ``cvt.rn.satfinite.<element>x2.f32`` (the source written first fills the high byte)."""
+    from jax.experimental.pallas import triton as plt
+
+    (out,) = plt.elementwise_inline_asm(
+        f"{{ .reg .b16 pair; cvt.rn.satfinite.{element}x2.f32 pair, $2, $1; "
+        f"cvt.u32.u16 $0, pair; }}",
+        args=[even, odd], constraints="=r,r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(even.shape, jnp.int32)])
+    return out
 
 
 def takes_kernel(op, hadamard_size: int | None, dtype) -> bool:
@@ -53,11 +82,13 @@ class Mxfp8Codec:
 
     op: object
     hadamard_size: int | None
+    f8_cvt: bool = False  # PTX's cvt for nearest-even codes (compiled kernels, `has_f8_cvt`)
     name: ClassVar[str] = "mxfp8_operand"
     code_columns: ClassVar[int] = _MX
     scale_columns: ClassVar[int] = 1
     n_stats: ClassVar[int] = 0
     has_param: ClassVar[bool] = False
+    draw_columns: ClassVar[tuple[int, ...]] = ()  # no stochastic rounding
 
     def encode(self, xs, signs, param):
         del param
@@ -68,15 +99,29 @@ class Mxfp8Codec:
             v = [r * norm for r in v]
         s, nonfinite = op.scheme.exponents(fp4k.abs_max_bits(v), op.scale_rule,
                                            op.sr_prescale)
+        scale_bytes = [jnp.where(nonfinite, 255, s + 127)]
+        if self.f8_cvt and op.rounding is Rounding.NEAREST_EVEN:
+            half = (-s) // 2  # 2^-s as two normal-range factors (s in [-127, 127])
+            up, rest = _bits.pow2(half), _bits.pow2(-s - half)
+            codes = []
+            for p in range(_MX // 2):
+                pair = _cvt_f8x2((v[2 * p] * up) * rest, (v[2 * p + 1] * up) * rest,
+                                 op.fmt.element.name)
+                pair = jnp.where(nonfinite, 0, pair)
+                codes += [pair & 0xFF, pair >> 8]
+            return codes, scale_bytes, []
         codes = []
         for r in v:
             y = jnp.where(nonfinite, 0.0, _bits.ldexp(r, -s))
             sign, mag = round_to_grid(y, op.fmt.element, op.rounding)
             codes.append(jnp.where(nonfinite, 0, mag | (sign.astype(jnp.int32) << 7)))
-        return codes, [jnp.where(nonfinite, 255, s + 127)], []
+        return codes, scale_bytes, []
 
 
-def _check(x2, op, hadamard_size):
+def _check(x2, op, hadamard_size, f8_cvt=False, interpret=False):
+    if f8_cvt and interpret:
+        raise ValueError("f8_cvt: PTX's cvt has no interpreter form; pass f8_cvt=False with "
+                         "interpret=True")
     fp4k.check_matrix(x2)
     if not takes_kernel(op, hadamard_size, x2.dtype):
         raise ValueError(f"op, hadamard_size, x2: the MXFP8 kernel takes MXFP8 with h in "
@@ -84,8 +129,8 @@ def _check(x2, op, hadamard_size):
                          f"got {op!r}, h={hadamard_size}, {x2.dtype}")
 
 
-def _run(x2, directions, op, hadamard_size, signs, bf16_values, interpret, launch):
-    codec = Mxfp8Codec(op=op, hadamard_size=hadamard_size)
+def _run(x2, directions, op, hadamard_size, signs, bf16_values, interpret, launch, f8_cvt):
+    codec = Mxfp8Codec(op=op, hadamard_size=hadamard_size, f8_cvt=f8_cvt)
     out = fp4k.run_codec(x2, fp4k.signs_array(signs, hadamard_size), None,
                          directions=directions, codec=codec, interpret=interpret,
                          bf16_values=bf16_values, launch=launch)
@@ -100,7 +145,7 @@ def _trimmed(result, f: int, k: int):
 
 def mxfp8_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, signs,
                   bf16_values: bool = False, interpret: bool = False,
-                  launch: fp4k.Launch | None = None):
+                  launch: fp4k.Launch | None = None, f8_cvt: bool = False):
     """One MXFP8 operand in one read: codes and scales laid out ``[F, K]`` for the MMA.
 
     Args:
@@ -113,6 +158,8 @@ def mxfp8_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, si
       interpret: run in the Pallas interpreter (CPU tests).
       launch: the kernel's tiles and launch (`xla_fp4_kernel.run_codec`; None: the
         default for the interpreter or the GPU traced for); the same bits under any.
+      f8_cvt: round to nearest even by PTX's cvt (`has_f8_cvt`; compiled kernels only,
+        not with ``interpret``): the same codes.
     Returns:
       ``(codes, scale_bytes)``: uint8 ``[F, Kp]`` (the f8 bit patterns) and uint8 ``[F,
       Kp // 32]`` (E8M0 bytes, 0xFF for a non-finite block); Kp K padded to 32. The bits
@@ -120,30 +167,33 @@ def mxfp8_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, si
     """
     if axis not in (0, 1):
         raise ValueError(f"axis: expected 0 or 1, got {axis!r}")
-    _check(x2, op, hadamard_size)
+    _check(x2, op, hadamard_size, f8_cvt, interpret)
     step = max(_MX, hadamard_size or 1)
     if x2.shape[axis] % step:
         widths = [(0, 0), (0, 0)]
         widths[axis] = (0, (-x2.shape[axis]) % step)
         x2 = jnp.pad(x2, widths)
-    (out,) = _run(x2, (axis,), op, hadamard_size, signs, bf16_values, interpret, launch)
+    (out,) = _run(x2, (axis,), op, hadamard_size, signs, bf16_values, interpret, launch,
+                  f8_cvt)
     return _trimmed(out, x2.shape[1 - axis], x2.shape[axis])
 
 
 def mxfp8_operand_pair(x2: jax.Array, op, *, hadamard_size: int | None, signs,
                        bf16_values: bool = False, interpret: bool = False,
-                       launch: fp4k.Launch | None = None):
+                       launch: fp4k.Launch | None = None, f8_cvt: bool = False):
     """Both of x2's MXFP8 operands from one read: blocks along its rows and its columns.
 
     Args:
       x2: bf16 or f32 ``[R, C]``, R and C multiples of 32 and of the Hadamard size.
-      op, hadamard_size, signs, bf16_values, interpret, launch: as for `mxfp8_operand`.
+      op, hadamard_size, signs, bf16_values, interpret, launch, f8_cvt: as for
+        `mxfp8_operand`.
     Returns:
       ``(along_rows, along_columns)``: `mxfp8_operand`'s result for axis 1 and for axis 0.
     """
-    _check(x2, op, hadamard_size)
+    _check(x2, op, hadamard_size, f8_cvt, interpret)
     for k in x2.shape:
         fp4k.check_contraction(k, hadamard_size)
-    row, col = _run(x2, (1, 0), op, hadamard_size, signs, bf16_values, interpret, launch)
+    row, col = _run(x2, (1, 0), op, hadamard_size, signs, bf16_values, interpret, launch,
+                    f8_cvt)
     r, c = x2.shape
     return _trimmed(row, r, c), _trimmed(col, c, r)

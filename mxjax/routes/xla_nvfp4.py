@@ -33,10 +33,11 @@ bits) was estimated slower on the 8B layer (B200 rates roofline, 9.57 ms against
 form's 9.12 ms), so the route keeps the canonical operands.
 
 **On a GPU** (`nvfp4_kernel_gemm`) the operands the one-pass kernel takes
-(`mxjax.routes.xla_nvfp4_kernel`: deterministic rounding, no batch axes) are quantized in
-their own layout: the tensor scale by one reduction, then codes and scales by one read,
-both directions from one call where two GEMMs quantize the operand alike (the weight in
-fprop and dgrad). Stochastically rounded operands keep the XLA form. The same bits.
+(`mxjax.routes.xla_nvfp4_kernel`: no batch axes) are quantized in their own layout: the
+tensor scale by one reduction, then codes and scales by one read, both directions from
+one call where two GEMMs quantize the operand alike (the weight in fprop and dgrad).
+Stochastically rounded operands (dY) draw the emulation's uniforms inside the kernel,
+from the GEMM's key (`mxjax.routes.threefry`): no uniforms in memory. The same bits.
 
 Deviceless compiles (``tests/accelerators/test_deviceless_block_formats.py``): on B200
 every GEMM of the 4096^3 matmul's train step is ``__cudnn$blockScaledDot`` on f4e2m1fn
@@ -54,6 +55,7 @@ from jax import lax
 from mxjax.chips import Chip
 from mxjax.emulation import in_place
 from mxjax.emulation.in_place import cast_operands
+from mxjax.formats import Rounding
 from mxjax.operands import (
     canonical_operand,
     canonical_operands,
@@ -171,13 +173,13 @@ def nvfp4_kernel_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, si
                       compiled: bool = False, interpret: bool = False) -> jax.Array:
     """``dot_general(a, b, dims)`` under an NVFP4 recipe, operands by the one-pass kernel.
 
-    Each operand the kernel takes (`mxjax.routes.xla_nvfp4_kernel.takes_kernel`: no
-    stochastic rounding, h in {None, 16}; `xla_fp4.kernel_view`: no batch axes, the free
-    axes on one side of the contraction) is quantized in its own layout by
-    `kernel_operand`: its tensor scale by one reduction, its codes and scales by one read.
-    Any other operand takes `nvfp4_operand` on its canonical, rotated layout (the same
-    uniforms for stochastic rounding). The same elements, scales and tensor scales as
-    `nvfp4_gemm`'s either way.
+    Each operand the kernel takes (`mxjax.routes.xla_nvfp4_kernel.takes_kernel`: h in
+    {None, 16}, stochastic rounding from a threefry key; `xla_fp4.kernel_view`: no batch
+    axes, the free axes on one side of the contraction) is quantized in its own layout by
+    `kernel_operand`: its tensor scale by one reduction, its codes and scales by one read
+    (the uniforms of stochastic rounding drawn inside). Any other operand takes
+    `nvfp4_operand` on its canonical, rotated layout (the same uniforms). The same
+    elements, scales and tensor scales as `nvfp4_gemm`'s either way.
 
     Args:
       a, b: the GEMM's operands, ``dims`` lax dimension numbers.
@@ -220,7 +222,7 @@ def _route_operand(view, op, key, x, batch, contract, dtype, pair, *, recipe, h,
                    and x.dtype == jnp.float32)
     kview = in_place.contraction_view(x, batch, contract) if bf16_values else view
     x2 = kernel_view(kview)
-    if x2 is None or not kernel.takes_kernel(op, h, x2[0].dtype):
+    if x2 is None or not kernel.takes_kernel(op, h, x2[0].dtype, key):
         k = view.x.shape[view.axis]
         # f32, as `canonical_operands` hands the operands to the rotation
         x3 = in_place.canonical_layout(view.x, view, k).astype(jnp.float32)
@@ -229,9 +231,12 @@ def _route_operand(view, op, key, x, batch, contract, dtype, pair, *, recipe, h,
             x3 = hadamard(x3, h, axis=-1, signs=signs)
         return nvfp4_operand(x3, op, key)
     fixed_signs = recipe.hadamard is None or not recipe.hadamard.randomized
-    pair = pair and fixed_signs and all(n % _K_MULTIPLE == 0 for n in x2[0].shape)
+    stochastic = op.rounding is Rounding.STOCHASTIC
+    pair = (pair and fixed_signs and not stochastic
+            and all(n % _K_MULTIPLE == 0 for n in x2[0].shape))
     return kernel_operand(*x2, op, hadamard_size=h, signs=signs, pair=pair,
-                          bf16_values=bf16_values, compiled=compiled, interpret=interpret)
+                          bf16_values=bf16_values, compiled=compiled, interpret=interpret,
+                          key=key if stochastic else None)
 
 
 def _packed_rhs_gemm(a, packed_q, *, b_shape, dims, recipe, key, gemm_name,
@@ -269,7 +274,7 @@ def _pack_rhs(b, *, dims, recipe, key, operand_dtype=None,
     """``Route.pack_rhs`` (lowering for a GPU): the rhs of the GEMM `dims` as
     `mxjax.residuals.pack_rhs` makes it, by the one-pass kernel (its tensor scale by one
     reduction, codes and scales by one read); None where the kernel does not take it
-    (stochastic rounding, batch axes, ...)."""
+    (stochastic rounding, which draws with the GEMM's key; batch axes, ...)."""
     from mxjax.routes import xla_nvfp4_kernel as kernel  # Pallas: loaded on first use
 
     if not takes_nvfp4(recipe):
@@ -298,13 +303,14 @@ def _pack_rhs(b, *, dims, recipe, key, operand_dtype=None,
 
 def kernel_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, signs,
                    pair: bool = False, bf16_values: bool = False, compiled: bool = False,
-                   interpret: bool = False):
+                   interpret: bool = False, key=None):
     """`nvfp4_operand`'s result for a 2-D operand by the one-pass kernel
     (`mxjax.routes.xla_nvfp4_kernel`): ``(float4_e2m1fn [1, F, Kp], float8_e4m3fn
     [1, F, Kp // 16], f32 tensor scale)``, Kp the contraction padded to 32.
 
     ``pair``: quantize x2 along both axes in one kernel call and take this axis' copy
-    (both sizes multiples of 32).
+    (both sizes multiples of 32; deterministic rounding). ``key``: the rounding key of a
+    stochastically rounded operand (the kernel draws the emulation's uniforms from it).
     """
     from mxjax.routes import xla_nvfp4_kernel as kernel  # Pallas: loaded on first use
 
@@ -314,7 +320,7 @@ def kernel_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, s
         row, col = kernel.nvfp4_operand_pair(x2, op, **kw)
         codes, scale_bytes, t = row if axis == 1 else col
     else:
-        codes, scale_bytes, t = kernel.nvfp4_operand(x2, axis, op, **kw)
+        codes, scale_bytes, t = kernel.nvfp4_operand(x2, axis, op, key=key, **kw)
     f = codes.shape[0]
     # u8 -> f4 bitcast: XLA puts the first element in the low nibble, as the kernel packs.
     elements = lax.bitcast_convert_type(codes, jnp.float4_e2m1fn).reshape(1, f, -1)

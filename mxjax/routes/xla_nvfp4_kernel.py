@@ -15,13 +15,20 @@ of a tile (`xla_fp4_kernel`'s layout, each 32-group two 16-blocks): the rotated 
 E4M3 scale ``RNE(amax / (6 t))``, ``y = v / (scale * t)`` correctly rounded (the
 interpreter uses `mxjax._bits.exact_div`, the emulation's division; compiled kernels PTX's
 ``div.rn.f32``, since Triton's ``/`` is an approximate division), then the rounding onto
-E2M1. A tensor holding NaN or Inf has a NaN tensor scale: zero codes and E4M3's NaN byte
-0x7F everywhere, as the quantizer writes them.
+E2M1 (to nearest even on Blackwell by PTX's ``cvt.rn.satfinite.e2m1x2.f32``, as
+`xla_fp4_kernel` rounds MXFP4: the same codes, one instruction per byte). A tensor
+holding NaN or Inf has a NaN tensor scale: zero codes and E4M3's NaN byte 0x7F
+everywhere, as the quantizer writes them.
 
-Scope: NVFP4 operands, a Hadamard of 16 or none, deterministic rounding without the SR
-pre-scale, bf16 or f32 input (`takes_kernel`). Stochastic rounding takes the route's XLA
-form: its uniforms are ``jax.random.uniform`` of the canonical shape, which the kernel
-does not draw yet.
+**Stochastic rounding** draws in the kernel: each element's uniform is
+``jax.random.uniform(key, (F, K16))``'s at its place in the canonical operand (K16 the
+contraction padded to 16, as the quantizer pads it), computed from the key's words and
+the element's flat index by threefry2x32 (`mxjax.routes.threefry`), so the codes are the
+emulation's for the same key: no uniforms are written or read. The SR pre-scale (3/4)
+multiplies ``y`` before the rounding, as the emulation's.
+
+Scope: NVFP4 operands, a Hadamard of 16 or none, bf16 or f32 input; stochastic rounding
+with a threefry2x32 key JAX draws partitionably from (`takes_kernel`: JAX's defaults).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from mxjax.elements import decode_magnitude, round_to_grid
 from mxjax.formats import E2M1, E4M3, Rounding
 from mxjax.rotation import hadamard
 from mxjax.routes import xla_fp4_kernel as fp4k
-from mxjax.scaling import E4M3BlocksTensorScale
+from mxjax.scaling import SR_PRESCALE, E4M3BlocksTensorScale
 
 __all__ = ["Nvfp4Codec", "nvfp4_operand", "nvfp4_operand_pair", "takes_kernel",
            "tensor_scale"]
@@ -47,13 +54,16 @@ _SCHEME = E4M3BlocksTensorScale(element=E2M1, block_size=_NV)
 _E4M3_NAN = 0x7F
 
 
-def takes_kernel(op, hadamard_size: int | None, dtype) -> bool:
-    """Whether the NVFP4 kernel computes this operand (NVFP4, h in {None, 16},
-    deterministic rounding, no SR pre-scale, bf16 or f32 input)."""
+def takes_kernel(op, hadamard_size: int | None, dtype, key=None) -> bool:
+    """Whether the NVFP4 kernel computes this operand (NVFP4, h in {None, 16}, bf16 or f32
+    input; stochastic rounding with a ``key`` whose ``jax.random.uniform`` draws the
+    kernel reproduces, `mxjax.routes.threefry.reproduces`)."""
+    from mxjax.routes import threefry
+
     elem = op.fmt.element
     return (elem is not None and elem.name == "e2m1" and op.fmt.scale == "e4m3"
-            and op.fmt.block_size == _NV and op.rounding is not Rounding.STOCHASTIC
-            and not op.sr_prescale and hadamard_size in (None, 16)
+            and op.fmt.block_size == _NV and hadamard_size in (None, 16)
+            and (op.rounding is not Rounding.STOCHASTIC or threefry.reproduces(key))
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)))
 
 
@@ -94,6 +104,12 @@ class Nvfp4Codec:
     op: object
     hadamard_size: int | None
     compiled: bool = False  # PTX's div.rn.f32 for the divisions (not in the interpreter)
+    # Stochastic rounding: each direction's canonical K (its draws' row length); the
+    # conversion of jax.random.uniform (`mxjax.routes.threefry.uniforms_legacy`).
+    draw_columns: tuple[int, ...] = ()
+    legacy_uniforms: bool = True
+    # Nearest-even codes by PTX's cvt.rn.satfinite.e2m1x2.f32 (`xla_fp4_kernel.has_e2m1_cvt`)
+    e2m1_cvt: bool = False
     name: ClassVar[str] = "nvfp4_operand"
     code_columns: ClassVar[int] = 16
     scale_columns: ClassVar[int] = 2
@@ -103,7 +119,7 @@ class Nvfp4Codec:
     def _div(self, a, b):
         return _div_rn(a, b) if self.compiled else _bits.exact_div(a, b)
 
-    def encode(self, xs, signs, t):
+    def encode(self, xs, signs, t, draws=None):
         h = self.hadamard_size
         v = fp4k.rotate_slices(xs, h, signs)
         if h is not None:
@@ -111,8 +127,9 @@ class Nvfp4Codec:
             v = [r * norm for r in v]
         finite = ~jnp.isnan(t)  # a NaN tensor scale: the tensor holds NaN or Inf
         six_t = jnp.float32(E2M1.max_normal) * t
-        codes, scales = [], []
-        for block in (v[:_NV], v[_NV:]):
+        cvt = self.e2m1_cvt and self.op.rounding is Rounding.NEAREST_EVEN
+        codes, scales, ys = [], [], []
+        for b, block in enumerate((v[:_NV], v[_NV:])):
             amax = _bits.bits_f32(fp4k.abs_max_bits(block))
             # The emulation's amax / six_t is a plain division (XLA:CPU: the same flush).
             ratio = (amax / six_t) if not self.compiled else _div_rn(amax, six_t)
@@ -121,34 +138,66 @@ class Nvfp4Codec:
             scale = decode_magnitude(code, E4M3)
             zero = scale == 0
             d = jnp.where(zero, jnp.float32(1.0), scale * t)
-            for r in block:
+            for i, r in enumerate(block):
                 y = jnp.where(zero, _bits.bits_f32((_bits.f32_bits(r) >> 31) << 31),
                               self._div(r, d))
-                sign, mag = round_to_grid(jnp.where(finite, y, 0.0), E2M1, self.op.rounding)
+                y = jnp.where(finite, y, 0.0)
+                if self.op.sr_prescale:
+                    y = y * jnp.float32(SR_PRESCALE)
+                if cvt:
+                    ys.append(y)
+                    continue
+                u = None if draws is None else draws.slice(b * _NV + i)
+                sign, mag = round_to_grid(y, E2M1, self.op.rounding, u)
                 codes.append(mag | (sign.astype(jnp.int32) << 3))
             scales.append(jnp.where(finite, code, _E4M3_NAN))
+        if cvt:  # IEEE nearest even on the E2M1 grid, saturated at 6: round_to_grid's
+            return [fp4k.cvt_e2m1x2(ys[2 * p], ys[2 * p + 1]) for p in range(16)], scales, []
         packed = [codes[2 * p] | (codes[2 * p + 1] << 4) for p in range(16)]
         return packed, scales, []
 
 
-def _check(x2, op, hadamard_size, compiled, interpret):
+def _check(x2, op, hadamard_size, compiled, interpret, key=None):
+    from mxjax.routes import threefry
+
     if compiled and interpret:
         raise ValueError("compiled: PTX's div.rn has no interpreter form; pass compiled=False "
                          "with interpret=True")
     fp4k.check_matrix(x2)
-    if not takes_kernel(op, hadamard_size, x2.dtype):
+    if op.rounding is Rounding.STOCHASTIC:
+        threefry.key_words(key)  # raises, naming the key, where the kernel cannot draw
+    elif key is not None:
+        raise ValueError(f"key: only stochastic rounding takes a key; the operand rounds "
+                         f"{op.rounding.name}")
+    if not takes_kernel(op, hadamard_size, x2.dtype, key):
         raise ValueError(f"op, hadamard_size, x2: the NVFP4 kernel takes NVFP4 with h in "
-                         f"(None, 16), deterministic rounding and a bf16 or f32 operand; "
-                         f"got {op!r}, h={hadamard_size}, {x2.dtype}")
+                         f"(None, 16) and a bf16 or f32 operand; got {op!r}, "
+                         f"h={hadamard_size}, {x2.dtype}")
 
 
-def _run(x2, directions, op, hadamard_size, signs, bf16_values, compiled, interpret, launch):
+def _run(x2, directions, op, hadamard_size, signs, bf16_values, compiled, interpret, launch,
+         key=None):
+    from mxjax.routes import threefry
+
     signs = fp4k.signs_array(signs, hadamard_size)
     scales = jnp.stack([tensor_scale(x2, d, hadamard_size=hadamard_size, signs=signs,
                                      bf16_values=bf16_values) for d in directions])
-    codec = Nvfp4Codec(op=op, hadamard_size=hadamard_size, compiled=compiled)
+    keys, draw_columns = None, ()
+    if op.rounding is Rounding.STOCHASTIC:
+        (direction,) = directions  # each GEMM draws with its own key: one direction a call
+        keys = threefry.key_words(key)
+        draw_columns = (-(-x2.shape[direction] // _NV) * _NV,)  # the quantizer's K16
+    cvt = False
+    if compiled:
+        from mxjax.chips import target_chip
+
+        cvt = fp4k.has_e2m1_cvt(target_chip("gpu").compute_capability)
+    codec = Nvfp4Codec(op=op, hadamard_size=hadamard_size, compiled=compiled,
+                       draw_columns=draw_columns, legacy_uniforms=threefry.uniforms_legacy(),
+                       e2m1_cvt=cvt)
     out = fp4k.run_codec_sharded(x2, signs, scales, directions=directions, codec=codec,
-                                 interpret=interpret, bf16_values=bf16_values, launch=launch)
+                                 interpret=interpret, bf16_values=bf16_values, launch=launch,
+                                 keys=keys)
     return [(codes, sb, scales[i]) for i, (codes, sb, _) in enumerate(out)]
 
 
@@ -160,7 +209,7 @@ def _trimmed(result, f: int, k: int):
 
 def nvfp4_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, signs,
                   bf16_values: bool = False, compiled: bool = False,
-                  interpret: bool = False, launch: fp4k.Launch | None = None):
+                  interpret: bool = False, launch: fp4k.Launch | None = None, key=None):
     """One NVFP4 operand: its tensor scale (one reduction), then codes and scales in one read.
 
     Args:
@@ -174,6 +223,9 @@ def nvfp4_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, si
       interpret: run in the Pallas interpreter (CPU tests).
       launch: the kernel's tiles and launch (`xla_fp4_kernel.run_codec`; None: the
         default for the interpreter or the GPU traced for); the same bits under any.
+      key: the rounding key of a stochastically rounded operand (a threefry2x32 key,
+        `mxjax.routes.threefry.reproduces`), else None: the draws are
+        ``jax.random.uniform(key, (F, K16))``'s, K16 the contraction padded to 16.
     Returns:
       ``(codes, scale_bytes, t)``: uint8 ``[F, Kp // 2]`` (element 2p in the low nibble
       of byte p), uint8 ``[F, Kp // 16]`` (E4M3 bytes), and the f32 tensor scale; Kp K
@@ -182,13 +234,13 @@ def nvfp4_operand(x2: jax.Array, axis: int, op, *, hadamard_size: int | None, si
     """
     if axis not in (0, 1):
         raise ValueError(f"axis: expected 0 or 1, got {axis!r}")
-    _check(x2, op, hadamard_size, compiled, interpret)
+    _check(x2, op, hadamard_size, compiled, interpret, key)
     if hadamard_size and x2.shape[axis] % hadamard_size:
         widths = [(0, 0), (0, 0)]
         widths[axis] = (0, (-x2.shape[axis]) % hadamard_size)
         x2 = jnp.pad(x2, widths)
     (out,) = _run(x2, (axis,), op, hadamard_size, signs, bf16_values, compiled, interpret,
-                  launch)
+                  launch, key)
     return _trimmed(out, x2.shape[1 - axis], x2.shape[axis])
 
 
@@ -205,6 +257,9 @@ def nvfp4_operand_pair(x2: jax.Array, op, *, hadamard_size: int | None, signs,
     Returns:
       ``(along_rows, along_columns)``: `nvfp4_operand`'s result for axis 1 and for axis 0.
     """
+    if op.rounding is Rounding.STOCHASTIC:
+        raise ValueError("op: a pair takes deterministic rounding: each GEMM rounds "
+                         "stochastically with its own key (nvfp4_operand, one axis a call)")
     _check(x2, op, hadamard_size, compiled, interpret)
     for k in x2.shape:
         fp4k.check_contraction(k, hadamard_size)

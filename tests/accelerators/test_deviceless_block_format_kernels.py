@@ -4,12 +4,13 @@ The 4096^3 matmul's train step (forward and both backward GEMMs) under ``nvfp4@a
 ``mxfp8@auto``: every GEMM is ``__cudnn$blockScaledDot`` on the format's operands, none a
 bf16 GEMM, and the operands the kernels take come from them:
 
-* MXFP8: 'auto' keeps the in-place XLA form (no ``mxfp8_operand`` kernel: the calibrated
-  model rates the kernel slower); asked for (``mxfp8_gemm(kernel=True)``), each operand is
-  one kernel call writing both directions;
+* MXFP8: each operand (X, W, dY) is one kernel call writing both directions (the two
+  GEMMs that read it make the same call, which XLA merges), rounding by PTX's
+  ``cvt.rn.satfinite.e4m3x2.f32``;
 * NVFP4: W by one pair kernel (fprop and dgrad quantize it alike), X by two single ones
-  (fprop without rotation, wgrad with the fixed-sign H16), each dividing by PTX's
-  ``div.rn.f32``; dY, stochastically rounded in both of its GEMMs, by the XLA form.
+  (fprop without rotation, wgrad with the fixed-sign H16), dY by two more (stochastically
+  rounded in both of its GEMMs, each with its GEMM's key words as an input: the draws are
+  made inside), each dividing by PTX's ``div.rn.f32``.
 """
 
 from __future__ import annotations
@@ -61,33 +62,19 @@ def test_the_matmuls_gemms_are_block_scaled_on_b200(fmt):
     assert not [g for g in gemms if "bf16" in g[1]], gemms
 
 
-def test_mxfp8_auto_keeps_the_xla_form_and_the_kernel_reads_each_operand_once():
-    assert not _kernel_calls(_text("mxfp8@auto"), "mxfp8_operand")
-
-    import jax
-    import jax.numpy as jnp
-
-    from bench.costmodel import aot
-    from mxjax import policies
-    from mxjax.routes import xla_mxfp8
-
-    recipe = policies.get("mxfp8").fprop
-    dims = (((1,), (0,)), ((), ()))
-
-    def fprop(x, w):
-        return xla_mxfp8.mxfp8_gemm(x, w, dims, recipe, None, None, None, kernel=True)
-
-    args = (jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16),) * 2
-    calls = _kernel_calls(aot.compile_for(fprop, args, require("b200")).as_text(),
-                          "mxfp8_operand")
-    assert len(calls) == 2, [outs for outs, _ in calls]
+def test_mxfp8_auto_reads_each_operand_once_by_the_kernel_with_ptx_cvt():
+    calls = _kernel_calls(_text("mxfp8@auto"), "mxfp8_operand")
+    assert len(calls) == 3, [outs for outs, _ in calls]  # X, W, dY
     # Both directions: row-wise codes and scales, column-wise codes and scales.
     assert all(len(outs.split("]{")) == 5 for outs, _ in calls), calls
     assert {outs.count("u8[4096,4096]") for outs, _ in calls} == {2}, calls
+    assert all("cvt.rn.satfinite.e4m3x2.f32" in line for _, line in calls)
 
 
 def test_nvfp4_operands_by_the_kernel_with_a_correctly_rounded_division():
     calls = _kernel_calls(_text("nvfp4@auto"), "nvfp4_operand")
     directions = sorted(len(outs.split("]{")) // 2 for outs, _ in calls)
-    assert directions == [1, 1, 2], [outs for outs, _ in calls]
+    assert directions == [1, 1, 1, 1, 2], [outs for outs, _ in calls]
     assert all("div.rn.f32" in line for _, line in calls)
+    # dY's two calls take key words and the origin (u32[4]); W's and X's none.
+    assert sum("u32[4]" in line for _, line in calls) == 2, [o for o, _ in calls]

@@ -128,6 +128,48 @@ def test_sharded_layer_is_the_unsharded_bits_xla_fp4_kernel():
     _check(run_on_8_fake_devices(_SCRIPT.replace("PARTS", "('xla_fp4',)")))
 
 
+_SR_SCRIPT = textwrap.dedent("""
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    import mxjax
+    from mxjax.routes import xla_nvfp4_kernel as K
+
+    assert jax.device_count() == 8, jax.devices()
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+    sr = mxjax.policies.get("nvfp4").wgrad.lhs  # dY: NVFP4, stochastic rounding
+    signs = mxjax.fixed_signs(0, 16)
+    # dY [tokens, features], the tokens sharded: 64 per device
+    dy = jax.random.normal(jax.random.key(1), (512, 96), jnp.float32).astype(jnp.bfloat16)
+    key = jax.random.key(5)
+    res = {}
+    # axis 1: dgrad's blocks along the features, the sharded tokens its free axis;
+    # axis 0: wgrad's, H16 along the sharded tokens (its contraction)
+    for axis, h in ((1, None), (0, 16)):
+        fn = jax.jit(lambda x, k: K.nvfp4_operand(x, axis, sr, hadamard_size=h,
+                                                  signs=None if h is None else signs,
+                                                  key=k, interpret=True))
+        want = fn(dy, key)
+        got = fn(jax.device_put(dy, NamedSharding(mesh, P("fsdp", None))), key)
+        same = all(np.array_equal(np.asarray(u), np.asarray(v)) for u, v in zip(want, got))
+        res[f"axis{axis}"] = same
+        text = fn.lower(jax.device_put(dy, NamedSharding(mesh, P("fsdp", None))),
+                        key).compile().as_text()
+        res[f"axis{axis}_gathers"] = text.count(" all-gather")
+    print("RESULT" + json.dumps(res))
+""")
+
+
+@pytest.mark.slow
+def test_stochastic_rounding_of_a_sharded_operand_draws_at_whole_operand_positions():
+    """(make test-slow: the Pallas interpreter.) The NVFP4 kernel's in-kernel draws on a
+    token-sharded dY, blocked along its free axis and along the sharded axis: each shard
+    draws at its place in the whole operand, so the bits are the unsharded kernel's."""
+    res = run_on_8_fake_devices(_SR_SCRIPT)
+    assert res["axis1"] and res["axis0"], res
+    assert res["axis1_gathers"] == 0 and res["axis0_gathers"] == 0, res  # per shard
+
+
 def test_blocks_never_cross_a_shard_boundary():
     from mxjax.emulation import in_place
     from mxjax.routes import xla_fp4_kernel as kernel

@@ -127,3 +127,73 @@ def test_fp4_operand_pair_is_the_xla_forms_on_device(np_rng, shape, e2m1_cvt):
                                       np.asarray(jax.lax.bitcast_convert_type(q2, jnp.uint4)))
         np.testing.assert_array_equal(np.asarray(sc).view(np.uint8),
                                       np.asarray(sc2).view(np.uint8))
+
+
+@pytest.mark.parametrize("axis", [1, 0])
+def test_nvfp4_stochastic_rounding_in_the_kernel_is_the_xla_forms_on_device(np_rng, axis):
+    """The NVFP4 kernel's in-kernel draws (threefry from the key, PTX's division),
+    compiled: dY's codes, scale bytes and tensor scale are `nvfp4_operand`'s (the XLA
+    form's: jax.random.uniform of the canonical operand) on the same GPU; axis 0 with
+    wgrad's fixed-sign H16."""
+    from mxjax import policies
+    from mxjax.routes import xla_nvfp4, xla_nvfp4_kernel
+
+    op = policies.get("nvfp4").wgrad.lhs
+    h = 16 if axis == 0 else None
+    signs = mxjax.fixed_signs(0, 16) if h else None
+    x = jnp.asarray(hard_matrix(np_rng, (4096, 1024), spread=3.0, specials=False),
+                    jnp.bfloat16)
+    key = jax.random.key(9)
+
+    def both(x, key):
+        got = xla_nvfp4_kernel.nvfp4_operand(x, axis, op, hadamard_size=h, signs=signs,
+                                             compiled=True, key=key)
+        x3 = (x if axis == 1 else x.T).astype(jnp.float32)[None]
+        if h:
+            x3 = mxjax.hadamard(x3, h, axis=-1, signs=signs)
+        want = xla_nvfp4.nvfp4_operand(x3, op, key)
+        return got, want
+
+    (codes, scales, t), (e, sc, t2) = jax.jit(both)(x, key)
+    assert int(jax.lax.bitcast_convert_type(t, jnp.uint32)) == int(
+        jax.lax.bitcast_convert_type(t2, jnp.uint32))
+    k = np.asarray(scales).shape[1]
+    np.testing.assert_array_equal(np.asarray(scales),
+                                  np.asarray(sc).view(np.uint8)[0, :, :k])
+    want_codes = np.asarray(jax.lax.bitcast_convert_type(e, jnp.uint4))[0].reshape(
+        e.shape[1], -1, 2)
+    got_codes = np.asarray(codes)
+    np.testing.assert_array_equal(got_codes & 0xF, want_codes[:, :k * 8, 0])
+    np.testing.assert_array_equal(got_codes >> 4, want_codes[:, :k * 8, 1])
+
+
+@pytest.mark.parametrize("f8_cvt", [False, True])
+def test_mxfp8_kernel_is_the_in_place_form_on_device(np_rng, f8_cvt):
+    """The 'xla_mxfp8' route's one-pass kernel, compiled, in both directions of a pair,
+    with PTX's FP8 cvt (the route's conversion from sm_89 on) and without: the f8 codes
+    and E8M0 bytes of the in-place XLA form on the same GPU."""
+    from mxjax import policies
+    from mxjax.chips import target_chip
+    from mxjax.emulation import in_place
+    from mxjax.routes import xla_mxfp8
+    from mxjax.routes.xla_mxfp8_kernel import has_f8_cvt
+
+    if f8_cvt and not has_f8_cvt(target_chip("gpu").compute_capability):
+        pytest.skip("PTX's cvt.rn.satfinite.e4m3x2.f32 needs sm_89 or later")
+    op = policies.get("mxfp8").fprop.lhs
+    x = jnp.asarray(hard_matrix(np_rng, (4096, 4096), spread=3.0, specials=False),
+                    jnp.bfloat16)
+    for axis in (1, 0):
+        def both(x, axis=axis):
+            got = xla_mxfp8.kernel_operand(x, axis, op, hadamard_size=None, signs=None,
+                                           pair=True, f8_cvt=f8_cvt)
+            view = in_place.contraction_view(x, (), (axis,))
+            want = xla_mxfp8.in_place_operand(view, op, None, k_out=x.shape[axis],
+                                              hadamard_size=None, signs=None)
+            return got, want
+
+        (q, sc), (q2, sc2) = jax.jit(both)(x)
+        np.testing.assert_array_equal(np.asarray(q).view(np.uint8),
+                                      np.asarray(q2).view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(sc).view(np.uint8),
+                                      np.asarray(sc2).view(np.uint8))

@@ -107,3 +107,55 @@ def test_route_with_the_kernel_is_the_in_place_form():
     want = jax.jit(functools.partial(route, kernel=False))(a, b)
     assert np.isfinite(np.asarray(want)).all()
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _ptx_cvt_model(y: np.ndarray, dtype) -> np.ndarray:
+    """PTX's ``cvt.rn.satfinite.<f8>x2.f32`` as its ISA manual defines it, for finite f32
+    y: IEEE round to nearest even onto the f8 format, a magnitude past its largest finite
+    value saturated to it (ml_dtypes rounds to nearest even; it turns overflow into
+    NaN, so the saturation comes first: a value between the largest finite and the next
+    binade's midpoint rounds down to the largest finite either way)."""
+    import ml_dtypes
+
+    top = float(ml_dtypes.finfo(dtype).max)
+    return np.clip(y, -top, top).astype(dtype).view(np.uint8)
+
+
+@pytest.mark.parametrize("fmt", [F.MXFP8_E4M3, F.MXFP8_E5M2], ids=lambda f: f.name)
+def test_ptx_f8_conversion_gives_the_quantizers_nearest_even_codes(fmt):
+    """The compiled kernel's ``f8_cvt`` path rounds by PTX's cvt where the interpreter
+    rounds by `round_to_grid`: on every f32 exponent from far below the f8 format's
+    smallest subnormal to past its largest value, the mantissas of ties, their neighbours
+    and random ones, both signs and zeros, the two give the same code byte."""
+    import ml_dtypes
+
+    from mxjax.elements import round_to_grid
+
+    dtype = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[
+        fmt.element.name]
+    rng = np.random.default_rng(0)
+    mantissas = np.concatenate([
+        np.arange(0, 1 << 23, 1 << 17),  # on and between the f8 grid points (3 or 2 bits)
+        (np.arange(0, 1 << 23, 1 << 19) + (1 << 18))[:, None] + np.array([-1, 0, 1]),
+        rng.integers(0, 1 << 23, 256)], axis=None).astype(np.uint32)
+    exponents = np.arange(127 - 40, 127 + 20, dtype=np.uint32)  # 2^-40 .. 2^19
+    bits = (exponents[:, None] << 23 | mantissas[None, :]).reshape(-1)
+    y = np.concatenate([bits.view(np.float32), [0.0, 2.0 ** -140]]).astype(np.float32)
+    y = np.concatenate([y, -y])
+    sign, mag = jax.jit(round_to_grid, static_argnums=(1, 2))(
+        jnp.asarray(y), fmt.element, F.Rounding.NEAREST_EVEN)
+    mine = (np.asarray(mag) | (np.asarray(sign).astype(np.int32) << 7)).astype(np.uint8)
+    np.testing.assert_array_equal(mine, _ptx_cvt_model(y, dtype))
+
+
+@pytest.mark.parametrize("cc,has", [((8, 0), False), ((8, 6), False), ((8, 9), True),
+                                    ((9, 0), True), ((10, 0), True), (None, False)])
+def test_has_f8_cvt_from_ada_on(cc, has):
+    assert K.has_f8_cvt(cc) is has
+
+
+def test_f8_cvt_has_no_interpreter_form():
+    x = jnp.zeros((64, 64), jnp.float32)
+    with pytest.raises(ValueError, match="f8_cvt: PTX's cvt has no interpreter form"):
+        K.mxfp8_operand(x, 1, RCEIL_E4M3, hadamard_size=None, signs=None, f8_cvt=True,
+                        interpret=True)

@@ -18,8 +18,9 @@ import pytest
 
 from mxjax import OperandRecipe, policies
 from mxjax import formats as F
+from mxjax.routes import xla_fp4_kernel as fp4k
 from mxjax.routes import xla_nvfp4_kernel as K
-from tests.mxjax.kernels._kernel_testutil import hard_matrix
+from tests.mxjax.kernels._kernel_testutil import hadamard, hard_matrix
 from tests.mxjax.routes._operand_kernel_testutil import (
     assert_refuses_bad_arguments,
     check_pair,
@@ -115,16 +116,104 @@ def test_one_direction_with_a_contraction_not_a_multiple_of_the_block():
 
 def test_takes_kernel_and_bad_arguments():
     sr = policies.get("nvfp4").dgrad.lhs
+    key = jax.random.key(0)
     assert K.takes_kernel(RNE, 16, jnp.bfloat16) and K.takes_kernel(RTZ, None, jnp.float32)
+    assert K.takes_kernel(sr, 16, jnp.bfloat16, key)
+    assert K.takes_kernel(sr, None, jnp.float32, jax.random.PRNGKey(0))
+    # Stochastic rounding needs a key whose draws the kernel reproduces.
     assert not K.takes_kernel(sr, 16, jnp.bfloat16)
+    assert not K.takes_kernel(sr, 16, jnp.bfloat16, jax.random.key(0, impl="rbg"))
     assert not K.takes_kernel(RNE, 32, jnp.bfloat16)
     assert not K.takes_kernel(RNE, None, jnp.float16)
     assert not K.takes_kernel(OperandRecipe(fmt=F.MXFP4), None, jnp.float32)
-    assert_refuses_bad_arguments(K.nvfp4_operand, K.nvfp4_operand_pair, RNE, sr)
+    assert_refuses_bad_arguments(K.nvfp4_operand, K.nvfp4_operand_pair, RNE, sr,
+                                 sr_match="key: stochastic rounding needs a key")
     x = jnp.zeros((64, 64), jnp.float32)
     with pytest.raises(ValueError, match="compiled: PTX's div.rn has no interpreter form"):
         K.nvfp4_operand(x, 1, RNE, hadamard_size=None, signs=None, compiled=True,
                         interpret=True)
+    with pytest.raises(ValueError, match="key: only stochastic rounding takes a key"):
+        K.nvfp4_operand(x, 1, RNE, hadamard_size=None, signs=None, key=key)
+    with pytest.raises(ValueError, match="key: expected a threefry2x32 key.*'rbg'"):
+        K.nvfp4_operand(x, 1, sr, hadamard_size=None, signs=None,
+                        key=jax.random.key(0, impl="rbg"))
+    with pytest.raises(ValueError, match="op: a pair takes deterministic rounding"):
+        K.nvfp4_operand_pair(x, sr, hadamard_size=None, signs=None)
+
+
+SR = policies.get("nvfp4").dgrad.lhs  # NVFP4, stochastic rounding
+SR_PRESCALED = OperandRecipe(fmt=F.NVFP4, rounding=F.Rounding.STOCHASTIC, sr_prescale=True)
+# Hopper's and Blackwell's pair launch: 128 x 64 tiles, rows in two chunks (other draw
+# positions); their launch of one direction: 64 x 64 tiles, bf16 read element by element
+# along columns (one slice set).
+TUNED = fp4k.Launch(rows=128, cols=64, row_parts=2, num_warps=4)
+ONE_DIRECTION = fp4k.launch_for((10, 0), directions=(0,))
+SR_CASES = {  # name -> (dtype, axis, op, h, signs seed, launch, shape)
+    # wgrad's dY as a B200 reads it: bf16 along columns, H16, 4 x 3 tiles, K = 200
+    "wgrad_dy_bf16_axis0_h16_b200": (jnp.bfloat16, 0, SR, 16, 0, ONE_DIRECTION, (200, 160)),
+    # bf16 pairs along columns (two slice sets), 2 x 3 tiles
+    "bf16_axis0_h16_pairs": (jnp.bfloat16, 0, SR, 16, 0, TUNED, (200, 160)),
+    # dgrad's dY: along rows, K = 100 (padded to 112 by the quantizer, 128 by the kernel)
+    "dgrad_dy_f32_axis1": (jnp.float32, 1, SR, None, None, fp4k.DEFAULT_LAUNCH, (160, 100)),
+    "bf16_axis1_tuned_prescaled": (jnp.bfloat16, 1, SR_PRESCALED, None, None, TUNED,
+                                   (160, 200)),
+    "f32_axis0_default": (jnp.float32, 0, SR, None, None, fp4k.DEFAULT_LAUNCH, (200, 160)),
+}
+
+
+def _sr_reference(x, op, h, seed, axis, key):
+    """mxjax.quantize_with of the rotated operand with the key: the emulation's draws."""
+    from mxjax.quantization import quantize_with
+
+    xf = jnp.asarray(x, jnp.float32)
+    if h is not None:
+        pad = [(0, 0), (0, 0)]
+        pad[axis] = (0, (-x.shape[axis]) % h)
+        xf = hadamard(jnp.pad(xf, pad), h, axis=axis, signs=signs(h, seed))
+    q = quantize_with(xf, op, axis, key=key)
+    codes, scales = np.asarray(q.codes), np.asarray(q.scales)
+    if axis == 0:
+        codes, scales = codes.T, scales.T
+    return codes, scales, np.asarray(q.tensor_scale)
+
+
+@functools.cache
+def _sr_fn(op, axis, h, seed, launch):
+    return jax.jit(functools.partial(K.nvfp4_operand, axis=axis, op=op, hadamard_size=h,
+                                     signs=signs(h, seed), interpret=True, launch=launch))
+
+
+# make test-slow (~40 s a case on 2 cores); the default run checks SR in the kernel through
+# test_route_with_the_kernel_is_the_xla_form[wgrad].
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(SR_CASES))
+def test_stochastic_rounding_draws_the_emulations_uniforms(case):
+    """SR inside the kernel: the codes of `quantize_with(..., key=key)` (jax.random.uniform
+    of the canonical [F, K16] operand), byte for byte, for two keys; the draws matter (the
+    codes differ from nearest-even's and between the keys)."""
+    dtype, axis, op, h, seed, launch, shape = SR_CASES[case]
+    x = jnp.asarray(_edges(hard_matrix(np.random.default_rng(3), shape, spread=3.0,
+                                       specials=False))).astype(dtype)
+    fn = _sr_fn(op, axis, h, seed, launch)
+    codes = []
+    for key in (jax.random.key(11), jax.random.PRNGKey(12)):
+        got = fn(x, key=key)
+        _assert_kernel_is_reference(got, _sr_reference(x, op, h, seed, axis, key))
+        codes.append(np.asarray(got[0]))
+    nearest = _sr_reference(x, RNE, h, seed, axis, None)[0]
+    assert (codes[0][:, :nearest.shape[1]] != nearest).mean() > 0.05
+    assert (codes[0] != codes[1]).mean() > 0.05
+
+
+@pytest.mark.slow
+def test_stochastic_rounding_of_a_non_finite_tensor():
+    dtype, axis, op, h, seed, launch, shape = SR_CASES["wgrad_dy_bf16_axis0_h16_b200"]
+    x = jnp.asarray(hard_matrix(np.random.default_rng(3), shape, spread=3.0,
+                                specials=False)).at[5, 7].set(jnp.inf).astype(dtype)
+    key = jax.random.key(11)
+    got = _sr_fn(op, axis, h, seed, launch)(x, key=key)
+    _assert_kernel_is_reference(got, _sr_reference(x, op, h, seed, axis, key))
+    assert np.isnan(np.asarray(got[2])) and (np.asarray(got[1]) == 0x7F).all()
 
 
 # wgrad (SR dY from a key, H16 X) in the default run; fprop (~30 s on 2 cores) in the slow one
@@ -132,14 +221,18 @@ def test_takes_kernel_and_bad_arguments():
 def test_route_with_the_kernel_is_the_xla_form(gemm):
     """The nvfp4 preset's fprop (X [M, K] · W [K, N]: W by the pair, X along one axis)
     and wgrad (dY and X contracted over M, H16 with fixed signs: dY's stochastic rounding
-    by the XLA form from the same key, X by the kernel), with and without the kernel."""
+    drawn in the kernel from the GEMM's key, X by the kernel), with and without the
+    kernel."""
     from mxjax.routes import xla_nvfp4
     from mxjax.routes.spec import in_place_route_gemm
 
     recipe = getattr(policies.get("nvfp4"), gemm)
     rng = np.random.default_rng(5)
-    a = jnp.asarray(hard_matrix(rng, (64, 96), spread=3.0, specials=False), jnp.bfloat16)
-    b = jnp.asarray(hard_matrix(rng, (96, 128) if gemm == "fprop" else (64, 128), spread=3.0,
+    # wgrad: 160 tokens, two tiles along dY's contraction (the second tile's draws start
+    # at row 128 of the canonical operand's K)
+    m = 64 if gemm == "fprop" else 160
+    a = jnp.asarray(hard_matrix(rng, (m, 96), spread=3.0, specials=False), jnp.bfloat16)
+    b = jnp.asarray(hard_matrix(rng, (96, 128) if gemm == "fprop" else (m, 128), spread=3.0,
                                 specials=False), jnp.bfloat16)
     dims = (((1,), (0,)), ((), ())) if gemm == "fprop" else (((0,), (0,)), ((), ()))
     key = jax.random.key(7)
@@ -151,3 +244,6 @@ def test_route_with_the_kernel_is_the_xla_form(gemm):
     got, want = with_kernel(a, b), xla_form(a, b)
     assert np.isfinite(np.asarray(want)).all()
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # The XLA form draws dY's uniforms with jax.random; the kernel draws its own.
+    assert ("random_bits" in str(jax.make_jaxpr(xla_form)(a, b))) == (gemm == "wgrad")
+    assert "random_bits" not in str(jax.make_jaxpr(with_kernel)(a, b))
