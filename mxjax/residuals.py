@@ -19,23 +19,25 @@ The packed residual does not depend on the route; each route says whether it tak
 (:func:`saves_packed`): those whose rhs operand is block-scaled (MX formats, NVFP4) and
 whose backend resolves, on every platform (`mxjax.backends.routes_per_platform`: the
 program holds one branch per platform and may be lowered for any, ``jax.export`` from a
-CPU host for a TPU included), to a route with a ``packed_rhs_gemm``; where that route is
-the emulation ('xla', the one route with it today), also only where the emulation's form on
-that platform is the canonical one (`mxjax.emulation.forms.emulates_packed_rhs`): every
-block-scaled recipe on a CPU, NVFP4 on GPUs and TPUs (the MX formats' in-place forms there,
-the TPU's Pallas quantizer among them, read each operand in both directions themselves and
-keep their bf16 residuals until they emit the packed operands). Of the presets under the
-emulation that leaves ``nvfp4``, which saves W (dgrad) and X (wgrad) on every chip. W is
-saved packed only when the call does not cast its operands (``operand_dtype`` unset): with
-a cast, W's residual is the primal as stored (a model's f32 master weight, alive anyway),
-and a packed copy would add memory instead of replacing a bf16 copy. Kept in bf16 (the
-backward quantizes them): the MX presets under the emulation (``mxfp4_*``, ``tseng``,
-``mxfp8``: in-place or FP8-unit forms on GPUs and TPUs), per-tensor FP8 operands (``fp8``:
-XLA:CPU and CUDA quantize them in place, no canonical layout), the 'xla_fp8', 'xla_fp4',
-'xla_nvfp4', 'xla_mxfp8' and 'triton' backends (and 'auto' where it picks them) until their
-routes have a ``packed_rhs_gemm``, ``mxfp4_fprop`` (bf16 backward), calls under a mesh with
-explicit axes, observed calls (`mxjax.interceptor.observe`: the observer sees the primals),
-and calls being differentiated again (``jax.grad`` of ``jax.grad``: the straight-through
+CPU host for a TPU included), to a route with a ``packed_rhs_gemm`` ('xla', 'xla_fp4',
+'xla_nvfp4', 'xla_mxfp8'); where that route is the emulation, also only where its form on
+that platform takes it with the same bits (`mxjax.emulation.forms.emulates_packed_rhs`:
+every block-scaled recipe but CUDA's FP8-unit forms). On the chip traced for, the
+emulation packs where that is the better choice (`emulation_packs_rhs`: on a CPU, and
+NVFP4 everywhere; on GPUs and TPUs the MX formats' in-place forms read X and W in place in
+the backward, one read each). Of the presets under the emulation that leaves ``nvfp4``
+everywhere and the MX presets on a CPU; under 'auto' on a Blackwell target also
+``mxfp4_*`` ('xla_fp4') and ``mxfp8`` ('xla_mxfp8'). W is saved packed only when the
+call does not cast its operands (``operand_dtype`` unset): with a cast, W's residual is
+the primal as stored (a model's f32 master weight, alive anyway), and a packed copy would
+add memory instead of replacing a bf16 copy. Kept in bf16 (the backward quantizes them):
+the MX presets under the emulation on GPUs and TPUs (``mxfp4_*``, ``tseng``, ``mxfp8``:
+in-place or FP8-unit forms), per-tensor FP8 operands (``fp8``: XLA:CPU and CUDA quantize
+them in place, no canonical layout), the 'xla_fp8' and 'triton' backends (and 'auto'
+where it picks them, e.g. on Hopper) until their routes have a ``packed_rhs_gemm``,
+``mxfp4_fprop`` (bf16 backward), calls under a mesh with explicit axes, observed calls
+(`mxjax.interceptor.observe`: the observer sees the primals), and calls being
+differentiated again (``jax.grad`` of ``jax.grad``: the straight-through
 rule differentiates the backward w.r.t. the primals).
 
 The packed residuals are named `mxjax.remat.PACKED_RESIDUAL` (``checkpoint_name``), so a

@@ -99,8 +99,10 @@ def test_the_packing_presets():
         "mxfp4_all_h32", "mxfp4_all_h16_wgrad", "mxfp8", "nvfp4", "tseng"}
     for name in ("passthrough", "fp8", "mxfp4_fprop"):
         assert name not in PACKING_ON_A_CPU
-    # An explicit route without packed_rhs_gemm keeps the bf16 residuals.
+    # An explicit route with packed_rhs_gemm packs; one without keeps the bf16 residuals.
     p = policies.get("mxfp8").with_backend("xla_mxfp8")
+    assert saves_packed(p.dgrad) and saves_packed(p.wgrad)
+    p = policies.get("mxfp4_all_h16").with_backend("xla_fp8")
     assert not saves_packed(p.dgrad) and not saves_packed(p.wgrad)
 
 
