@@ -613,12 +613,15 @@ def _packed_rhs_gemm(a, packed_q, *, b_shape, dims, recipe, key, gemm_name,
                        + (free_size(a, ba, ca), packed_q.shape[-2]))
 
 
-def kernel_pack_input(b, *, dims, recipe, key, operand_dtype, takes_kernel):
+def kernel_pack_input(b, *, dims, recipe, key, operand_dtype, takes_recipe, takes_kernel):
     """What a route's one-pass kernel reads to pack the rhs `b` of the GEMM `dims`
     (``Route.pack_rhs``): ``(x2, axis, hadamard_size, signs, bf16_values)`` for the kernel
-    call, or None where ``takes_kernel(op, h, dtype)`` refuses the operand or it is not
-    2-D-viewable (`kernel_view`). An f32 `b` cast to bf16 is read as it is and rounded by
+    call, or None where ``takes_recipe(recipe)`` (the route's formats) or
+    ``takes_kernel(op, h, dtype)`` refuses the operand or it is not 2-D-viewable
+    (`kernel_view`). An f32 `b` cast to bf16 is read as it is and rounded by
     the kernel (``bf16_values``), as the forward GEMM's operand is."""
+    if not takes_recipe(recipe):
+        return None
     (_, cb), (_, bb) = dims
     bf16_values = (operand_dtype is not None and jnp.dtype(operand_dtype) == jnp.bfloat16
                    and b.dtype == jnp.float32)
@@ -640,10 +643,9 @@ def _pack_rhs(b, *, dims, recipe, key, operand_dtype=None,
     with the forward GEMM's call on the same operand; None where the kernel does not take
     the operand (batch axes, free axes on both sides of the contraction, stochastic
     rounding, ...). ``interpret``: the Pallas interpreter (CPU tests)."""
-    if not takes_mxfp4(recipe):
-        return None
     read = kernel_pack_input(b, dims=dims, recipe=recipe, key=key,
-                             operand_dtype=operand_dtype, takes_kernel=_takes_kernel)
+                             operand_dtype=operand_dtype, takes_recipe=takes_mxfp4,
+                             takes_kernel=_takes_kernel)
     if read is None:
         return None
     x2, axis, h, signs, bf16_values = read

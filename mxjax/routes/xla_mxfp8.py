@@ -285,10 +285,9 @@ def _pack_rhs(b, *, dims, recipe, key, operand_dtype=None,
     (stochastic rounding, batch axes, ...)."""
     from mxjax.routes import xla_mxfp8_kernel as one_pass  # Pallas: loaded on first use
 
-    if not takes_mxfp8(recipe):
-        return None
     read = kernel_pack_input(b, dims=dims, recipe=recipe, key=key,
-                             operand_dtype=operand_dtype, takes_kernel=one_pass.takes_kernel)
+                             operand_dtype=operand_dtype, takes_recipe=takes_mxfp8,
+                             takes_kernel=one_pass.takes_kernel)
     if read is None:
         return None
     x2, axis, h, signs, bf16_values = read

@@ -209,7 +209,21 @@ def nvfp4_kernel_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, si
     da, db = operand_dtypes or (None, None)
     out = _block_scaled(operand(va, recipe.lhs, k_lhs, a0, ba, ca, da, False),
                         operand(vb, recipe.rhs, k_rhs, b0, bb, cb, db, pair_rhs), recipe)
-    return out if out_dtype is None else out.astype(out_dtype)
+    return _narrowed(out, out_dtype)
+
+
+def _narrowed(out: jax.Array, out_dtype) -> jax.Array:
+    """The block-scaled dot's f32 result, tensor-scaled, cast to out_dtype (None: f32 as it
+    is). A narrower result is fenced (``optimization_barrier``) so that the cast runs right
+    after the GEMM: XLA otherwise fuses it into the result's consumer and keeps the f32
+    result alive until then (8B layer, B200: the gate projection's 448 MiB f32 result live
+    across the up projection, at the layer's peak)."""
+    if out_dtype is None:
+        return out
+    out = out.astype(out_dtype)
+    if jnp.dtype(out_dtype).itemsize < 4:
+        out = lax.optimization_barrier(out)
+    return out
 
 
 def _route_operand(view, op, key, x, batch, contract, dtype, pair, *, recipe, h, signs,
@@ -266,7 +280,7 @@ def _packed_rhs_gemm(a, packed_q, *, b_shape, dims, recipe, key, gemm_name,
     out = _block_scaled(lhs, packed_operand(packed_q), recipe)
     out = out.reshape(tuple(a.shape[i] for i in ba)
                       + (free_size(a, ba, ca), packed_q.shape[-2]))
-    return out if out_dtype is None else out.astype(out_dtype)
+    return _narrowed(out, out_dtype)
 
 
 def _pack_rhs(b, *, dims, recipe, key, operand_dtype=None,
@@ -277,10 +291,9 @@ def _pack_rhs(b, *, dims, recipe, key, operand_dtype=None,
     (stochastic rounding, which draws with the GEMM's key; batch axes, ...)."""
     from mxjax.routes import xla_nvfp4_kernel as kernel  # Pallas: loaded on first use
 
-    if not takes_nvfp4(recipe):
-        return None
     read = kernel_pack_input(b, dims=dims, recipe=recipe, key=key,
-                             operand_dtype=operand_dtype, takes_kernel=kernel.takes_kernel)
+                             operand_dtype=operand_dtype, takes_recipe=takes_nvfp4,
+                             takes_kernel=kernel.takes_kernel)
     if read is None:
         return None
     x2, axis, h, signs, bf16_values = read

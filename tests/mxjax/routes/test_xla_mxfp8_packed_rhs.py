@@ -17,12 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.ad_checkpoint import saved_residuals  # print_saved_residuals's list
 
 import mxjax
-from mxjax import interceptor, policies
-from mxjax.residuals import _canonical_pack, _PackSpec, saves_packed
+from mxjax import policies
+from mxjax.residuals import _canonical_pack, _PackSpec
 from mxjax.routes import xla_mxfp8
+from tests.mxjax.routes._packed_rhs_testutil import assert_packed_gradients_are_the_bf16_residuals
 
 ROUTE = xla_mxfp8.ROUTE
 _MM = (((1,), (0,)), ((), ()))
@@ -96,24 +96,6 @@ def test_the_kernel_pack_declines_stochastic_rounding():
 
 
 def test_dot_generals_gradients_on_the_route_are_the_same_with_packed_residuals(monkeypatch):
-    policy = policies.get("mxfp8@xla_mxfp8")
-    assert saves_packed(policy.dgrad) and saves_packed(policy.wgrad)
     x, w = _ab((3, 37, 50), (50, 45))
-    dims = (((2,), (0,)), ((), ()))
-
-    def loss(x, w):
-        y = mxjax.dot_general(x, w, dims, policy=policy, operand_dtype=jnp.bfloat16)
-        return jnp.sum(jnp.sin(y.astype(jnp.float32)))
-
-    def run(packed):
-        with monkeypatch.context() as m:
-            if not packed:
-                m.setattr(interceptor, "saves_packed", lambda recipe: False)
-            grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
-            return grads, [(r.dtype, r.shape) for r, _ in saved_residuals(loss, x, w)]
-
-    (got, packed), (want, plain) = run(True), run(False)
-    chex.assert_trees_all_equal(got, want)
-    assert (jnp.dtype(jnp.bfloat16), x.shape) in plain
-    assert (jnp.dtype(jnp.bfloat16), x.shape) not in packed
-    assert any(d == jnp.uint8 for d, _ in packed)
+    assert_packed_gradients_are_the_bf16_residuals(
+        policies.get("mxfp8@xla_mxfp8"), x, w, (((2,), (0,)), ((), ())), None, monkeypatch)

@@ -17,13 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.ad_checkpoint import saved_residuals  # print_saved_residuals's list
 
 import mxjax
-from mxjax import interceptor, policies
+from mxjax import policies
 from mxjax.operands import rotation_signs, split_key
-from mxjax.residuals import _canonical_pack, _PackSpec, saves_packed
+from mxjax.residuals import _canonical_pack, _PackSpec
 from mxjax.routes import xla_nvfp4
+from tests.mxjax.routes._packed_rhs_testutil import assert_packed_gradients_are_the_bf16_residuals
 
 ROUTE = xla_nvfp4.ROUTE
 _MM = (((1,), (0,)), ((), ()))
@@ -101,25 +101,7 @@ def test_the_kernel_pack_declines_stochastic_rounding():
 
 
 def test_dot_generals_gradients_on_the_route_are_the_same_with_packed_residuals(monkeypatch):
-    policy = policies.get("nvfp4@xla_nvfp4")
-    assert saves_packed(policy.dgrad) and saves_packed(policy.wgrad)
     x, w = _ab((3, 37, 50), (50, 45))
-    dims = (((2,), (0,)), ((), ()))
-    key = jax.random.key(1)
-
-    def loss(x, w):
-        y = mxjax.dot_general(x, w, dims, policy=policy, key=key, operand_dtype=jnp.bfloat16)
-        return jnp.sum(jnp.sin(y.astype(jnp.float32)))
-
-    def run(packed):
-        with monkeypatch.context() as m:
-            if not packed:
-                m.setattr(interceptor, "saves_packed", lambda recipe: False)
-            grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
-            return grads, [(r.dtype, r.shape) for r, _ in saved_residuals(loss, x, w)]
-
-    (got, packed), (want, plain) = run(True), run(False)
-    chex.assert_trees_all_equal(got, want)
-    assert (jnp.dtype(jnp.bfloat16), x.shape) in plain
-    assert (jnp.dtype(jnp.bfloat16), x.shape) not in packed
-    assert any(d == jnp.uint8 for d, _ in packed)
+    assert_packed_gradients_are_the_bf16_residuals(
+        policies.get("nvfp4@xla_nvfp4"), x, w, (((2,), (0,)), ((), ())), jax.random.key(1),
+        monkeypatch)
