@@ -156,6 +156,15 @@ _SR_SCRIPT = textwrap.dedent("""
         text = fn.lower(jax.device_put(dy, NamedSharding(mesh, P("fsdp", None))),
                         key).compile().as_text()
         res[f"axis{axis}_gathers"] = text.count(" all-gather")
+    # The MXFP8 kernel's pair on the same sharded operand: per shard too.
+    from mxjax.routes import xla_mxfp8_kernel as K8
+    op8 = mxjax.policies.get("mxfp8").fprop.lhs
+    fn = jax.jit(lambda x: K8.mxfp8_operand_pair(x, op8, hadamard_size=None, signs=None,
+                                                 interpret=True))
+    sharded = jax.device_put(dy, NamedSharding(mesh, P("fsdp", None)))
+    res["mxfp8"] = all(np.array_equal(np.asarray(u), np.asarray(v)) for u, v in
+                       zip(jax.tree.leaves(fn(dy)), jax.tree.leaves(fn(sharded))))
+    res["mxfp8_gathers"] = fn.lower(sharded).compile().as_text().count(" all-gather")
     print("RESULT" + json.dumps(res))
 """)
 
@@ -164,10 +173,12 @@ _SR_SCRIPT = textwrap.dedent("""
 def test_stochastic_rounding_of_a_sharded_operand_draws_at_whole_operand_positions():
     """(make test-slow: the Pallas interpreter.) The NVFP4 kernel's in-kernel draws on a
     token-sharded dY, blocked along its free axis and along the sharded axis: each shard
-    draws at its place in the whole operand, so the bits are the unsharded kernel's."""
+    draws at its place in the whole operand, so the bits are the unsharded kernel's; and
+    the MXFP8 pair kernel on it, per shard (no all-gather), the same bits."""
     res = run_on_8_fake_devices(_SR_SCRIPT)
     assert res["axis1"] and res["axis0"], res
     assert res["axis1_gathers"] == 0 and res["axis0_gathers"] == 0, res  # per shard
+    assert res["mxfp8"] and res["mxfp8_gathers"] == 0, res  # the MXFP8 pair kernel too
 
 
 def test_blocks_never_cross_a_shard_boundary():
