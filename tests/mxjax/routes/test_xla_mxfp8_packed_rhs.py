@@ -53,9 +53,10 @@ def _both(a, b, dims, recipe, *, gpu):
     return want, got
 
 
+# The GPU forms (the Pallas interpreter, ~10 s each on 2 cores) under make test-slow.
 @pytest.mark.parametrize("shape_a,shape_b,gpu", [
     ((64, 96), (96, 48), False),        # dgrad-like: dY [M, N] . W^T
-    ((40, 100), (100, 64), True),       # K = 100: padded to 128 in both operands
+    pytest.param((40, 100), (100, 64), True, marks=pytest.mark.slow),  # K = 100: padded
     pytest.param((64, 96), (96, 48), True, marks=pytest.mark.slow)])
 def test_the_packed_rhs_gemm_is_the_routes_gemm_bit_for_bit(shape_a, shape_b, gpu):
     a, b = _ab(shape_a, shape_b)
@@ -72,8 +73,8 @@ def test_a_contraction_not_last():
     chex.assert_trees_all_equal(want, got)
 
 
-@pytest.mark.parametrize("shape,dims", [
-    ((64, 96), (((1,), (1,)), ((), ()))),   # W [N, K]-like, both sizes whole blocks: pair
+@pytest.mark.parametrize("shape,dims", [  # make test-slow: the Pallas interpreter
+    pytest.param((64, 96), (((1,), (1,)), ((), ())), marks=pytest.mark.slow),  # pair
     pytest.param((48, 40), (((0,), (0,)), ((), ())), marks=pytest.mark.slow)])  # one axis
 def test_the_routes_kernel_pack_is_the_canonical_pack(shape, dims):
     b = jnp.asarray(np.random.default_rng(5).standard_normal(shape) * 3.0, jnp.float32)
