@@ -497,14 +497,7 @@ def run_codec(x2, signs, params, *, directions, codec, interpret, bf16_values=Fa
       and ``[F, K * scale_columns / 32]`` (F, K the tile-padded sizes) and the codec's
       int32 statistics ``[n_stats]`` (each a max over tiles).
     """
-    if launch is None:
-        if interpret:
-            launch = DEFAULT_LAUNCH
-        else:
-            from mxjax.chips import target_chip
-
-            launch = launch_for(target_chip("gpu").compute_capability,
-                                directions=tuple(directions))
+    launch = _launch_or_default(launch, interpret, directions)
     _check_keys(codec, keys)
     return _run_codec(x2, signs, params, _with_origin(keys), directions=directions,
                       codec=codec, interpret=interpret, bf16_values=bf16_values, launch=launch)
@@ -523,6 +516,18 @@ def kernel_name(codec, directions) -> str:
     if codec.draw_columns:
         name += "_sr"
     return name
+
+
+def _launch_or_default(launch, interpret, directions) -> Launch:
+    """`launch`, or when None the interpreter's `DEFAULT_LAUNCH` or `launch_for` the GPU
+    traced for and these directions."""
+    if launch is not None:
+        return launch
+    if interpret:
+        return DEFAULT_LAUNCH
+    from mxjax.chips import target_chip
+
+    return launch_for(target_chip("gpu").compute_capability, directions=tuple(directions))
 
 
 def _check_keys(codec, keys):
@@ -807,14 +812,7 @@ def run_codec_sharded(x2, signs, params, *, directions, codec, interpret, bf16_v
     Returns per direction ``(codes [F, Kp * code_columns / 32], scale bytes [F, Kp *
     scale_columns / 32], stats)``, F and K x2's sizes (Kp: K padded to 32).
     """
-    if launch is None:
-        if interpret:
-            launch = DEFAULT_LAUNCH
-        else:
-            from mxjax.chips import target_chip
-
-            launch = launch_for(target_chip("gpu").compute_capability,
-                                directions=tuple(directions))
+    launch = _launch_or_default(launch, interpret, directions)
     _check_keys(codec, keys)
     from mxjax.emulation.in_place import batchable, partitioned
 
