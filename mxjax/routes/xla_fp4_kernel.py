@@ -56,12 +56,13 @@ from jax.experimental import pallas as pl
 from mxjax import _bits, elements
 from mxjax.elements import round_to_value
 from mxjax.formats import E2M1, Rounding
+from mxjax.routes import threefry
 
 __all__ = ["DEFAULT_LAUNCH", "NONFINITE_SENTINEL", "TILE", "Launch", "Mxfp4Codec", "SliceDraws",
            "abs_max_bits", "check_contraction", "check_matrix", "cvt_e2m1x2", "has_e2m1_cvt",
-           "kernel_name",
-           "launch_for", "mxfp4_operand", "mxfp4_operand_pair", "nearest_even_code",
-           "quantize_slices", "rotate_slices", "run_codec", "signs_array", "takes_kernel"]
+           "kernel_name", "launch_for", "mxfp4_operand", "mxfp4_operand_pair",
+           "nearest_even_code", "quantize_slices", "rotate_slices", "run_codec", "signs_array",
+           "takes_kernel"]
 
 _MX = 32
 _NV = 16  # NVFP4's scale block: the MMA's scales are per 16 elements
@@ -366,8 +367,6 @@ class SliceDraws:
 
     def slice(self, j: int):
         """f32 uniforms of slice j (the slices' shape)."""
-        from mxjax.routes import threefry
-
         lo = self.lo + jnp.uint32(j)
         hi = self.hi + (lo < self.lo).astype(jnp.uint32)
         return threefry.uniform_at(self.k0, self.k1, hi, lo, legacy=self.legacy)
@@ -376,8 +375,6 @@ class SliceDraws:
 def _set_draws(keys_ref, d, columns, direction, pairs, x_shape, q, n, c, legacy):
     """`SliceDraws` of one set of one direction's chunk q (n rows, or n columns of words)
     of the tile: the set's F and K positions from the tile's place in the grid."""
-    from mxjax.routes import threefry
-
     tr = x_shape[0]
     tc = x_shape[1] * (2 if pairs else 1)
     n_dirs = (keys_ref.shape[0] - 2) // 2

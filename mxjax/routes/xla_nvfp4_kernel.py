@@ -43,6 +43,7 @@ from mxjax import _bits
 from mxjax.elements import decode_magnitude, round_to_grid
 from mxjax.formats import E2M1, E4M3, Rounding
 from mxjax.rotation import hadamard
+from mxjax.routes import threefry
 from mxjax.routes import xla_fp4_kernel as fp4k
 from mxjax.scaling import SR_PRESCALE, E4M3BlocksTensorScale
 
@@ -58,8 +59,6 @@ def takes_kernel(op, hadamard_size: int | None, dtype, key=None) -> bool:
     """Whether the NVFP4 kernel computes this operand (NVFP4, h in {None, 16}, bf16 or f32
     input; stochastic rounding with a ``key`` whose ``jax.random.uniform`` draws the
     kernel reproduces, `mxjax.routes.threefry.reproduces`)."""
-    from mxjax.routes import threefry
-
     elem = op.fmt.element
     return (elem is not None and elem.name == "e2m1" and op.fmt.scale == "e4m3"
             and op.fmt.block_size == _NV and hadamard_size in (None, 16)
@@ -158,8 +157,6 @@ class Nvfp4Codec:
 
 
 def _check(x2, op, hadamard_size, compiled, interpret, key=None):
-    from mxjax.routes import threefry
-
     if compiled and interpret:
         raise ValueError("compiled: PTX's div.rn has no interpreter form; pass compiled=False "
                          "with interpret=True")
@@ -177,8 +174,6 @@ def _check(x2, op, hadamard_size, compiled, interpret, key=None):
 
 def _run(x2, directions, op, hadamard_size, signs, bf16_values, compiled, interpret, launch,
          key=None):
-    from mxjax.routes import threefry
-
     signs = fp4k.signs_array(signs, hadamard_size)
     scales = jnp.stack([tensor_scale(x2, d, hadamard_size=hadamard_size, signs=signs,
                                      bf16_values=bf16_values) for d in directions])
