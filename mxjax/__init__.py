@@ -4,8 +4,8 @@ Layers (data flows one way; tests/test_layering.py checks every import):
 
   formats, layout, dimensions, validation, _platform, measurements, chips -> _bits
   -> elements -> scaling -> operand_recipe -> quantization, rotation -> operands
-  -> emulation -> kernels -> routes -> backends -> recipes -> gemm -> interceptor
-  -> policy_type -> presets -> policies -> diagnostics -> nn -> testing
+  -> emulation -> kernels -> routes -> backends -> recipes -> gemm, shard_blocks
+  -> interceptor -> policy_type -> presets -> policies -> diagnostics -> nn -> testing
 
 `mxjax.nn` (Flax integration) and `mxjax.kernels` (Pallas/Triton) are imported
 on demand (`import mxjax.nn`, `import mxjax.kernels`); the routes import the kernels
@@ -21,7 +21,8 @@ grids), `mxjax.scaling` (the scaling schemes), `mxjax.operand_recipe`
 Hadamard, GemmRecipe), `mxjax.policies` (PrecisionPolicy, presets,
 dot_general), `mxjax.dimensions` (dimension numbers), `mxjax.backends` (the routes' registry:
 which route runs a GEMM on a chip), `mxjax.gemm` (one GEMM under a recipe),
-`mxjax.interceptor` (the custom-VJP engine),
+`mxjax.interceptor` (the custom-VJP engine), `mxjax.shard_blocks` (whether a mesh keeps
+every quantization block on one device: check_linear_shards),
 `mxjax.diagnostics`
 (GEMM statistics and probes). The old module paths `mxjax.quantize`,
 `mxjax.hadamard`, `mxjax.dot_general`, `mxjax.policy` no longer exist as
@@ -49,6 +50,7 @@ from mxjax.policies import PrecisionPolicy, dot_general
 from mxjax.quantization import MXArray, dequantize, fake_quantize, quantize
 from mxjax.recipes import GemmRecipe, Hadamard, OperandRecipe
 from mxjax.rotation import fixed_signs, hadamard, random_signs
+from mxjax.shard_blocks import check_linear_shards, linear_shard_problems
 
 __version__ = "0.1.0"
 
@@ -71,6 +73,7 @@ __all__ = [
     "PrecisionPolicy",
     "Rounding",
     "ScaleRule",
+    "check_linear_shards",
     "dequantize",
     "diagnostics",
     "dot_general",
@@ -78,6 +81,7 @@ __all__ = [
     "fixed_signs",
     "formats",
     "hadamard",
+    "linear_shard_problems",
     "policies",
     "quantize",
     "random_signs",

@@ -50,7 +50,8 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     #  - the interceptor (the custom_vjp over the three GEMMs) sits above mxjax.gemm,
     #    mxjax.residuals (the backward's operands quantized and packed by the forward) and
     #    mxjax.gemm_record (the GemmRecord it hands observers of each GEMM); the remat
-    #    policies (remat) need nothing of mxjax.
+    #    policies (remat) need nothing of mxjax. Beside mxjax.gemm, shard_blocks: whether
+    #    a mesh keeps each quantization block on one device (formats and recipes).
     #  - policies sit above the interceptor: PrecisionPolicy.dot_general and
     #    mxjax.dot_general run it; the interceptor reads a policy through the
     #    mxjax.recipes.PolicyRecipes protocol and never imports the policy type.
@@ -70,7 +71,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("routes",),
         ("backends",),
         ("recipes",),
-        ("gemm", "residuals"),
+        ("gemm", "residuals", "shard_blocks"),
         ("gemm_record",),
         ("interceptor",),
         ("policies",),

@@ -19,6 +19,7 @@ import jax
 from models.llama import LlamaConfig, RopeScaling
 from mxjax import PrecisionPolicy, policies
 from mxjax.backends import Capabilities
+from mxjax.shard_blocks import linear_shard_problems
 from train import backend as gemm_backend
 from train import data as datamod
 from train.config import Config, ConfigError
@@ -160,6 +161,58 @@ def resolve_mesh(config: Config, n_devices: int) -> tuple[int, int, int]:
     return data, fsdp, tensor
 
 
+def check_mesh_blocks(policy: PrecisionPolicy | None, config: Config,
+                      model_config: LlamaConfig, mesh_axes: tuple[int, int, int], *,
+                      policy_name: str | None = None) -> None:
+    """Refuse (ConfigError) a mesh whose shards would cut `policy`'s quantization blocks.
+
+    Every Linear kernel ``[..., d_in, d_out]`` the policy reaches (the decoder layers'; under
+    ``quantize_embed_head`` the embedding table ``[V, D]`` and the head's, or the tied
+    table's ``[D, V]`` view), sharded by the model's rules (`models.sharding`), must hold
+    whole blocks per device along ``d_in`` (fprop's contraction) and ``d_out`` (dgrad's),
+    and a device's tokens (``micro_batch / (data * fsdp) * seq_len``) along wgrad's
+    (`mxjax.shard_blocks.linear_shard_problems`). Each device then quantizes its own shard
+    and the weights are gathered packed; otherwise an operand would be gathered in bf16
+    before quantizing.
+    """
+    if policy is None or math.prod(mesh_axes) == 1:
+        return
+    from flax import nnx
+    from jax.sharding import AbstractMesh
+
+    from models import sharding as shd
+    from models.llama import Llama
+
+    mesh = AbstractMesh(tuple(mesh_axes), shd.MESH_AXES)
+    abstract = nnx.eval_shape(lambda: Llama(model_config, rngs=nnx.Rngs(0)))
+    specs = shd.param_partition_specs(abstract, mesh)
+    shapes = {p: v.shape for p, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param))}
+    quantized_ends = model_config.quantize_embed_head
+    kernels = {}
+    for path, spec in specs.items():
+        name, shape = ".".join(map(str, path)), shapes[path]
+        if path[-1] == "kernel" and (path[0] != "lm_head" or quantized_ends):
+            kernels[name] = (shape, spec)
+        elif path[-1] == "embedding" and quantized_ends:
+            kernels[name] = (shape, spec)  # the one-hot GEMM's [V, D]
+            if model_config.tie_embeddings:  # and the head's [D, V] view of it
+                entries = tuple(spec) + (None,) * (2 - len(spec))
+                kernels[name + " (as the head)"] = (shape[::-1], entries[::-1])
+    data, fsdp, tensor = mesh_axes
+    micro = config.train.micro_batch or config.train.global_batch
+    problems = linear_shard_problems(policy, kernels, dict(zip(shd.MESH_AXES, mesh_axes)),
+                                     tokens_per_shard=micro // (data * fsdp)
+                                     * config.data.seq_len)
+    if problems:
+        raise ConfigError(
+            f"mesh (data={data}, fsdp={fsdp}, tensor={tensor}) under policy "
+            f"{policy.name or policy_name or 'from the config'!r}: shards would cut "
+            "quantization blocks, so operands would be gathered in bf16 before quantizing:"
+            "\n  " + "\n  ".join(problems)
+            + "\nchoose mesh sizes (or data.seq_len, train.micro_batch) that leave whole "
+              "blocks on every device")
+
+
 def check_out_dir(out: Path) -> None:
     """The output directory ``out`` (``out_dir``, ``--out``; a train or a study config's
     ``out_path``) is a directory or can be made one: neither it nor a parent of it is an
@@ -245,6 +298,7 @@ def validate(config: Config, *, verbose: bool = True, n_devices: int | None = No
         raise ConfigError(f"data: {e}") from None
     mc = build_model_config(config, prepared.vocab_size, int(prepared.meta["max_token_id"]))
     _check_init_from(config, mc)
+    check_mesh_blocks(policy, config, mc, mesh_axes, policy_name=name)
     val = datamod.Sequences(prepared.tokens("val"), config.data.seq_len)
     if t.eval_sequences > len(val):
         raise ConfigError(f"train.eval_sequences={t.eval_sequences} but the validation split has "
@@ -276,6 +330,7 @@ def _validate_stream(config: Config, policy: PrecisionPolicy | None, name: str,
                           f"{mc.vocab_size}: use a tokenizer of at most {mc.vocab_size} ids, "
                           f"or set model.overrides.vocab_size={tok.vocab_size}")
     _check_init_from(config, mc)
+    check_mesh_blocks(policy, config, mc, mesh_axes, policy_name=name)
     try:
         val_tokens = stream_data.validation_tokens(d, t.eval_sequences, tokenizer=tok)
     except datamod.DataError as e:

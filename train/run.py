@@ -25,7 +25,7 @@ from train.data.loader import BatchLoader
 from train.data.run_data import PreparedRunData, StreamRunData, run_data
 from train.hooks import Hooks
 from train.optimizer import make_optimizer
-from train.plan import Plan, with_backend
+from train.plan import Plan, check_mesh_blocks, with_backend
 from train.process import fetch
 from train.state import StateLayout, make_state_layout, put_batch
 from train.step import make_eval_step, make_train_step
@@ -107,6 +107,8 @@ class CompiledRun:
         donated); one compilation per policy."""
         policy = self.policy_for(policy)
         if policy not in self._train:
+            # the plan's policy was checked by validate; a ladder rung's is checked here
+            check_mesh_blocks(policy, self.config, self.plan.model_config, self.plan.mesh_axes)
             lay = self.layout
             fn = make_train_step(graphdef=lay.graphdef, policy=policy, tx=self.tx,
                                  schedule=self.schedule, accum_steps=self.config.accum_steps,

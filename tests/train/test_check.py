@@ -159,6 +159,27 @@ def test_a_tokenizer_larger_than_the_model_is_named_as_such(tmp_path, data_cache
                    "ids, or set model.overrides.vocab_size=512")]
 
 
+def test_a_mesh_that_cuts_quantization_blocks_is_refused(tmp_path, data_cache, capsys):
+    """fsdp=4 leaves 16 of the model's 64 embedding rows per device, half an MXFP4 block:
+    the check names each weight, its axis and the GEMM that blocks along it (exit 2): the
+    run's own validation (`train.plan.validate`), before anything compiles; FP8 (one scale per tensor) takes the same mesh."""
+    sets = fast_sets(tmp_path / "run", data_cache, "mesh.fsdp=4", "policy=mxfp4_all_h16")
+    argv = [a for s in sets for a in ("--set", s)] + ["--devices", "4", "--chip", "h100"]
+    code, out, err = _check(capsys, argv)
+    assert code == 2 and out["ok"] is False
+    assert err[0] == ("config error: mesh (data=1, fsdp=4, tensor=1) under policy "
+                      "'mxfp4_all_h16': shards would cut quantization blocks, so operands "
+                      "would be gathered in bf16 before quantizing:")
+    err = [line.strip() for line in err]
+    assert ("layers.gate_proj.kernel: axis 1 (64 over mesh axes ('fsdp',): 16 per device) is "
+            "fprop's contraction, quantized in blocks of 32; 16 is not a multiple of 32") in err
+    assert ("layers.down_proj.kernel: axis 2 (64 over mesh axes ('fsdp',): 16 per device) is "
+            "dgrad's contraction, quantized in blocks of 32; 16 is not a multiple of 32") in err
+    assert not any("lm_head" in line for line in err)  # the head stays in bf16
+    code, out, err = _check(capsys, [*argv[:-4], "--set", "policy=fp8", *argv[-4:]])
+    assert code == 0 and err == [], err
+
+
 # --------------------------------------------------------------------------- checkpoints
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, data_cache):
