@@ -7,8 +7,10 @@ train step, state layout and partition rules (`train.step.make_train_step`,
 `train.state.make_state_layout`) for ``--target``'s topology (a host of N GPUs, or N CPU
 devices with ``XLA_FLAGS=--xla_force_host_platform_device_count=N``). Prints, per policy,
 the bytes of every all-gather's result in the optimized HLO (the embedding's and the
-head's left out: they are unquantized), their count, the largest, and the ratio to
-bf16's. Issue 48's target: <= 0.55x bf16 under ``mxfp4_all_h16`` and ``nvfp4``.
+head's left out: they are unquantized): those a step runs when every operand's scale window
+is exact (outside conditionals and in the block-scaled branches) and their ratio to bf16's,
+those only the routes' emulation fallbacks run (`gathers_by_path`), the program's total,
+count and largest. Issue 48's target: <= 0.55x bf16 under ``mxfp4_all_h16`` and ``nvfp4``.
 
     .venv-aot/bin/python bench/fsdp_gathers.py --target b200 --devices 8 --seq 2048 \\
         --policies bf16,fp8,mxfp4_all_h16,mxfp4_all_h16@auto,nvfp4@auto
@@ -37,28 +39,85 @@ _GATHER = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) (all-gather-start|all-
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 
 
+def _bytes(arrays) -> float:
+    size = 0.0
+    for dt, dims in arrays:
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        size += n * _BYTES.get(dt, 0)
+    return size
+
+
+def _gather(line: str, skip_dim: int | None) -> tuple[str, float] | None:
+    """(result shape, bytes) of the all-gather on `line`, if it holds one (and not skipped)."""
+    m = _GATHER.match(line)
+    if not m:
+        return None
+    arrays = _ARRAY.findall(m.group(2))
+    if m.group(3) == "all-gather-start":
+        arrays = arrays[-1:]
+    if skip_dim is not None and any(str(skip_dim) in dims.split(",") for _, dims in arrays):
+        return None
+    return " ".join(f"{dt}[{dims}]" for dt, dims in arrays), _bytes(arrays)
+
+
 def gathers(hlo_text: str, skip_dim: int | None = None) -> list[tuple[str, float]]:
     """(result shape, bytes) of every all-gather of an optimized HLO module; an async
     start's result is the last array of its tuple. ``skip_dim``: leave out gathers whose
     result has a dimension of that size (the vocabulary's)."""
-    out = []
+    return [g for line in hlo_text.splitlines() if (g := _gather(line, skip_dim))]
+
+
+_COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{\s*$")
+_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_PRED_BRANCH = re.compile(r"\b(true|false)_computation=%?([\w.\-]+)")
+
+
+def gathers_by_path(hlo_text: str, skip_dim: int | None = None) -> dict[str, list]:
+    """`gathers` split by where each runs: ``'always'`` (outside every conditional),
+    ``'exact'`` (in a conditional's last branch: ``lax.cond``'s true one, where mxjax's
+    routes put the block-scaled GEMM, `mxjax.routes.xla_fp4`) and ``'fallback'`` (in an
+    earlier branch: the emulation those routes take when an operand's scale window is
+    not exact, or holds NaN). A computation called from a branch takes that branch's
+    path; inside a fallback branch everything is fallback."""
+    calls: dict[str, list[tuple[str, str | None]]] = {}
+    found: dict[str, list] = {}
+    entry, current = None, None
     for line in hlo_text.splitlines():
-        m = _GATHER.match(line)
-        if not m:
+        m = _COMPUTATION.match(line)
+        if m:
+            current = m.group(2)
+            entry = current if m.group(1) else entry
+            calls.setdefault(current, [])
+            found.setdefault(current, [])
             continue
-        arrays = _ARRAY.findall(m.group(2))
-        if m.group(3) == "all-gather-start":
-            arrays = arrays[-1:]
-        shape = " ".join(f"{dt}[{dims}]" for dt, dims in arrays)
-        if skip_dim is not None and any(str(skip_dim) in dims.split(",") for _, dims in arrays):
+        if current is None:
             continue
-        size = 0.0
-        for dt, dims in arrays:
-            n = 1
-            for d in filter(None, dims.split(",")):
-                n *= int(d)
-            size += n * _BYTES.get(dt, 0)
-        out.append((shape, size))
+        if (g := _gather(line, skip_dim)) is not None:
+            found[current].append(g)
+        branches = _BRANCHES.search(line)
+        if branches:
+            names = [n.strip().lstrip("%") for n in branches.group(1).split(",")]
+            calls[current] += [(n, "exact" if i == len(names) - 1 else "fallback")
+                               for i, n in enumerate(names)]
+        calls[current] += [(n, "exact" if kind == "true" else "fallback")
+                           for kind, n in _PRED_BRANCH.findall(line)]
+        calls[current] += [(n, None) for n in _CALLED.findall(line)]
+    if entry is None:
+        raise ValueError("hlo_text: no ENTRY computation")
+    out: dict[str, list] = {"always": [], "exact": [], "fallback": []}
+    seen: set[tuple[str, str]] = set()
+    stack = [(entry, "always")]
+    while stack:
+        name, path = stack.pop()
+        if (name, path) in seen or name not in calls:
+            continue
+        seen.add((name, path))
+        out[path] += found[name]
+        for callee, branch in calls[name]:
+            stack.append((callee, path if branch is None or path == "fallback" else branch))
     return out
 
 
@@ -90,15 +149,18 @@ def main(argv: list[str] | None = None) -> None:
     base = None
     for name in args.policies.split(","):
         t0 = time.perf_counter()
-        rows = gathers(compile_step(args.target, args.devices, args.seq, name), vocab)
+        paths = gathers_by_path(compile_step(args.target, args.devices, args.seq, name), vocab)
+        rows = [g for path in paths.values() for g in path]
         total = sum(b for _, b in rows)
-        base = total if name == "bf16" else base
+        step = sum(b for path in ("always", "exact") for _, b in paths[path])
+        fallback = sum(b for _, b in paths["fallback"])
+        base = step if name == "bf16" else base
         largest = max((b for _, b in rows), default=0) / 2 ** 20
-        ratio = f", {total / base:.2f}x bf16" if base else ""
-        print(f"{args.target} x{args.devices} seq {args.seq} {name}: all-gathers "
-              f"{total / 1e9:.3f} GB in {len(rows)}, largest {largest:.1f} MiB{ratio} "
+        ratio = f", {step / base:.2f}x bf16" if base else ""
+        print(f"{args.target} x{args.devices} seq {args.seq} {name}: a step gathers "
+              f"{step / 1e9:.3f} GB{ratio} (fallback branches {fallback / 1e9:.3f} GB more; "
+              f"the program {total / 1e9:.3f} GB in {len(rows)}, largest {largest:.1f} MiB) "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
-
 
 if __name__ == "__main__":
     main()

@@ -518,7 +518,8 @@ def cast_operands(a, b, operand_dtypes):
 
 
 def mx_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
-            form: str = "gpu", interpret: bool = False, operand_dtypes=None) -> jax.Array:
+            form: str = "gpu", interpret: bool = False, operand_dtypes=None,
+            out_dtype=None, row_chunks: int = 1) -> jax.Array:
     """``dot_general(a, b, dims)`` under an MX recipe, operands in place: f32, lax's layout.
 
     Both operands' formats must be E8M0-scaled with bf16-exact values (MXFP4). The
@@ -528,10 +529,23 @@ def mx_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
     ``interpret`` runs it in the Pallas interpreter). ``operand_dtypes``: None or a
     pair of dtypes (or None) the GEMM casts a and b to first (`mxjax.gemm.gemm`;
     the TPU kernel rounds an f32 operand to bf16 itself, XLA fuses the GPU form's
-    casts into its quantize pass).
+    casts into its quantize pass). ``out_dtype``: the result cast to it (f32 if None).
+    ``row_chunks`` > 1: the larger operand without a stochastic-rounding key (whose draws
+    are drawn for its whole shape) is cut along its largest free axis into that many
+    pieces (the largest divisor of the axis' size up to it), each quantized, contracted,
+    cast and written into the result in a loop (`in_pieces`): neither its values nor the
+    f32 result are ever whole (the routes' fallback branches, whose buffers would
+    otherwise set their program's peak memory). Quantization runs along K, so each
+    piece's values are the whole operand's; each result element is the same dot over K.
     """
     if form not in ("gpu", "tpu"):
         raise ValueError(f"form: expected 'gpu' or 'tpu', got {form!r}")
+    cuts = _pieces(row_chunks, dims, (a, k_lhs), (b, k_rhs))
+    if cuts:
+        whole = functools.partial(mx_gemm, dims=dims, recipe=recipe, k_lhs=k_lhs, k_rhs=k_rhs,
+                                  signs=signs, form=form, interpret=interpret,
+                                  operand_dtypes=operand_dtypes, out_dtype=out_dtype)
+        return _cut(whole, [a, b], cuts, dims)
     da, db = operand_dtypes or (None, None)
     if form == "gpu":
         a, b = cast_operands(a, b, operand_dtypes)
@@ -549,17 +563,91 @@ def mx_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
     else:
         av = sharded_operand_values(va, recipe.lhs, key=k_lhs, **kw)
         bv = sharded_operand_values(vb, recipe.rhs, key=k_rhs, **kw)
-    out = lax.dot_general(av, bv, (((va.axis,), (vb.axis,)), (va.batch, vb.batch)),
-                          precision=lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
+    return _dot(av, bv, (((va.axis,), (vb.axis,)), (va.batch, vb.batch)), recipe, out_dtype)
+
+
+def _dot(av, bv, dims, recipe, out_dtype):
+    """The emulation's dot of operand values: f32 accumulation (DEFAULT precision: the values
+    are bf16-exact), times the SR 3/4 unscale of each operand that has it, cast to
+    ``out_dtype`` (f32 if None)."""
+    out = lax.dot_general(av, bv, dims, precision=lax.Precision.DEFAULT,
+                          preferred_element_type=jnp.float32)
     for op in (recipe.lhs, recipe.rhs):
         if op.sr_prescale:
             out = out * jnp.float32(SR_UNSCALE)
-    return out
+    return out if out_dtype is None else out.astype(out_dtype)
+
+
+def _free(ndim: int, batch, contract) -> list[int]:
+    return [i for i in range(ndim) if i not in contract and i not in batch]
+
+
+def _pieces(row_chunks: int, dims, *operands) -> list[tuple[int, int, int]]:
+    """(side, axis, n) of each operand a GEMM computes in pieces, larger operand first: each
+    whose values do not depend on its whole shape (no stochastic-rounding key: its draws
+    are drawn for the whole operand), cut along its largest free axis into n pieces (the
+    largest divisor of that axis' size up to ``row_chunks``, when more than 1)."""
+    if row_chunks <= 1:
+        return []
+    (ca, cb), (ba, bb) = dims
+    cuts = []
+    for side, ((x, key), contract, batch) in enumerate(zip(operands, (ca, cb), (ba, bb))):
+        free = _free(x.ndim, batch, contract)
+        if key is not None or not free:
+            continue
+        axis = max(free, key=lambda i: x.shape[i])
+        n = max(d for d in range(1, row_chunks + 1) if x.shape[axis] % d == 0)
+        if n > 1:
+            cuts.append((x.size, side, axis, n))
+    return [c[1:] for c in sorted(cuts, key=lambda c: -c[0])]
+
+
+def _cut(fn, operands: list, cuts, dims):
+    """``fn(*operands)`` (a GEMM) with each of ``cuts`` (side, axis, n) taken in pieces, one
+    loop inside the other (`in_pieces`): a piece of each cut operand at a time."""
+    if not cuts:
+        return fn(*operands)
+    (side, axis, n), rest = cuts[0], cuts[1:]
+
+    def piece(p):
+        ops = list(operands)
+        ops[side] = p
+        return _cut(fn, ops, rest, dims)
+
+    out_axis = _out_axis(dims, operands[0].ndim, side, axis, operands[-1].ndim)
+    return in_pieces(piece, operands[side], axis, n, out_axis)
+
+
+def _out_axis(dims, a_ndim: int, side: int, axis: int, b_ndim: int | None = None) -> int:
+    """The axis of ``dot_general(a, b, dims)``'s result that free axis `axis` of operand
+    `side` (0: a, 1: b) becomes: ``[batch..., a's free..., b's free...]``."""
+    (ca, cb), (ba, bb) = dims
+    a_free = _free(a_ndim, ba, ca)
+    if side == 0:
+        return len(ba) + a_free.index(axis)
+    return len(ba) + len(a_free) + _free(b_ndim, bb, cb).index(axis)
+
+
+def in_pieces(fn, x: jax.Array, axis: int, n: int, out_axis: int) -> jax.Array:
+    """``fn(x)`` for an fn whose result's ``out_axis`` follows x's free ``axis`` element for
+    element (a GEMM's free axis), computed on ``n`` equal pieces of x along ``axis`` in a
+    loop, each written into the result in place: only one piece of fn's intermediates is
+    live at a time (`mx_gemm`'s ``row_chunks``)."""
+    size = x.shape[axis] // n
+    piece = jax.eval_shape(fn, jax.ShapeDtypeStruct(
+        x.shape[:axis] + (size,) + x.shape[axis + 1:], x.dtype))
+    shape = piece.shape[:out_axis] + (x.shape[axis],) + piece.shape[out_axis + 1:]
+
+    def body(j, out):
+        part = fn(lax.dynamic_slice_in_dim(x, j * size, size, axis))
+        return lax.dynamic_update_slice_in_dim(out, part, j * size, out_axis)
+
+    return lax.fori_loop(0, n, body, jnp.zeros(shape, piece.dtype))
 
 
 def mx_gemm_packed_rhs(a: jax.Array, q: MXArray, b_shape: Sequence[int], dims, recipe, k_lhs,
                        signs, *, form: str = "gpu", interpret: bool = False,
-                       operand_dtype=None) -> jax.Array:
+                       operand_dtype=None, out_dtype=None, row_chunks: int = 1) -> jax.Array:
     """`mx_gemm` with its rhs given quantized: the same result, bit for bit.
 
     Args:
@@ -571,11 +659,26 @@ def mx_gemm_packed_rhs(a: jax.Array, q: MXArray, b_shape: Sequence[int], dims, r
         contraction view, so that the GEMM is the same ``dot_general``.
       dims: the dimension numbers of ``dot_general(a, b)``.
       form, interpret: as `mx_gemm`'s, for the lhs.
+      out_dtype: as `mx_gemm`'s.
+      row_chunks: as `mx_gemm`'s: the larger of a (its largest free axis, when it has no
+        stochastic-rounding key) and q (its rows, the flattened free axis: dequantized and
+        contracted piece by piece) is taken in that many pieces.
     Returns:
-      f32 ``[batch..., lhs free..., rhs free...]``, as `mx_gemm`.
+      ``[batch..., lhs free..., rhs free...]`` (f32, or out_dtype), as `mx_gemm`.
     """
     if form not in ("gpu", "tpu"):
         raise ValueError(f"form: expected 'gpu' or 'tpu', got {form!r}")
+    gemm = functools.partial(_packed_rhs_gemm, q=q, b_shape=b_shape, dims=dims, recipe=recipe,
+                             k_lhs=k_lhs, signs=signs, form=form, interpret=interpret,
+                             operand_dtype=operand_dtype, out_dtype=out_dtype,
+                             q_chunks=row_chunks)
+    # The lhs in pieces (when it has no rounding key); q's rows in pieces inside.
+    return _cut(gemm, [a], _pieces(row_chunks, dims, (a, k_lhs)), dims)
+
+
+def _packed_rhs_gemm(a, *, q, b_shape, dims, recipe, k_lhs, signs, form, interpret,
+                     operand_dtype, out_dtype, q_chunks):
+    """`mx_gemm_packed_rhs` of a whole lhs; q's rows in ``q_chunks`` pieces."""
     if form == "gpu" and operand_dtype is not None:
         a, operand_dtype = a.astype(operand_dtype), None
     (ca, cb), (ba, bb) = dims
@@ -596,15 +699,36 @@ def mx_gemm_packed_rhs(a: jax.Array, q: MXArray, b_shape: Sequence[int], dims, r
     if tuple(q.shape) != want:
         raise ValueError(f"q: expected the canonical operand of shape {want} for b of shape "
                          f"{tuple(b_shape)}, got {tuple(q.shape)}")
+    n = max(d for d in range(1, max(1, q_chunks) + 1) if want[-2] % d == 0)
+    if n > 1:  # pieces of q's rows
+        return _packed_rhs_dot_in_chunks(av, va, q, canonical, recipe, out_dtype, n)
     # The values without the SR unscale, which multiplies the result as in mx_gemm.
     bare = MXArray(q.codes, q.scales, q.tensor_scale, q.shape, q.axis, q.fmt, False)
     bv = dequantize(bare, av.dtype).reshape(canonical + (k_out,))
     perm = list(b_perm) + [len(b_perm)]
     perm.insert(b_axis, perm.pop())
     bv = jnp.transpose(bv, perm)
-    out = lax.dot_general(av, bv, (((va.axis,), (b_axis,)), (va.batch, b_batch)),
-                          precision=lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
-    for op in (recipe.lhs, recipe.rhs):
-        if op.sr_prescale:
-            out = out * jnp.float32(SR_UNSCALE)
-    return out
+    return _dot(av, bv, (((va.axis,), (b_axis,)), (va.batch, b_batch)), recipe, out_dtype)
+
+
+def _packed_rhs_dot_in_chunks(av, va, q: MXArray, canonical, recipe, out_dtype, n: int):
+    """`mx_gemm_packed_rhs`'s dot with q dequantized and contracted in ``n`` row pieces of
+    its flattened free axis F: only one piece of the rhs values and of the f32 result is
+    live; the result, ``[batch..., lhs free..., F]`` written piece by piece, is then read
+    as b's free axes."""
+    n_batch = len(va.batch)
+    size = q.shape[-2] // n
+    dims = (((va.axis,), (n_batch + 1,)), (va.batch, tuple(range(n_batch))))
+
+    def dot(j):
+        codes = lax.dynamic_slice_in_dim(q.codes, j * size, size, q.codes.ndim - 2)
+        scales = lax.dynamic_slice_in_dim(q.scales, j * size, size, q.scales.ndim - 2)
+        part = MXArray(codes, scales, q.tensor_scale, q.shape[:-2] + (size, q.shape[-1]),
+                       q.axis, q.fmt, False)  # the SR unscale multiplies the result
+        return _dot(av, dequantize(part, av.dtype), dims, recipe, out_dtype)
+
+    piece = jax.eval_shape(dot, 0)
+    out = jnp.zeros(piece.shape[:-1] + (q.shape[-2],), piece.dtype)
+    out = lax.fori_loop(0, n, lambda j, out: lax.dynamic_update_slice_in_dim(
+        out, dot(j), j * size, out.ndim - 1), out)
+    return out.reshape(out.shape[:-1] + tuple(canonical[n_batch:]))

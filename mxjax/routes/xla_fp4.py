@@ -301,9 +301,9 @@ def mx_gemm_fp4(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
 
     def emulated(a, b):
         out = in_place.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs, signs, form="gpu",
-                               operand_dtypes=operand_dtypes)
-        out = out.reshape(ops_a[0].shape[0], ops_a[0].shape[1], ops_b[0].shape[1])
-        return out if out_dtype is None else out.astype(out_dtype)
+                               operand_dtypes=operand_dtypes, out_dtype=out_dtype,
+                               row_chunks=xla_fp8.FALLBACK_ROW_CHUNKS)
+        return out.reshape(ops_a[0].shape[0], ops_a[0].shape[1], ops_b[0].shape[1])
 
     # The operands as given (the emulation casts them): no cast pass outside its branch.
     return _fp4_gemm(ops_a, ops_b, recipe, out_dtype, k_pad, emulated, (a0, b0))
@@ -398,9 +398,9 @@ def mx_gemm_fp4_packed_rhs(a: jax.Array, q: MXArray, b_shape, dims, recipe, k_lh
 
     def emulated(a):
         out = in_place.mx_gemm_packed_rhs(a, q, b_shape, dims, recipe, k_lhs, signs,
-                                          operand_dtype=operand_dtype)
-        out = out.reshape(ops_a[0].shape[0], ops_a[0].shape[1], ops_b[0].shape[1])
-        return out if out_dtype is None else out.astype(out_dtype)
+                                          operand_dtype=operand_dtype, out_dtype=out_dtype,
+                                          row_chunks=xla_fp8.FALLBACK_ROW_CHUNKS)
+        return out.reshape(ops_a[0].shape[0], ops_a[0].shape[1], ops_b[0].shape[1])
 
     return _fp4_gemm(ops_a, ops_b, recipe, out_dtype, k_pad, emulated, (a0,))
 

@@ -57,6 +57,7 @@ from mxjax.scaling import SR_UNSCALE
 __all__ = [
     "CARRIERS",
     "CARRIER_PRODUCT_EXPONENTS",
+    "FALLBACK_ROW_CHUNKS",
     "LHS_CARRIER",
     "RHS_CARRIER",
     "ROUTE",
@@ -97,6 +98,12 @@ class Carrier:
 CARRIERS = {"e4m3": Carrier(E4M3, jnp.float8_e4m3fn), "e5m2": Carrier(E5M2, jnp.float8_e5m2)}
 LHS_CARRIER = CARRIERS["e5m2"]
 RHS_CARRIER = CARRIERS["e4m3"]
+
+# The emulation fallbacks of the MXFP4 routes (this one, `mxjax.routes.xla_fp4`) take their
+# larger operand in this many pieces (`in_place.mx_gemm`'s ``row_chunks``): whole, its bf16
+# values (224 MiB for an 8B MLP activation at 8192 tokens) and the f32 result (448 MiB) live
+# in the conditional's other branch and set the layer's peak temporary memory on a B200.
+FALLBACK_ROW_CHUNKS = 8
 MIN_EXP, MAX_EXP = -126, 127  # _bits.pow2's range
 
 
@@ -230,8 +237,8 @@ def mx_gemm_fp8(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
         return scaled_result(out, ta + tb, recipe, out_dtype)
 
     def emulated(a, b):
-        out = in_place.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs, signs, form="gpu")
-        return out if out_dtype is None else out.astype(out_dtype)
+        return in_place.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs, signs, form="gpu",
+                                out_dtype=out_dtype, row_chunks=FALLBACK_ROW_CHUNKS)
 
     return lax.cond(exact, fp8, emulated, a, b)
 

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import itertools
 
@@ -425,3 +426,109 @@ def test_mx_gemm_with_the_rhs_given_quantized_is_mx_gemm(form, preset, gemm, np_
         b = jnp.asarray(_adversarial(np_rng, shape_b, ml_dtypes.bfloat16))
         want, got = jax.jit(both, static_argnums=2)(a, b, dims)
         chex.assert_trees_all_equal(want, got)
+
+
+# --------------------------------------------------------------------------- row chunks
+_CHUNK_LAYOUTS = {
+    # lhs, rhs, dims; the larger operand's largest free axis is the one cut
+    "xw": ((3, 40, 96), (96, 24), (((2,), (0,)), ((), ()))),  # a's axis 1 (40 rows)
+    "batched": ((2, 36, 64), (2, 64, 8), (((2,), (1,)), ((0,), (0,)))),
+    "lhs_transposed": ((64, 30), (64, 12), (((0,), (0,)), ((), ()))),  # free axis after K
+    "rhs_larger": ((6, 64), (2, 64, 45), (((1,), (1,)), ((), ()))),  # b's axis 2
+}
+
+
+def _small_ints(shape, seed, scale, dtype=jnp.bfloat16):
+    return jax.random.randint(jax.random.key(seed), shape, -8, 9).astype(dtype) * scale
+
+
+@pytest.mark.parametrize("layout", sorted(_CHUNK_LAYOUTS))
+@pytest.mark.parametrize("chunks", [4, 7])  # 7 divides none: the largest divisor is taken
+def test_mx_gemm_in_pieces_is_the_whole_gemm(layout, chunks):
+    """Small integers: every summation order gives the exact sum, so the GEMM computed on
+    pieces of its larger operand (quantized piece by piece, H16 along K) must give the whole
+    GEMM's bits, cast to bf16 (jit and eager)."""
+    sa, sb, dims = _CHUNK_LAYOUTS[layout]
+    a, b = _small_ints(sa, 1, 0.5, jnp.float32), _small_ints(sb, 2, 0.25)
+    recipe = mxjax.policies.get("mxfp4_all_h16").fprop
+    signs = mxjax.fixed_signs(0, 16)
+
+    def gemm(a, b, chunks):
+        return in_place.mx_gemm(a, b, dims, recipe, None, None, signs, out_dtype=jnp.bfloat16,
+                                operand_dtypes=(jnp.bfloat16, None), row_chunks=chunks)
+
+    whole = jax.jit(gemm, static_argnums=2)(a, b, 1)
+    chex.assert_shape(whole, jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dims),
+                                            a, b).shape)
+    chex.assert_trees_all_equal(jax.jit(gemm, static_argnums=2)(a, b, chunks), whole)
+    chex.assert_trees_all_equal(gemm(a, b, chunks), whole)
+
+
+def test_an_operand_with_a_rounding_key_is_never_cut():
+    """Stochastic rounding draws for the whole operand: only the others are cut, the larger
+    first (its loop outside)."""
+    sa, sb, dims = _CHUNK_LAYOUTS["xw"]  # a is the larger; a's axis 1, b's axis 1
+    a, b, key = jnp.ones(sa), jnp.ones(sb), jax.random.key(0)
+    assert in_place._pieces(8, dims, (a, None), (b, None)) == [(0, 1, 8), (1, 1, 8)]
+    assert in_place._pieces(8, dims, (a, key), (b, None)) == [(1, 1, 8)]
+    assert in_place._pieces(8, dims, (a, key), (b, key)) == []
+    assert in_place._pieces(1, dims, (a, None), (b, None)) == []
+
+
+def _dots(jaxpr, depth=0):
+    """(loop depth, result shape) of every dot_general in a jaxpr and its sub-jaxprs."""
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "dot_general":
+            out.append((depth, e.outvars[0].aval.shape))
+        loop = e.primitive.name in ("while", "scan")
+        for v in e.params.values():
+            inner = getattr(v, "jaxpr", v)
+            if hasattr(inner, "eqns"):
+                out += _dots(inner, depth + loop)
+    return out
+
+
+def test_mx_gemm_in_pieces_holds_one_piece_at_a_time():
+    sa, sb, dims = _CHUNK_LAYOUTS["xw"]
+    jaxpr = jax.make_jaxpr(lambda a, b: in_place.mx_gemm(
+        a, b, dims, mxjax.policies.get("mxfp4_all").fprop, None, None, None,
+        out_dtype=jnp.bfloat16, row_chunks=8))(jnp.ones(sa), jnp.ones(sb))
+    assert jaxpr.out_avals[0].shape == (3, 40, 24)
+    # two loops: 8 pieces of a's 40 rows, inside them 8 pieces of b's 24 columns
+    assert _dots(jaxpr.jaxpr) == [(2, (3, 5, 3))]
+
+
+@pytest.mark.parametrize("case", [
+    ((8, 64), (64, 40), (((1,), (0,)), ((), ()))),  # q the larger: 5 pieces of its 40 rows
+    ((2, 4, 64), (2, 3, 5, 64), (((2,), (3,)), ((0,), (0,)))),  # two rhs free axes, batch
+    ((48, 64), (64, 40), (((1,), (0,)), ((), ()))),  # the lhs the larger: 6 pieces of 8
+])
+def test_mx_gemm_packed_rhs_in_row_pieces_is_the_whole_dot(case):
+    """Small integers: every summation order gives the exact sum, so q dequantized and
+    contracted in row pieces (or the lhs quantized in pieces, when it is the larger) must
+    give the whole dot's bits (bf16 result, H16, 4/3 SR unscale of the rhs)."""
+    from mxjax import operands
+
+    shape_a, shape_b, dims = case
+    recipe = mxjax.GemmRecipe(
+        lhs=mxjax.OperandRecipe(fmt="mxfp4", scale_rule="even"), hadamard=16,
+        rhs=mxjax.OperandRecipe(fmt="mxfp4", scale_rule="even", rounding="stochastic",
+                                sr_prescale=True))
+    ka, kb, kq = jax.random.split(jax.random.key(3), 3)
+    a = jax.random.randint(ka, shape_a, -8, 9).astype(jnp.float32)
+    b = jax.random.randint(kb, shape_b, -8, 9).astype(jnp.bfloat16)
+    signs = mxjax.fixed_signs(0, 16)
+    _, b3 = operands.rotate(*operands.canonical_operands(a, b, Dims(*dims)), recipe, None)
+    q = quantize_with(b3, recipe.rhs, -1, key=kq)
+
+    def run(chunks):
+        return jax.jit(lambda a, q: in_place.mx_gemm_packed_rhs(
+            a, q, shape_b, dims, recipe, None, signs, out_dtype=jnp.bfloat16,
+            row_chunks=chunks))(a, q)
+
+    whole = run(1)
+    chex.assert_shape(whole, jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dims),
+                                            a, b).shape)
+    chex.assert_trees_all_equal(run(7), whole)
+    chex.assert_trees_all_equal(run(2), whole)

@@ -366,3 +366,48 @@ def test_mx_dot_refuses_xla_fp4_with_a_reason():
     q = mxjax.quantize(jnp.ones((8, 64)), mxjax.MXFP4, axis=1)
     with pytest.raises(ValueError, match="xla_fp4.*GEMM recipe"):
         mx_dot(q, q, backend="xla_fp4")
+
+
+def _loop_dots(jaxpr, in_loop=False, in_branch=None):
+    """(in a loop, cond branch index or None, result shape) of every dot_general."""
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "dot_general":
+            out.append((in_loop, in_branch, e.outvars[0].aval.shape))
+        for name, v in e.params.items():
+            subs = v if isinstance(v, (tuple, list)) else (v,)
+            for i, sub in enumerate(subs):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    branch = i if (e.primitive.name == "cond" and name == "branches") \
+                        else in_branch
+                    out += _loop_dots(inner, in_loop or e.primitive.name in ("while", "scan"),
+                                      branch)
+    return out
+
+
+def test_the_emulation_fallback_holds_one_piece_of_the_result_at_a_time():
+    """The cond's emulation branch (operands outside the FP4 window) takes both operands in
+    `FALLBACK_ROW_CHUNKS` pieces (with a packed rhs, q dequantized and contracted in pieces
+    of its rows): on a GPU whole operand values and the f32 result, in the conditional's
+    other branch, would otherwise set the layer's peak memory."""
+    from mxjax.routes import xla_fp8
+
+    n = xla_fp8.FALLBACK_ROW_CHUNKS
+    recipe = mxjax.policies.get("mxfp4_all_h16").fprop
+    signs = mxjax.fixed_signs(0, 16)
+    a = jnp.ones((8, 64, 128), jnp.bfloat16)
+    b = jnp.ones((128, 96), jnp.bfloat16)
+    dims = (((2,), (0,)), ((), ()))
+    jaxpr = jax.make_jaxpr(lambda a, b: xla_fp4.mx_gemm_fp4(
+        a, b, dims, recipe, None, None, signs, out_dtype=jnp.bfloat16))(a, b)
+    dots = _loop_dots(jaxpr.jaxpr)
+    # the emulation: the lhs's rows in pieces, the rhs's columns in pieces of those
+    assert (True, 0, (8, 64 // n, 96 // n)) in dots
+    assert not [d for d in dots if d[1] == 0 and not d[0]]  # and no whole dot there
+    q = quantize_with(jnp.ones((96, 128)), recipe.rhs, -1)
+    jaxpr = jax.make_jaxpr(lambda a, q: xla_fp4.mx_gemm_fp4_packed_rhs(
+        a, q, b.shape, dims, recipe, None, signs, out_dtype=jnp.bfloat16))(a, q)
+    dots = _loop_dots(jaxpr.jaxpr)
+    assert (True, 0, (8, 64 // n, 96 // n)) in dots  # and q's rows in pieces
+    assert not [d for d in dots if d[1] == 0 and not d[0]]

@@ -178,6 +178,9 @@ def test_route_matches_the_emulation_bit_for_bit_on_cpu_with_and_without_jit():
 
 
 def test_wide_span_takes_the_emulation_bit_for_bit():
+    """The fallback is the emulation's operands and dot, computed in the fallback's pieces
+    (`in_place.mx_gemm`'s ``row_chunks``: the bits of that computation), each element
+    within f32 summation of the float64 GEMM of the reference's quantized operands."""
     shape_a, shape_b, dims = DIMS["xw"]
     a, b = _operands(shape_a, shape_b, seed=1)
     a = a.at[0, :32].multiply(2.0**40)  # one block 2^40 above the rest: past E5M2's window
@@ -185,8 +188,14 @@ def test_wide_span_takes_the_emulation_bit_for_bit():
     recipe = _recipe("mxfp4_all_h16")
     signs = mxjax.fixed_signs(0, 16)
     out = jax.jit(_route, static_argnums=(2, 3))(a, b, dims, recipe, signs)
-    emu = jax.jit(_emulation, static_argnums=(2, 3))(a, b, dims, recipe, signs)
+    emu = jax.jit(lambda a, b: in_place.mx_gemm(
+        a, b, dims, recipe, None, None, signs, form="gpu",
+        row_chunks=M.FALLBACK_ROW_CHUNKS))(a, b)
     chex.assert_trees_all_equal(out, emu)
+    exact, mag = _reference_gemm(a, b, dims, "mxfp4_all_h16", signs)
+    k = -(-shape_a[1] // 16) * 16
+    err = np.abs(np.asarray(out, np.float64) - exact)
+    assert np.all(err <= 2 * k * 2.0**-24 * mag)
     # ...and the flag is what sent it there.
     view = in_place.contraction_view(a, (), (1,))
     _, (_, exact) = in_place.mx_operand_values(
