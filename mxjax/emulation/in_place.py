@@ -681,7 +681,7 @@ def _packed_rhs_gemm(a, *, q, b_shape, dims, recipe, k_lhs, signs, form, interpr
     """`mx_gemm_packed_rhs` of a whole lhs; q's rows in ``q_chunks`` pieces."""
     if form == "gpu" and operand_dtype is not None:
         a, operand_dtype = a.astype(operand_dtype), None
-    (ca, cb), (ba, bb) = dims
+    (ca, _), (ba, _) = dims
     va = contraction_view(a, ba, ca)
     h = None if recipe.hadamard is None else recipe.hadamard.block_size
     k = va.x.shape[va.axis]
@@ -692,23 +692,38 @@ def _packed_rhs_gemm(a, *, q, b_shape, dims, recipe, k_lhs, signs, form, interpr
                                    interpret=interpret, **kw)
     else:
         av = mx_operand_values(va, recipe.lhs, **kw)
-    b_axis, b_batch, b_perm = _view_axes(len(b_shape), tuple(bb), tuple(cb))
+    canonical = _packed_rhs_canonical(q, b_shape, dims, k_out)
+    n = max(d for d in range(1, max(1, q_chunks) + 1) if q.shape[-2] % d == 0)
+    if n > 1:  # pieces of q's rows
+        return _packed_rhs_dot_in_chunks(av, va, q, canonical, recipe, out_dtype, n)
+    bv, b_axis, b_batch = packed_rhs_values(q, b_shape, dims, k_out, av.dtype)
+    return _dot(av, bv, (((va.axis,), (b_axis,)), (va.batch, b_batch)), recipe, out_dtype)
+
+
+def _packed_rhs_canonical(q: MXArray, b_shape, dims, k_out: int) -> tuple[int, ...]:
+    """b's canonical axes (batch, then free), checking q is b's canonical operand."""
+    (_, cb), (_, bb) = dims
     canonical = tuple(b_shape[i] for i in bb) + tuple(
         b_shape[i] for i in free_axes(len(b_shape), bb, cb))
     want = canonical[:len(bb)] + (math.prod(canonical[len(bb):]), k_out)
     if tuple(q.shape) != want:
         raise ValueError(f"q: expected the canonical operand of shape {want} for b of shape "
                          f"{tuple(b_shape)}, got {tuple(q.shape)}")
-    n = max(d for d in range(1, max(1, q_chunks) + 1) if want[-2] % d == 0)
-    if n > 1:  # pieces of q's rows
-        return _packed_rhs_dot_in_chunks(av, va, q, canonical, recipe, out_dtype, n)
-    # The values without the SR unscale, which multiplies the result as in mx_gemm.
+    return canonical
+
+
+def packed_rhs_values(q: MXArray, b_shape: Sequence[int], dims, k_out: int, dtype):
+    """The values of a packed rhs laid out as b's contraction view (the layout `mx_gemm`
+    contracts b in): ``(values, axis, batch)``, K padded to ``k_out``; without the SR
+    unscale, which multiplies the GEMM's result (`mx_gemm_packed_rhs`)."""
+    (_, cb), (_, bb) = dims
+    canonical = _packed_rhs_canonical(q, b_shape, dims, k_out)
+    b_axis, b_batch, b_perm = _view_axes(len(b_shape), tuple(bb), tuple(cb))
     bare = MXArray(q.codes, q.scales, q.tensor_scale, q.shape, q.axis, q.fmt, False)
-    bv = dequantize(bare, av.dtype).reshape(canonical + (k_out,))
+    bv = dequantize(bare, dtype).reshape(canonical + (k_out,))
     perm = list(b_perm) + [len(b_perm)]
     perm.insert(b_axis, perm.pop())
-    bv = jnp.transpose(bv, perm)
-    return _dot(av, bv, (((va.axis,), (b_axis,)), (va.batch, b_batch)), recipe, out_dtype)
+    return jnp.transpose(bv, perm), b_axis, b_batch
 
 
 def _packed_rhs_dot_in_chunks(av, va, q: MXArray, canonical, recipe, out_dtype, n: int):

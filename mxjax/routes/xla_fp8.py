@@ -50,7 +50,8 @@ from mxjax import _bits
 from mxjax.chips import Chip
 from mxjax.emulation import f8_accumulation, in_place
 from mxjax.formats import E2M1, E4M3, E5M2, ElementFormat
-from mxjax.quantization import dequantize
+from mxjax.operands import free_size, rotation_signs, split_key
+from mxjax.quantization import MXArray, dequantize
 from mxjax.routes.spec import NO_GPU_TARGET, Route, in_place_route_gemm
 from mxjax.scaling import SR_UNSCALE
 
@@ -67,8 +68,10 @@ __all__ = [
     "in_place_views",
     "mx_dot_fp8",
     "mx_gemm_fp8",
+    "mx_gemm_fp8_packed_rhs",
     "narrow_result",
     "narrow_result_exact",
+    "packed_window",
     "scaled_result",
     "takes_fp8_route",
     "window_of_exponents",
@@ -219,15 +222,28 @@ def mx_gemm_fp8(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
     (qa, (ta, exact_a)), (qb, (tb, exact_b)) = encoded
     contract = (((va.axis,), (vb.axis,)), (va.batch, vb.batch))
 
+    def emulated(a, b):
+        return in_place.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs, signs, form="gpu",
+                                out_dtype=out_dtype, row_chunks=FALLBACK_ROW_CHUNKS)
+
+    return _carried_gemm((qa, ta, exact_a), (qb, tb, exact_b), contract, recipe, out_dtype,
+                         kw["k_out"], gemm_name, emulated, (a, b))
+
+
+def _carried_gemm(lhs, rhs, contract, recipe, out_dtype, k_out: int, gemm_name, emulated,
+                  operands) -> jax.Array:
+    """The FP8 GEMM of two carried operands ``(values, t, exact)`` times ``2^(t_a + t_b)``
+    (and the SR unscales), or ``emulated(*operands)`` where either is not exact
+    (``lax.cond``)."""
+    (qa, ta, exact_a), (qb, tb, exact_b) = lhs, rhs
     narrow = narrow_result(recipe, out_dtype)
     exact = exact_a & exact_b
     if narrow:
-        exact = exact & narrow_result_exact(ta + tb, kw["k_out"], CARRIER_PRODUCT_EXPONENTS)
+        exact = exact & narrow_result_exact(ta + tb, k_out, CARRIER_PRODUCT_EXPONENTS)
 
     precision = f8_accumulation.f8_dot_precision(gemm_name, qa.dtype, qb.dtype)
 
-    def fp8(a, b):
-        del a, b
+    def fp8(*_):
         if narrow:  # the GEMM writes bf16 itself: 2 bytes per result, not 4 + a pass
             out = lax.dot_general(qa, qb, contract, precision=precision,
                                   preferred_element_type=jnp.bfloat16)
@@ -236,11 +252,72 @@ def mx_gemm_fp8(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *
                               preferred_element_type=jnp.float32)
         return scaled_result(out, ta + tb, recipe, out_dtype)
 
-    def emulated(a, b):
-        return in_place.mx_gemm(a, b, dims, recipe, k_lhs, k_rhs, signs, form="gpu",
-                                out_dtype=out_dtype, row_chunks=FALLBACK_ROW_CHUNKS)
+    return lax.cond(exact, fp8, emulated, *operands)
 
-    return lax.cond(exact, fp8, emulated, a, b)
+
+def packed_window(q: MXArray, carrier: Carrier) -> tuple[jax.Array, jax.Array]:
+    """`carrier_window` of an operand already quantized (a canonical MXFP4 MXArray, e.g. a
+    packed residual), from its codes and scale bytes: its live blocks are those whose
+    input was not all zeros (a nonzero code, or a scale other than an all-zero block's 1:
+    inputs so small every code rounds to zero have their exponent clamped at -127, and
+    the in-place form counts them live too), NaN blocks (0xFF) excluded."""
+    scale = q.scales.astype(jnp.int32)
+    codes = q.codes.reshape(q.scales.shape + (-1,))  # each block's 16 bytes
+    nonzero = jnp.any((codes & 0x77) != 0, axis=-1)  # a nibble's magnitude bits
+    live = (scale != 255) & ((scale != 127) | nonzero)
+    return window_of_exponents(scale - 127, live, carrier)
+
+
+def mx_gemm_fp8_packed_rhs(a: jax.Array, q: MXArray, b_shape, dims, recipe, k_lhs, signs, *,
+                           operand_dtype=None, out_dtype=None,
+                           gemm_name: str | None = None) -> jax.Array:
+    """`mx_gemm_fp8` with its rhs given quantized: the same result, bit for bit.
+
+    Args:
+      a: the lhs as `mx_gemm_fp8` takes it (cast to ``operand_dtype`` first if given).
+      q: the rhs's canonical MXFP4 operand ``[batch..., Fb, K']`` (the primal ``b`` of
+        shape ``b_shape`` in the canonical layout, rotated by the recipe's Hadamard, K'
+        padded to its size, quantized along K' with the rhs key: a quantized residual),
+        carried in E4M3 (`packed_window`) and laid out as b's contraction view, so that
+        the FP8 GEMM is `mx_gemm_fp8`'s; the emulation's branch reads it as b's values
+        (`mxjax.emulation.in_place.mx_gemm_packed_rhs`).
+      dims, recipe, k_lhs, signs, out_dtype, gemm_name: as `mx_gemm_fp8`'s.
+    Returns:
+      ``[batch..., lhs free..., rhs free...]`` (f32 or out_dtype).
+    """
+    if not takes_fp8_route(recipe):
+        raise ValueError(f"recipe: the 'xla_fp8' backend takes MXFP4 x MXFP4, got "
+                         f"{recipe.lhs.fmt.name} x {recipe.rhs.fmt.name}")
+    if q.fmt.name != "mxfp4" or q.axis != len(q.shape) - 1 or len(q.shape) < 2:
+        raise ValueError(f"q: expected an MXFP4 MXArray blocked along the last axis of "
+                         f"[batch..., F, K], got {q.fmt.name} with shape {q.shape}, axis "
+                         f"{q.axis}")
+    if operand_dtype is not None:
+        a = a.astype(operand_dtype)
+    (ca, _), (ba, _) = dims
+    va = in_place.contraction_view(a, ba, ca)
+    h = None if recipe.hadamard is None else recipe.hadamard.block_size
+    k = va.x.shape[va.axis]
+    k_out = k if h is None else -(-k // h) * h
+
+    def finish(v, amax_bits):
+        t, exact = carrier_window(amax_bits, recipe.lhs, LHS_CARRIER)
+        return encode_exact(v, t, LHS_CARRIER), (t, exact)
+
+    qa, (ta, exact_a) = in_place.mx_operand_values(va, recipe.lhs, key=k_lhs, finish=finish,
+                                                   k_out=k_out, hadamard_size=h, signs=signs)
+    tb, exact_b = packed_window(q, RHS_CARRIER)
+    vb, b_axis, b_batch = in_place.packed_rhs_values(q, b_shape, dims, k_out, jnp.float32)
+    qb = encode_exact(vb, tb, RHS_CARRIER)
+    contract = (((va.axis,), (b_axis,)), (va.batch, b_batch))
+
+    def emulated(a):
+        return in_place.mx_gemm_packed_rhs(a, q, b_shape, dims, recipe, k_lhs, signs,
+                                           out_dtype=out_dtype,
+                                           row_chunks=FALLBACK_ROW_CHUNKS)
+
+    return _carried_gemm((qa, ta, exact_a), (qb, tb, exact_b), contract, recipe, out_dtype,
+                         k_out, gemm_name, emulated, (a,))
 
 
 # The carriers' products: nonzero magnitudes in [2^lo, 2^hi) (E5M2's smallest subnormal
@@ -313,6 +390,21 @@ def _gemm(a, b, *, dims, recipe, key, gemm_name, operand_dtypes=None, out_dtype=
                                operand_dtypes=operand_dtypes, out_dtype=out_dtype)
 
 
+def _packed_rhs_gemm(a, packed_q, *, b_shape, dims, recipe, key, gemm_name,
+                     operand_dtypes=None, out_dtype=None, platform=None) -> jax.Array:
+    """``Route.packed_rhs_gemm``: `_gemm` with the rhs given quantized (a packed residual)."""
+    del platform
+    k_lhs, _, k_had = split_key(key if recipe.needs_key else None)
+    signs = None if recipe.hadamard is None else rotation_signs(recipe.hadamard, k_had)
+    out = mx_gemm_fp8_packed_rhs(a, packed_q, b_shape, dims, recipe, k_lhs, signs,
+                                 operand_dtype=None if operand_dtypes is None
+                                 else operand_dtypes[0], out_dtype=out_dtype,
+                                 gemm_name=_accumulation_name(gemm_name))
+    (ca, _), (ba, _) = dims
+    return out.reshape(tuple(a.shape[i] for i in ba)
+                       + (free_size(a, ba, ca), packed_q.shape[-2]))
+
+
 def _accumulation_name(gemm_name: str | None) -> str | None:
     """`f8_accumulation`'s name of a GEMM: 'fprop', 'dgrad' or 'wgrad', else None (a GEMM
     outside a policy's three, e.g. `mxjax.gemm`'s default 'gemm': promoted accumulation,
@@ -345,4 +437,5 @@ ROUTE = Route(
     packed_dot=_packed_dot,
     evidence=("layer_8b.h200.measured", "layer_8b.h200.rates_roofline",
               "layer_8b.b200.rates_roofline", "gemm_8192.h200.measured"),
+    packed_rhs_gemm=_packed_rhs_gemm,
 )

@@ -103,7 +103,7 @@ def test_the_packing_presets():
     p = policies.get("mxfp8").with_backend("xla_mxfp8")
     assert saves_packed(p.dgrad) and saves_packed(p.wgrad)
     p = policies.get("mxfp4_all_h16").with_backend("xla_fp8")
-    assert not saves_packed(p.dgrad) and not saves_packed(p.wgrad)
+    assert saves_packed(p.dgrad) and saves_packed(p.wgrad)
 
 
 # Three presets in the default run (MX with H16, NVFP4, SR with randomized H64); every one
@@ -233,13 +233,13 @@ def _abstract_mesh(kind, platform):
 
 
 @pytest.mark.parametrize("kind,platform,mx_packs,auto_packs", [
-    ("NVIDIA H200", "gpu", False, False), ("NVIDIA B200", "gpu", False, True),
+    ("NVIDIA H200", "gpu", False, True), ("NVIDIA B200", "gpu", False, True),
     ("TPU v5 lite", "tpu", False, False)])
 def test_the_decision_follows_every_platforms_route_and_the_target(kind, platform, mx_packs,
                                                                    auto_packs):
     # Every platform's branch must take the packed rhs (the program may be lowered for any):
     # the emulation does on every platform; under 'auto' the GPU branch is the target's
-    # route: 'xla_fp4' (B200) takes it, 'xla_fp8' (H200) does not yet. The target then
+    # route: 'xla_fp4' (B200) and 'xla_fp8' (H200) take it. The target then
     # chooses: the emulation's GPU and TPU forms keep MX operands in place; NVFP4 packs.
     target = _abstract_mesh(kind, platform)
     with jax.sharding.use_abstract_mesh(target):
@@ -332,11 +332,13 @@ def test_another_route_takes_the_packed_rhs_through_the_registry(monkeypatch):
     assert ("cpu", "dgrad", "MXArray") in calls and ("cpu", "wgrad", "MXArray") in calls, calls
 
 
-def test_the_registry_refuses_a_packed_rhs_for_a_route_without_it():
+def test_the_registry_refuses_a_packed_rhs_for_a_route_without_it(monkeypatch):
     recipe = policies.get("mxfp4_all").with_backend("xla_fp8").wgrad
     a = jnp.ones((8, 64), jnp.float32)
     dims = Dims(*canonical_dimension_numbers(0))
     q = pack_rhs(jnp.ones((16, 64), jnp.float32), dims, recipe, None).q
+    monkeypatch.setitem(backends.ROUTES, "xla_fp8",
+                        dataclasses.replace(backends.ROUTES["xla_fp8"], packed_rhs_gemm=None))
     with pytest.raises(ValueError, match="'xla_fp8' has no packed_rhs_gemm"):
         backends.run_packed_rhs_gemm(a, q, b_shape=(16, 64), dims=dims, recipe=recipe, key=None,
                                      gemm_name="wgrad")
