@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.costmodel import aot
+from bench.costmodel import aot, hlo_kernels
 
 aot.use_cpu_host()
 
@@ -69,55 +69,45 @@ def gathers(hlo_text: str, skip_dim: int | None = None) -> list[tuple[str, float
     return [g for line in hlo_text.splitlines() if (g := _gather(line, skip_dim))]
 
 
-_COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{\s*$")
-_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_PRED_BRANCH = re.compile(r"\b(true|false)_computation=%?([\w.\-]+)")
-
-
 def gathers_by_path(hlo_text: str, skip_dim: int | None = None) -> dict[str, list]:
     """`gathers` split by where each runs: ``'always'`` (outside every conditional),
-    ``'exact'`` (in a conditional's last branch: ``lax.cond``'s true one, where mxjax's
-    routes put the block-scaled GEMM, `mxjax.routes.xla_fp4`) and ``'fallback'`` (in an
-    earlier branch: the emulation those routes take when an operand's scale window is
-    not exact, or holds NaN). A computation called from a branch takes that branch's
-    path; inside a fallback branch everything is fallback."""
-    calls: dict[str, list[tuple[str, str | None]]] = {}
-    found: dict[str, list] = {}
-    entry, current = None, None
-    for line in hlo_text.splitlines():
-        m = _COMPUTATION.match(line)
-        if m:
-            current = m.group(2)
-            entry = current if m.group(1) else entry
-            calls.setdefault(current, [])
-            found.setdefault(current, [])
-            continue
-        if current is None:
-            continue
-        if (g := _gather(line, skip_dim)) is not None:
-            found[current].append(g)
-        branches = _BRANCHES.search(line)
-        if branches:
-            names = [n.strip().lstrip("%") for n in branches.group(1).split(",")]
-            calls[current] += [(n, "exact" if i == len(names) - 1 else "fallback")
-                               for i, n in enumerate(names)]
-        calls[current] += [(n, "exact" if kind == "true" else "fallback")
-                           for kind, n in _PRED_BRANCH.findall(line)]
-        calls[current] += [(n, None) for n in _CALLED.findall(line)]
-    if entry is None:
-        raise ValueError("hlo_text: no ENTRY computation")
+    ``'exact'`` (in a conditional's true branch, or an indexed one's last: ``lax.cond``'s
+    true one, where mxjax's routes put the block-scaled GEMM, `mxjax.routes.xla_fp4`) and
+    ``'fallback'`` (in another branch: the emulation those routes take when an operand's
+    scale window is not exact, or holds NaN). A computation called from a branch takes
+    its path; inside a fallback branch everything is fallback. The module is read by
+    `bench.costmodel.hlo_kernels.parse_module`."""
+    module = hlo_kernels.parse_module(hlo_text)
     out: dict[str, list] = {"always": [], "exact": [], "fallback": []}
     seen: set[tuple[str, str]] = set()
-    stack = [(entry, "always")]
+    stack = [(module.entry, "always")]
     while stack:
         name, path = stack.pop()
-        if (name, path) in seen or name not in calls:
+        if (name, path) in seen or name not in module.computations:
             continue
         seen.add((name, path))
-        out[path] += found[name]
-        for callee, branch in calls[name]:
-            stack.append((callee, path if branch is None or path == "fallback" else branch))
+        for inst in module.computations[name]:
+            if inst.opcode in ("all-gather", "all-gather-start"):
+                arrays = _ARRAY.findall(inst.shape)[-1:] if inst.opcode.endswith("start") \
+                    else _ARRAY.findall(inst.shape)
+                if skip_dim is None or not any(str(skip_dim) in d.split(",") for _, d in arrays):
+                    out[path].append((" ".join(f"{t}[{d}]" for t, d in arrays), _bytes(arrays)))
+            branches = _branches(inst.attributes)
+            for callee in inst.called:
+                branch = branches.get(callee)
+                stack.append((callee, path if branch is None or path == "fallback" else branch))
+    return out
+
+
+def _branches(attributes: str) -> dict[str, str]:
+    """{branch computation: 'exact' or 'fallback'} of a conditional's attributes."""
+    out = {n: ("exact" if kind == "true" else "fallback")
+           for kind, n in re.findall(r"\b(true|false)_computation=%?([\w.\-]+)", attributes)}
+    m = re.search(r"branch_computations=\{([^}]*)\}", attributes)
+    if m:
+        names = [n.strip().lstrip("%") for n in m.group(1).split(",") if n.strip()]
+        out.update({n: "exact" if i == len(names) - 1 else "fallback"
+                    for i, n in enumerate(names)})
     return out
 
 

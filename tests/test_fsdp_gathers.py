@@ -55,7 +55,8 @@ HloModule m
 
 %region_1.2 (x.1: (bf16[512,4096])) -> (bf16[4096,4096]) {
   %all-gather.3 = u8[4096,7168]{1,0} all-gather(u8[512,7168]{1,0} %c), dimensions={0}
-  %c2 = (f32[8]{0}) conditional(%i, %t, %t), true_computation=%inner_exact, false_computation=%inner_fb
+  %c2 = (f32[8]{0}) conditional(%i, %t, %t), true_computation=%inner_exact, \
+false_computation=%inner_fb
 }
 
 %inner_exact (p: u8[8,32]) -> u8[64,32] {

@@ -162,7 +162,8 @@ def test_a_tokenizer_larger_than_the_model_is_named_as_such(tmp_path, data_cache
 def test_a_mesh_that_cuts_quantization_blocks_is_refused(tmp_path, data_cache, capsys):
     """fsdp=4 leaves 16 of the model's 64 embedding rows per device, half an MXFP4 block:
     the check names each weight, its axis and the GEMM that blocks along it (exit 2): the
-    run's own validation (`train.plan.validate`), before anything compiles; FP8 (one scale per tensor) takes the same mesh."""
+    run's own validation (`train.plan.validate`), before anything compiles; FP8 (one scale
+    per tensor) takes the same mesh."""
     sets = fast_sets(tmp_path / "run", data_cache, "mesh.fsdp=4", "policy=mxfp4_all_h16")
     argv = [a for s in sets for a in ("--set", s)] + ["--devices", "4", "--chip", "h100"]
     code, out, err = _check(capsys, argv)

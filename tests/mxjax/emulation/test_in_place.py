@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import functools
 import importlib
 import itertools
 
@@ -442,8 +441,13 @@ def _small_ints(shape, seed, scale, dtype=jnp.bfloat16):
     return jax.random.randint(jax.random.key(seed), shape, -8, 9).astype(dtype) * scale
 
 
-@pytest.mark.parametrize("layout", sorted(_CHUNK_LAYOUTS))
-@pytest.mark.parametrize("chunks", [4, 7])  # 7 divides none: the largest divisor is taken
+# 7 divides none of the axes: the largest divisor is taken. Two cases in the default run.
+_PIECES = [(layout, chunks) if (layout, chunks) in {("xw", 4), ("rhs_larger", 7)}
+           else pytest.param(layout, chunks, marks=_SLOW)
+           for layout in sorted(_CHUNK_LAYOUTS) for chunks in (4, 7)]
+
+
+@pytest.mark.parametrize("layout,chunks", _PIECES)
 def test_mx_gemm_in_pieces_is_the_whole_gemm(layout, chunks):
     """Small integers: every summation order gives the exact sum, so the GEMM computed on
     pieces of its larger operand (quantized piece by piece, H16 along K) must give the whole
@@ -501,8 +505,10 @@ def test_mx_gemm_in_pieces_holds_one_piece_at_a_time():
 
 @pytest.mark.parametrize("case", [
     ((8, 64), (64, 40), (((1,), (0,)), ((), ()))),  # q the larger: 5 pieces of its 40 rows
-    ((2, 4, 64), (2, 3, 5, 64), (((2,), (3,)), ((0,), (0,)))),  # two rhs free axes, batch
-    ((48, 64), (64, 40), (((1,), (0,)), ((), ()))),  # the lhs the larger: 6 pieces of 8
+    pytest.param(((2, 4, 64), (2, 3, 5, 64), (((2,), (3,)), ((0,), (0,)))),  # batch, 2 free
+                 marks=_SLOW),
+    pytest.param(((48, 64), (64, 40), (((1,), (0,)), ((), ()))),  # the lhs the larger
+                 marks=_SLOW),
 ])
 def test_mx_gemm_packed_rhs_in_row_pieces_is_the_whole_dot(case):
     """Small integers: every summation order gives the exact sum, so q dequantized and
