@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+import mxjax
 from models.llama import LlamaConfig
 from tests.train.data.stream_testutil import grain_sets, write_shards
 from tests.train.train_testutil import ROOT, fast_sets
@@ -295,3 +296,28 @@ def test_check_of_a_directory_it_cannot_write(trained, monkeypatch):
     finding = check_mod._run_dir(more)
     assert finding.exit_code == 5 and finding.line.startswith(
         f"output directory error: output directory {out} is not writable by this user")
+
+
+def test_a_quantized_head_and_its_tied_table_are_held_to_the_blocks_too(tmp_path):
+    """Under ``quantize_embed_head`` the embedding table is a GEMM's [V, D] weight and, tied,
+    the head's [D, V] one: 400 vocabulary rows over tensor=8 leave 50 per device."""
+    from train import config as config_mod
+    from train.config import ConfigError
+    from train.plan import check_mesh_blocks
+
+    cfg = config_mod.load(None, fast_sets(tmp_path / "run", tmp_path / "data"))
+    policy = mxjax.policies.get("mxfp4_all")
+    mc = LlamaConfig.tiny(vocab_size=400, quantize_embed_head=True, tie_embeddings=True)
+    with pytest.raises(ConfigError) as err:
+        check_mesh_blocks(policy, cfg, mc, (1, 1, 8))
+    lines = [line.strip() for line in str(err.value).splitlines()]
+    assert ("embed_tokens.embedding: axis 0 (400 over mesh axes ('tensor',): 50 per device) "
+            "is fprop's contraction, quantized in blocks of 32; 50 is not a multiple of 32"
+            ) in lines
+    assert any(line.startswith("embed_tokens.embedding (as the head): axis 1 (400 over mesh "
+                               "axes ('tensor',): 50 per device) is dgrad's") for line in lines)
+    assert any(line.startswith("layers.k_proj.kernel: axis 2 (64 over") for line in lines)
+    with pytest.raises(ConfigError) as err:  # the head unquantized: only the layers' kernel
+        check_mesh_blocks(policy, cfg, mc.replace(quantize_embed_head=False), (1, 1, 8))
+    assert "embed_tokens" not in str(err.value) and "k_proj" in str(err.value)
+    check_mesh_blocks(None, cfg, mc, (1, 1, 8))  # nothing quantized: any mesh
