@@ -19,7 +19,7 @@ from mxjax import formats as F
 from mxjax.chips import Chip
 from mxjax.operands import free_size, rotation_signs, split_key
 
-__all__ = ["NO_GPU_TARGET", "Route", "in_place_route_gemm"]
+__all__ = ["NO_GPU_TARGET", "Route", "in_place_route_gemm", "in_place_route_packed_rhs_gemm"]
 
 # Why a GPU route cannot be chosen for a GPU lowering with no target in sight.
 NO_GPU_TARGET = ("no GPU target known (trace under jax.set_mesh / "
@@ -93,3 +93,20 @@ def in_place_route_gemm(route: Callable[..., jax.Array], a: jax.Array, b: jax.Ar
     (ca, cb), (ba, bb) = dims
     return out.reshape(tuple(a.shape[i] for i in ba)
                        + (free_size(a, ba, ca), free_size(b, bb, cb)))
+
+
+def in_place_route_packed_rhs_gemm(route: Callable[..., jax.Array], a: jax.Array, packed_q, *,
+                                   b_shape, dims, recipe, key, operand_dtypes=None,
+                                   out_dtype=None) -> jax.Array:
+    """`in_place_route_gemm` with the rhs given quantized (``Route.packed_rhs_gemm`` of
+    'xla_fp8' and 'xla_fp4'): ``route(a, packed_q, b_shape, dims, recipe, k_lhs, signs,
+    operand_dtype=, out_dtype=)`` is the route's packed-rhs function. Returns ``[batch...,
+    Fa, Fb]``, f32 or out_dtype."""
+    k_lhs, _, k_had = split_key(key if recipe.needs_key else None)
+    signs = None if recipe.hadamard is None else rotation_signs(recipe.hadamard, k_had)
+    out = route(a, packed_q, b_shape, dims, recipe, k_lhs, signs,
+                operand_dtype=None if operand_dtypes is None else operand_dtypes[0],
+                out_dtype=out_dtype)
+    (ca, _), (ba, _) = dims
+    return out.reshape(tuple(a.shape[i] for i in ba)
+                       + (free_size(a, ba, ca), packed_q.shape[-2]))

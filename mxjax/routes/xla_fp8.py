@@ -50,9 +50,13 @@ from mxjax import _bits
 from mxjax.chips import Chip
 from mxjax.emulation import f8_accumulation, in_place
 from mxjax.formats import E2M1, E4M3, E5M2, ElementFormat
-from mxjax.operands import free_size, rotation_signs, split_key
 from mxjax.quantization import MXArray, dequantize
-from mxjax.routes.spec import NO_GPU_TARGET, Route, in_place_route_gemm
+from mxjax.routes.spec import (
+    NO_GPU_TARGET,
+    Route,
+    in_place_route_gemm,
+    in_place_route_packed_rhs_gemm,
+)
 from mxjax.scaling import SR_UNSCALE
 
 __all__ = [
@@ -394,15 +398,10 @@ def _packed_rhs_gemm(a, packed_q, *, b_shape, dims, recipe, key, gemm_name,
                      operand_dtypes=None, out_dtype=None, platform=None) -> jax.Array:
     """``Route.packed_rhs_gemm``: `_gemm` with the rhs given quantized (a packed residual)."""
     del platform
-    k_lhs, _, k_had = split_key(key if recipe.needs_key else None)
-    signs = None if recipe.hadamard is None else rotation_signs(recipe.hadamard, k_had)
-    out = mx_gemm_fp8_packed_rhs(a, packed_q, b_shape, dims, recipe, k_lhs, signs,
-                                 operand_dtype=None if operand_dtypes is None
-                                 else operand_dtypes[0], out_dtype=out_dtype,
-                                 gemm_name=_accumulation_name(gemm_name))
-    (ca, _), (ba, _) = dims
-    return out.reshape(tuple(a.shape[i] for i in ba)
-                       + (free_size(a, ba, ca), packed_q.shape[-2]))
+    route = functools.partial(mx_gemm_fp8_packed_rhs, gemm_name=_accumulation_name(gemm_name))
+    return in_place_route_packed_rhs_gemm(route, a, packed_q, b_shape=b_shape, dims=dims,
+                                          recipe=recipe, key=key,
+                                          operand_dtypes=operand_dtypes, out_dtype=out_dtype)
 
 
 def _accumulation_name(gemm_name: str | None) -> str | None:
