@@ -532,11 +532,14 @@ def mx_gemm(a: jax.Array, b: jax.Array, dims, recipe, k_lhs, k_rhs, signs, *,
     casts into its quantize pass). ``out_dtype``: the result cast to it (f32 if None).
     ``row_chunks`` > 1: the larger operand without a stochastic-rounding key (whose draws
     are drawn for its whole shape) is cut along its largest free axis into that many
-    pieces (the largest divisor of the axis' size up to it), each quantized, contracted,
-    cast and written into the result in a loop (`in_pieces`): neither its values nor the
-    f32 result are ever whole (the routes' fallback branches, whose buffers would
-    otherwise set their program's peak memory). Quantization runs along K, so each
-    piece's values are the whole operand's; each result element is the same dot over K.
+    pieces (the largest divisor of the axis' size up to it), then the other likewise
+    inside, each piece quantized, contracted, cast and written into the result in a loop
+    (`in_pieces`): neither the values nor the f32 result are ever whole (the routes'
+    fallback branches, whose buffers would otherwise set their program's peak memory).
+    Quantization runs along K, so each piece's values are the whole operand's; each
+    result element is a dot over K of the same values, summed in the order the GEMM
+    library takes for the piece's shape (bit for bit with ``row_chunks=1`` where the sums
+    are exact).
     """
     if form not in ("gpu", "tpu"):
         raise ValueError(f"form: expected 'gpu' or 'tpu', got {form!r}")
@@ -628,18 +631,20 @@ def _out_axis(dims, a_ndim: int, side: int, axis: int, b_ndim: int | None = None
     return len(ba) + len(a_free) + _free(b_ndim, bb, cb).index(axis)
 
 
-def in_pieces(fn, x: jax.Array, axis: int, n: int, out_axis: int) -> jax.Array:
+def in_pieces(fn, x, axis: int, n: int, out_axis: int) -> jax.Array:
     """``fn(x)`` for an fn whose result's ``out_axis`` follows x's free ``axis`` element for
     element (a GEMM's free axis), computed on ``n`` equal pieces of x along ``axis`` in a
     loop, each written into the result in place: only one piece of fn's intermediates is
-    live at a time (`mx_gemm`'s ``row_chunks``)."""
-    size = x.shape[axis] // n
-    piece = jax.eval_shape(fn, jax.ShapeDtypeStruct(
-        x.shape[:axis] + (size,) + x.shape[axis + 1:], x.dtype))
-    shape = piece.shape[:out_axis] + (x.shape[axis],) + piece.shape[out_axis + 1:]
+    live at a time (`mx_gemm`'s ``row_chunks``). ``x``: an array, or a pytree of arrays
+    cut alike (a packed operand's codes and scales)."""
+    length = jax.tree.leaves(x)[0].shape[axis]
+    size = length // n
+    piece = jax.eval_shape(fn, jax.tree.map(lambda v: jax.ShapeDtypeStruct(
+        v.shape[:axis] + (size,) + v.shape[axis + 1:], v.dtype), x))
+    shape = piece.shape[:out_axis] + (length,) + piece.shape[out_axis + 1:]
 
     def body(j, out):
-        part = fn(lax.dynamic_slice_in_dim(x, j * size, size, axis))
+        part = fn(jax.tree.map(lambda v: lax.dynamic_slice_in_dim(v, j * size, size, axis), x))
         return lax.dynamic_update_slice_in_dim(out, part, j * size, out_axis)
 
     return lax.fori_loop(0, n, body, jnp.zeros(shape, piece.dtype))
@@ -728,22 +733,16 @@ def packed_rhs_values(q: MXArray, b_shape: Sequence[int], dims, k_out: int, dtyp
 
 def _packed_rhs_dot_in_chunks(av, va, q: MXArray, canonical, recipe, out_dtype, n: int):
     """`mx_gemm_packed_rhs`'s dot with q dequantized and contracted in ``n`` row pieces of
-    its flattened free axis F: only one piece of the rhs values and of the f32 result is
-    live; the result, ``[batch..., lhs free..., F]`` written piece by piece, is then read
-    as b's free axes."""
+    its flattened free axis F (`in_pieces`): the result, ``[batch..., lhs free..., F]``, is
+    then read as b's free axes."""
     n_batch = len(va.batch)
-    size = q.shape[-2] // n
     dims = (((va.axis,), (n_batch + 1,)), (va.batch, tuple(range(n_batch))))
 
-    def dot(j):
-        codes = lax.dynamic_slice_in_dim(q.codes, j * size, size, q.codes.ndim - 2)
-        scales = lax.dynamic_slice_in_dim(q.scales, j * size, size, q.scales.ndim - 2)
-        part = MXArray(codes, scales, q.tensor_scale, q.shape[:-2] + (size, q.shape[-1]),
-                       q.axis, q.fmt, False)  # the SR unscale multiplies the result
+    def dot(parts):
+        codes, scales = parts
+        part = MXArray(codes, scales, q.tensor_scale, q.shape[:-2] + codes.shape[-2:-1]
+                       + q.shape[-1:], q.axis, q.fmt, False)  # the SR unscale: on the result
         return _dot(av, dequantize(part, av.dtype), dims, recipe, out_dtype)
 
-    piece = jax.eval_shape(dot, 0)
-    out = jnp.zeros(piece.shape[:-1] + (q.shape[-2],), piece.dtype)
-    out = lax.fori_loop(0, n, lambda j, out: lax.dynamic_update_slice_in_dim(
-        out, dot(j), j * size, out.ndim - 1), out)
+    out = in_pieces(dot, (q.codes, q.scales), q.codes.ndim - 2, n, av.ndim - 1)  # F: the last
     return out.reshape(out.shape[:-1] + tuple(canonical[n_batch:]))
