@@ -5,6 +5,7 @@ from __future__ import annotations
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax._src.ad_checkpoint import saved_residuals  # print_saved_residuals's list
 
 import mxjax
@@ -34,3 +35,10 @@ def assert_packed_gradients_are_the_bf16_residuals(policy, x, w, dims, key, monk
     assert (jnp.dtype(jnp.bfloat16), x.shape) in plain
     assert (jnp.dtype(jnp.bfloat16), x.shape) not in packed
     assert any(d == jnp.uint8 for d, _ in packed)
+
+
+def normal_operands(shape_a=(64, 96), shape_b=(96, 80), dtype=jnp.bfloat16, seed=0):
+    """Two standard-normal operands of the packed-rhs GEMM tests."""
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.standard_normal(shape_a), dtype),
+            jnp.asarray(rng.standard_normal(shape_b), dtype))

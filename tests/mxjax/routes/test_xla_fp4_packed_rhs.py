@@ -31,6 +31,7 @@ from mxjax.quantization import quantize_with
 from mxjax.recipes import GemmRecipe
 from mxjax.rotation import hadamard
 from mxjax.routes import xla_fp4
+from tests.mxjax.routes._packed_rhs_testutil import normal_operands
 
 MXFP4 = OperandRecipe(fmt=mxjax.MXFP4, scale_rule=ScaleRule.EVEN)
 _SLOW = pytest.mark.slow
@@ -149,25 +150,19 @@ def _both(a, b, key, *, dims, recipe, out_dtype=None, kernel=False):
     return primal, packed
 
 
-def _ab(shape_a=(64, 96), shape_b=(96, 80), dtype=jnp.bfloat16, seed=0):
-    rng = np.random.default_rng(seed)
-    return (jnp.asarray(rng.standard_normal(shape_a), dtype),
-            jnp.asarray(rng.standard_normal(shape_b), dtype))
-
-
 def _h16(gemm="wgrad"):
     return getattr(policies.get("mxfp4_all_h16"), gemm)
 
 
 @pytest.mark.parametrize("gemm", ["fprop", "dgrad", "wgrad"])
 def test_the_packed_rhs_gemm_is_the_routes_gemm_bit_for_bit(gemm):
-    a, b = _ab()
+    a, b = normal_operands()
     primal, packed = _both(a, b, None, dims=_MM, recipe=_h16(gemm))
     chex.assert_trees_all_equal(primal, packed)
 
 
 def test_the_emulation_branch_is_the_same_for_a_wide_or_nan_rhs():
-    a, b = _ab()
+    a, b = normal_operands()
     rng = np.random.default_rng(2)
     wide = b * jnp.asarray(2.0 ** rng.integers(-40, 40, size=(1, 80)), jnp.bfloat16)
     for rhs in (wide, b.at[3, 5].set(jnp.nan)):
@@ -176,7 +171,7 @@ def test_the_emulation_branch_is_the_same_for_a_wide_or_nan_rhs():
 
 
 def test_batch_axes_a_contraction_not_last_and_a_bf16_result():
-    a, b = _ab((2, 48, 40), (2, 24, 48), jnp.float32)
+    a, b = normal_operands((2, 48, 40), (2, 24, 48), jnp.float32)
     dims = (((1,), (2,)), ((0,), (0,)))
     for out_dtype in (None, jnp.bfloat16):
         primal, packed = _both(a, b, None, dims=dims, recipe=_h16(), out_dtype=out_dtype)
@@ -185,7 +180,7 @@ def test_batch_axes_a_contraction_not_last_and_a_bf16_result():
 
 @_SLOW
 def test_the_lhs_by_the_one_pass_kernel():
-    a, b = _ab((64, 64), (64, 32))
+    a, b = normal_operands((64, 64), (64, 32))
     primal, packed = _both(a, b, None, dims=_MM, recipe=_h16("dgrad"), kernel=True)
     chex.assert_trees_all_equal(primal, packed)
 
@@ -193,7 +188,7 @@ def test_the_lhs_by_the_one_pass_kernel():
 @pytest.mark.parametrize("preset", ["tseng", pytest.param("mxfp4_all_sr", marks=_SLOW),
                                     pytest.param("mxfp4_all_rht16", marks=_SLOW)])
 def test_the_backward_recipes_of_randomized_presets_with_their_keys(preset):
-    a, b = _ab()
+    a, b = normal_operands()
     for gemm in ("dgrad", "wgrad"):
         recipe = getattr(policies.get(preset), gemm)
         primal, packed = _both(a, b, jax.random.key(3), dims=_MM, recipe=recipe)
@@ -201,7 +196,7 @@ def test_the_backward_recipes_of_randomized_presets_with_their_keys(preset):
 
 
 def test_the_packed_rhs_gemm_rejects_a_q_of_another_contraction():
-    a, b = _ab()
+    a, b = normal_operands()
     q = quantize_with(jnp.ones((80, 64)), MXFP4, -1)
     with pytest.raises(ValueError, match="q: its contraction"):
         xla_fp4.mx_gemm_fp4_packed_rhs(a, q, b.shape, _MM, _h16(), None, _signs(16))

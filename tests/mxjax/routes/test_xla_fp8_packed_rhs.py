@@ -27,7 +27,10 @@ from mxjax.emulation import in_place
 from mxjax.operands import canonical_operands, rotate, rotation_signs, split_key
 from mxjax.quantization import quantize_with
 from mxjax.routes import xla_fp8
-from tests.mxjax.routes._packed_rhs_testutil import assert_packed_gradients_are_the_bf16_residuals
+from tests.mxjax.routes._packed_rhs_testutil import (
+    assert_packed_gradients_are_the_bf16_residuals,
+    normal_operands,
+)
 
 _MM = (((1,), (0,)), ((), ()))
 _SLOW = pytest.mark.slow
@@ -93,22 +96,16 @@ def _both(a, b, key, *, dims, recipe, out_dtype=None, gemm_name=None):
     return primal, packed
 
 
-def _ab(shape_a=(64, 96), shape_b=(96, 80), dtype=jnp.bfloat16, seed=0):
-    rng = np.random.default_rng(seed)
-    return (jnp.asarray(rng.standard_normal(shape_a), dtype),
-            jnp.asarray(rng.standard_normal(shape_b), dtype))
-
-
 @pytest.mark.parametrize("gemm", ["fprop", "dgrad", "wgrad"])
 def test_the_packed_rhs_gemm_is_the_routes_gemm_bit_for_bit(gemm):
-    a, b = _ab()
+    a, b = normal_operands()
     recipe = getattr(policies.get("mxfp4_all_h16"), gemm)
     primal, packed = _both(a, b, None, dims=_MM, recipe=recipe, gemm_name=gemm)
     chex.assert_trees_all_equal(primal, packed)
 
 
 def test_the_emulation_branch_is_the_same_for_a_wide_or_nan_rhs():
-    a, b = _ab()
+    a, b = normal_operands()
     rng = np.random.default_rng(2)
     wide = b * jnp.asarray(2.0 ** rng.integers(-40, 40, size=(1, 80)), jnp.bfloat16)
     recipe = policies.get("mxfp4_all_h16").wgrad
@@ -122,7 +119,7 @@ def test_the_emulation_branch_is_the_same_for_a_wide_or_nan_rhs():
 
 @_SLOW
 def test_batch_axes_a_contraction_not_last_and_a_bf16_result():
-    a, b = _ab((2, 48, 40), (2, 24, 48), jnp.float32)
+    a, b = normal_operands((2, 48, 40), (2, 24, 48), jnp.float32)
     dims = (((1,), (2,)), ((0,), (0,)))
     for out_dtype in (None, jnp.bfloat16):
         primal, packed = _both(a, b, None, dims=dims,
@@ -133,7 +130,7 @@ def test_batch_axes_a_contraction_not_last_and_a_bf16_result():
 @_SLOW
 @pytest.mark.parametrize("preset", ["tseng", "mxfp4_all_sr"])
 def test_the_backward_recipes_of_randomized_presets_with_their_keys(preset):
-    a, b = _ab()
+    a, b = normal_operands()
     for gemm in ("dgrad", "wgrad"):
         recipe = getattr(policies.get(preset), gemm)
         primal, packed = _both(a, b, jax.random.key(3), dims=_MM, recipe=recipe)
@@ -141,7 +138,7 @@ def test_the_backward_recipes_of_randomized_presets_with_their_keys(preset):
 
 
 def test_the_packed_rhs_gemm_refuses_other_formats_and_layouts():
-    a, b = _ab()
+    a, b = normal_operands()
     recipe = policies.get("mxfp4_all_h16").wgrad
     with pytest.raises(ValueError, match="q: expected an MXFP4 MXArray"):
         xla_fp8.mx_gemm_fp8_packed_rhs(a, mxjax.quantize(jnp.ones((96, 80)), mxjax.MXFP4,
