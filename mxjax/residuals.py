@@ -58,7 +58,7 @@ from mxjax._platform import per_platform
 from mxjax.backends import ROUTES, routes_per_platform
 from mxjax.chips import target_chip
 from mxjax.dimensions import Dims
-from mxjax.emulation.forms import emulates_packed_rhs, emulation_packs_rhs
+from mxjax.emulation.forms import emulates_packed_rhs
 from mxjax.operands import canonical_operand, rotate_operand, split_key
 from mxjax.quantization import MXArray, quantize_with
 from mxjax.remat import PACKED_RESIDUAL
@@ -119,10 +119,10 @@ def saves_packed(recipe) -> bool:
     cannot run aside) a route that takes the packed rhs with the same bits, since the
     program carries one branch per platform (``lax.platform_dependent``) and may be lowered
     for any of them; and on the chip the program is traced for (`mxjax.chips.target_chip`),
-    a form for which packing is the better choice: everywhere but the emulation's GPU and
-    TPU in-place forms for MX operands (`emulation_packs_rhs`) and 'xla_fp8' on a GPU (its
-    bit view), which read X and W in place in the backward faster than XLA quantizes them
-    in the forward."""
+    a form for which packing is the better choice (``Route.packs_rhs``): everywhere but the
+    emulation's GPU and TPU in-place forms for MX operands (`emulation_packs_rhs`) and
+    'xla_fp8' on a GPU (its bit view), which read X and W in place in the backward faster
+    than XLA quantizes them in the forward."""
     op = recipe.rhs
     if recipe.is_passthrough or op.is_passthrough or op.fmt.is_per_tensor:
         return False
@@ -135,14 +135,7 @@ def saves_packed(recipe) -> bool:
         return False
     platform = target_chip().platform
     route = choices[platform][0]
-    if route is ROUTES["xla_fp8"] and platform == "gpu":
-        # Hopper's MXFP4 route re-quantizes X and W in place in the backward (XLA's bit
-        # view); packing them in the forward, by XLA's canonical quantizer, raised the
-        # deviceless H200 8B layer's temp memory from 1.21 to 1.65 GB without remat (1.13
-        # to 1.09 under quantized_residuals); a one-pass Pallas pack gave 1.27 and 0.80,
-        # but that kernel ran 3x-10x slower than XLA's passes on an H200.
-        return False
-    return route is not ROUTES["xla"] or emulation_packs_rhs(recipe, platform)
+    return route.packs_rhs is None or route.packs_rhs(recipe, platform)
 
 
 def pack_rhs(b: jax.Array, dims: Dims, recipe, key, dtype=None) -> PackedResidual:

@@ -19,7 +19,8 @@ from mxjax import formats as F
 from mxjax.chips import Chip
 from mxjax.operands import free_size, rotation_signs, split_key
 
-__all__ = ["NO_GPU_TARGET", "Route", "in_place_route_gemm", "in_place_route_packed_rhs_gemm"]
+__all__ = ["NO_GPU_TARGET", "Route", "check_canonical_operand", "in_place_route_gemm",
+           "in_place_route_packed_rhs_gemm"]
 
 # Why a GPU route cannot be chosen for a GPU lowering with no target in sight.
 NO_GPU_TARGET = ("no GPU target known (trace under jax.set_mesh / "
@@ -57,6 +58,9 @@ class Route:
         `mxjax.residuals.pack_rhs` of ``b``, bit for bit, made by the route's own operand
         kernels when lowering for a GPU (e.g. in the same read as the forward GEMM's
         operand), or None where the route has no such kernel (`mxjax.quantize_with` then).
+      packs_rhs: ``packs_rhs(recipe, platform)``: whether packing the backward's rhs is the
+        better choice for a program traced for `platform` (`mxjax.residuals.saves_packed`);
+        None: wherever the route takes the packed rhs.
     """
 
     name: str
@@ -68,6 +72,7 @@ class Route:
     evidence: tuple[str, ...]
     packed_rhs_gemm: Callable[..., jax.Array] | None = None
     pack_rhs: Callable[..., object] | None = None
+    packs_rhs: Callable[..., bool] | None = None
 
     def serves(self, lhs_fmt, rhs_fmt) -> bool:
         """Whether the route implements a GEMM of these two operand formats."""
@@ -110,3 +115,13 @@ def in_place_route_packed_rhs_gemm(route: Callable[..., jax.Array], a: jax.Array
     (ca, _), (ba, _) = dims
     return out.reshape(tuple(a.shape[i] for i in ba)
                        + (free_size(a, ba, ca), packed_q.shape[-2]))
+
+
+def check_canonical_operand(q, what: str, accepts: Callable[..., bool]) -> None:
+    """Raise ValueError unless ``q`` is a canonical operand (an MXArray ``[batch..., F, K]``
+    blocked along its last axis, e.g. a quantized residual) whose format ``accepts``;
+    ``what`` names the format in the message."""
+    if not accepts(q.fmt) or q.axis != len(q.shape) - 1 or len(q.shape) < 2:
+        raise ValueError(f"q: expected an {what} MXArray blocked along the last axis of "
+                         f"[batch..., F, K], got {q.fmt.name} with shape {q.shape}, axis "
+                         f"{q.axis}")

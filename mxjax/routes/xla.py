@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mxjax.chips import Chip
-from mxjax.emulation.forms import emulated_gemm, emulated_packed_rhs_gemm
+from mxjax.emulation.forms import emulated_gemm, emulated_packed_rhs_gemm, emulation_packs_rhs
 from mxjax.layout import canonical_dimension_numbers
 from mxjax.quantization import MXArray, dequantize
 from mxjax.routes.spec import Route
@@ -63,4 +63,5 @@ ROUTE = Route(
     evidence=("layer_8b.h200.measured", "layer_8b.h200.rates_roofline",
               "layer_8b.b200.rates_roofline", "gemm_8192.h200.measured"),
     packed_rhs_gemm=_packed_rhs_gemm,
+    packs_rhs=emulation_packs_rhs,
 )

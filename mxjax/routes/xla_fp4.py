@@ -67,7 +67,12 @@ from mxjax.layout import canonical_dimension_numbers
 from mxjax.operands import rotation_signs, split_key
 from mxjax.quantization import MXArray, dequantize, quantize_with
 from mxjax.routes import xla_fp8
-from mxjax.routes.spec import Route, in_place_route_gemm, in_place_route_packed_rhs_gemm
+from mxjax.routes.spec import (
+    Route,
+    check_canonical_operand,
+    in_place_route_gemm,
+    in_place_route_packed_rhs_gemm,
+)
 from mxjax.scaling import SR_UNSCALE
 
 __all__ = [
@@ -548,10 +553,7 @@ def packed_operand(q: MXArray):
     than an all-zero block's 1 (a block of inputs so small that every code rounds to zero
     has its exponent clamped at -127; the in-place form counts it live, and so does this).
     """
-    if q.fmt.name != "mxfp4" or q.axis != len(q.shape) - 1 or len(q.shape) < 2:
-        raise ValueError(f"q: expected an MXFP4 MXArray blocked along the last axis of "
-                         f"[batch..., F, K], got {q.fmt.name} with shape {q.shape}, axis "
-                         f"{q.axis}")
+    check_canonical_operand(q, "MXFP4", lambda fmt: fmt.name == "mxfp4")
     f = q.shape[-2]
     codes = q.codes.reshape(-1, f, q.codes.shape[-1])
     scale_bytes = q.scales.reshape(-1, f, q.scales.shape[-1])

@@ -46,7 +46,7 @@ from mxjax.emulation import in_place
 from mxjax.operands import free_size, rotation_signs, split_key
 from mxjax.quantization import MXArray
 from mxjax.routes import xla_fp8
-from mxjax.routes.spec import Route, in_place_route_gemm
+from mxjax.routes.spec import Route, check_canonical_operand, in_place_route_gemm
 from mxjax.routes.xla_fp4 import kernel_pack_input, kernel_view
 from mxjax.routes.xla_nvfp4 import blackwell_block_scaled
 from mxjax.scaling import SR_UNSCALE
@@ -181,10 +181,7 @@ def packed_operand(q: MXArray):
     quantized residual, `mxjax.residuals`) as the block-scaled dot takes it: (f8 elements
     ``[B, F, Kp]``, ``float8_e8m0fnu`` scales ``[B, F, Kp // 32]``), its codes and scale
     bytes reinterpreted (Kp: K padded to 32, as the quantizer stores the codes)."""
-    if not _mxfp8_format(q.fmt) or q.axis != len(q.shape) - 1 or len(q.shape) < 2:
-        raise ValueError(f"q: expected an MXFP8 MXArray blocked along the last axis of "
-                         f"[batch..., F, K], got {q.fmt.name} with shape {q.shape}, axis "
-                         f"{q.axis}")
+    check_canonical_operand(q, "MXFP8", _mxfp8_format)
     f, kp = q.codes.shape[-2:]
     codes = q.codes.reshape(-1, f, kp)
     scales = q.scales.reshape(-1, f, q.scales.shape[-1])

@@ -68,7 +68,7 @@ from mxjax.operands import (
 from mxjax.quantization import MXArray, quantize_with
 from mxjax.rotation import hadamard
 from mxjax.routes import xla_fp8
-from mxjax.routes.spec import NO_GPU_TARGET, Route, in_place_route_gemm
+from mxjax.routes.spec import NO_GPU_TARGET, Route, check_canonical_operand, in_place_route_gemm
 from mxjax.routes.xla_fp4 import kernel_pack_input, kernel_view
 from mxjax.scaling import SR_UNSCALE
 
@@ -117,10 +117,7 @@ def packed_operand(q: MXArray):
     """`nvfp4_operand`'s result for an operand quantized already: ``q``, the canonical
     NVFP4 MXArray ``[batch..., F, K]`` (blocked along its last axis), e.g. a quantized
     residual (`mxjax.residuals`): its codes and scale bytes reinterpreted, padded to 32."""
-    if q.fmt.name != "nvfp4" or q.axis != len(q.shape) - 1 or len(q.shape) < 2:
-        raise ValueError(f"q: expected an NVFP4 MXArray blocked along the last axis of "
-                         f"[batch..., F, K], got {q.fmt.name} with shape {q.shape}, axis "
-                         f"{q.axis}")
+    check_canonical_operand(q, "NVFP4", lambda fmt: fmt.name == "nvfp4")
     f, half = q.codes.shape[-2:]
     codes = q.codes.reshape(-1, f, half)
     scales = q.scales.reshape(-1, f, q.scales.shape[-1])
