@@ -42,7 +42,6 @@ import jax.numpy as jnp
 from mxjax import _bits
 from mxjax.elements import decode_magnitude, round_to_grid
 from mxjax.formats import E2M1, E4M3, Rounding
-from mxjax.rotation import hadamard
 from mxjax.routes import threefry
 from mxjax.routes import xla_fp4_kernel as fp4k
 from mxjax.scaling import SR_PRESCALE, E4M3BlocksTensorScale
@@ -73,14 +72,28 @@ def tensor_scale(x2: jax.Array, axis: int, *, hadamard_size: int | None, signs,
     6 * 448, floored at 2^-116; 1 for an all-zero operand, NaN for one holding NaN/Inf."""
     x = x2.astype(jnp.bfloat16) if bf16_values else x2
     x = x.astype(jnp.float32)
-    if hadamard_size is not None:
-        pad = (-x.shape[axis]) % hadamard_size
-        if pad:
-            widths = [(0, 0), (0, 0)]
-            widths[axis] = (0, pad)
-            x = jnp.pad(x, widths)
-        x = hadamard(x, hadamard_size, axis=axis, signs=signs)
-    amax_bits = jnp.max(_bits.f32_bits(x) & _bits.ABS_MASK)
+    if hadamard_size is None:
+        amax_bits = jnp.max(_bits.f32_bits(x) & _bits.ABS_MASK)
+        return _SCHEME.tensor_scale(amax_bits)
+    # The rotation as the kernel computes it, on 32 strided slices (element j of every
+    # 32-group along `axis`): elementwise butterflies XLA fuses with the reduction into one
+    # read of x. `mxjax.hadamard`'s reshaped stages made XLA write the f32 rotation and read
+    # it back (8B layer, B200: three passes, 2.1 GB, per wgrad operand of 14336 columns).
+    # The same values: `rotate_slices` runs mxjax.hadamard's butterflies in its order.
+    pad = (-x.shape[axis]) % fp4k._MX  # zero 16-halves rotate to zero: amax unchanged
+    if pad:
+        widths = [(0, 0), (0, 0)]
+        widths[axis] = (0, pad)
+        x = jnp.pad(x, widths)
+    if axis == 1:
+        groups = x.reshape(x.shape[0], -1, fp4k._MX)
+        xs = [groups[:, :, j] for j in range(fp4k._MX)]
+    else:
+        groups = x.reshape(-1, fp4k._MX, x.shape[1])
+        xs = [groups[:, j, :] for j in range(fp4k._MX)]
+    norm = jnp.float32(1.0 / hadamard_size ** 0.5)
+    v = [r * norm for r in fp4k.rotate_slices(xs, hadamard_size, signs)]
+    amax_bits = jnp.max(fp4k.abs_max_bits(v))
     return _SCHEME.tensor_scale(amax_bits)
 
 

@@ -20,6 +20,7 @@ from mxjax import OperandRecipe, policies
 from mxjax import formats as F
 from mxjax.routes import xla_fp4_kernel as fp4k
 from mxjax.routes import xla_nvfp4_kernel as K
+from tests import reference as ref
 from tests.mxjax.kernels._kernel_testutil import hadamard, hard_matrix
 from tests.mxjax.routes._operand_kernel_testutil import (
     assert_refuses_bad_arguments,
@@ -98,6 +99,53 @@ def test_tensor_scale_floor_and_zero_tensor():
     for x in (tiny, jnp.zeros(SHAPE, dtype)):
         check_pair(K.nvfp4_operand_pair, x, op, h, seed, _assert_kernel_is_reference)
     assert float(_pair_fn(op, h, seed)(tiny)[0][2]) == 2.0 ** -116
+
+
+def _emulation_tensor_scale(x, axis, h, seed):
+    from mxjax import hadamard as mx_hadamard
+    from mxjax.quantization import quantize_with
+
+    xf = jnp.asarray(x, jnp.float32)
+    pad = [(0, 0), (0, 0)]
+    pad[axis] = (0, (-x.shape[axis]) % h)
+    xf = mx_hadamard(jnp.pad(xf, pad), h, axis=axis, signs=signs(h, seed))
+    return np.asarray(quantize_with(xf, RNE, axis).tensor_scale)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("axis,shape", [(0, (200, 24)), (1, (24, 200)), (0, (40, 8)),
+                                        (1, (8, 48))])
+def test_tensor_scale_of_a_rotated_operand_is_the_emulations(axis, shape, jit):
+    # The rotated amax from strided slices (one fused read) against the emulation's
+    # mxjax.hadamard then quantize_with, bit for bit: contractions of 200, 40 and 48 (not
+    # multiples of 32: the slices pad to 32, the emulation to 16), each sign, an outlier
+    # that a rotation spreads, NaN/Inf, an all-zero operand and the tensor-scale floor.
+    rng = np.random.default_rng(sum(shape) + axis)
+    base = hard_matrix(rng, shape, spread=3.0, specials=False).astype(np.float32)
+    base[3, 5] = 7.0e3
+    cases = [base, -base, np.zeros(shape, np.float32), base * np.float32(2.0 ** -126)]
+    for special in (np.nan, np.inf, -np.inf):
+        x = base.copy()
+        x[-1, -1] = special
+        cases.append(x)
+    fn = functools.partial(K.tensor_scale, axis=axis, hadamard_size=16, signs=signs(16, 1))
+    fn = jax.jit(fn) if jit else fn
+    for x in cases:
+        for dtype in (jnp.float32, jnp.bfloat16):
+            xd = jnp.asarray(x).astype(dtype)
+            got = np.asarray(fn(xd))
+            want = _emulation_tensor_scale(xd, axis, 16, 1)
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    # Exact data (small integers: every butterfly sum exact) against numpy's float64
+    # Hadamard and the reference's tensor scale, independently of mxjax's rotation.
+    ints = rng.integers(-64, 65, size=shape).astype(np.float32)
+    want = ref._tensor_scale(ref.hadamard(np.pad(ints, [(0, (-n) % 16 if a == axis else 0)
+                                                        for a, n in enumerate(shape)]),
+                                          16, axis=axis, signs=np.asarray(signs(16, 1)))
+                             .astype(np.float32), np.float32(6 * 448),
+                             ref.TENSOR_SCALE_FLOOR["nvfp4"])
+    got = np.asarray(fn(jnp.asarray(ints)))
+    np.testing.assert_array_equal(got.view(np.uint32), np.float32(want).view(np.uint32))
 
 
 def test_one_direction_with_a_contraction_not_a_multiple_of_the_block():
