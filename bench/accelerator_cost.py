@@ -183,7 +183,8 @@ def main(argv=None) -> int:
                          "(written on a device by bench/device/gpu.py --dump-autotune)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
     ap.add_argument("--top", type=int, default=0,
-                    help=f"print each program's N slowest kernels (rates roofline; N <= "
+                    help=f"print each program's N slowest kernels (rates roofline, and the "
+                         f"calibrated model's where it charges the chip; N <= "
                          f"{ac.TOP_KERNELS})")
     args = ap.parse_args(argv)
 
@@ -256,6 +257,12 @@ def main(argv=None) -> int:
             print(f"## slowest kernels: {c.row_target}, {c.program}, {c.policy}")
             for name, cat, s, b, shape in c.top[: args.top]:
                 print(f"  {s * 1e6:9.1f} us  {b / 1e6:9.1f} MB  {cat:11s} {name}  {shape}")
+            if c.calibrated_top:
+                print(f"## slowest kernels, calibrated model: {c.row_target}, {c.program}, "
+                      f"{c.policy}")
+            for name, cls, s, b, shape, why in c.calibrated_top[: args.top]:
+                print(f"  {s * 1e6:9.1f} us  {b / 1e6:9.1f} MB  {cls:22s} {name}  {shape}"
+                      + (f"  [{why}]" if why else ""))
     print()
     for line in rates_table(costs):
         print(line)

@@ -258,3 +258,29 @@ def test_a_reference_chip_without_a_rate_is_refused_with_what_is_missing(calibra
     # Run b recorded no copy: the H200 is the reference chip, so nothing can stand in.
     with pytest.raises(cal.CalibrationError, match="measures the copy bandwidth"):
         C.derive("h200", calibration_dir, runs=("h200-2026-12-04-b",))
+
+
+def test_the_slowest_kernels_are_the_model_charges_in_order():
+    # What `accelerator_cost.py --top` prints under the calibrated model: every kernel's
+    # charge, slowest first, summing to the program's time; a Triton kernel says what set
+    # its time. Run a's layer with the Pallas quantizer: PERFORMANCE.md finds its column-wise
+    # quantize kernels (one wave each) the costliest kernels after the GEMMs.
+    ks, counts = C.load_counts(C.COMPILED_DIR / "h200-2026-12-04-a"
+                               / "layer_8b_mxfp4_all_h16_at_xla_fp8")
+    rates = _rates()
+    rows = C.slowest_kernels(ks, counts, rates, len(ks))
+    assert len(rows) == len(ks) and len(C.slowest_kernels(ks, counts, rates, 5)) == 5
+    seconds = [t for t, _, _, _ in rows]
+    assert seconds == sorted(seconds, reverse=True)
+    assert sum(seconds) == pytest.approx(C.program_seconds(ks, counts, rates), rel=1e-12)
+    by_class = C.seconds_by_class(ks, counts, rates)
+    for cls, (n, total) in by_class.items():
+        mine = [t for t, c, _, _ in rows if c == cls]
+        assert len(mine) == n and sum(mine) == pytest.approx(total, rel=1e-12, abs=0.0)
+    triton = [(t, k, why) for t, c, k, why in rows if c == "triton kernels"]
+    assert triton and all(why.startswith("occupancy ") and "waves" in why
+                          for _, _, why in triton)
+    assert all(why == "" for _, c, _, why in rows if c != "triton kernels")
+    slowest_other = next(t for t, c, _, _ in rows
+                         if not c.startswith("gemm") and c != "attention")
+    assert triton[0][0] == slowest_other

@@ -88,6 +88,8 @@ class Cost:
     # seconds, and per kernel class (class, kernels, seconds).
     calibrated_s: float = 0.0
     calibrated_by_class: tuple[tuple[str, int, float], ...] = ()
+    # The kernels it charges most: (name, class, seconds, bytes, shape, why), slowest first.
+    calibrated_top: tuple[tuple[str, str, float, int, str, str], ...] = ()
     compile_s: float
     top: tuple[tuple[str, str, float, int, str], ...] = ()  # (name, category, s, bytes, shape)
 
@@ -209,7 +211,7 @@ def measure(compiled, target: aot.Target, variant: str, program: str, policy: st
         kernel_s = _tpu_kernel_seconds(ks, kernel_specs, cycles_of, clock)
     plain, with_alu = roofline(ks, target, kernel_s)
     alu_s, unmatched = {}, []
-    calibrated_s, by_class = 0.0, ()
+    calibrated_s, by_class, calibrated_top = 0.0, (), ()
     if target.kind == "gpu" and xla_dump is not None:
         alu_s, unmatched = ptx_cost.triton_call_seconds(text, xla_dump, target.alu_ops_per_s)
         if target.name in R.CHIP_RATES:
@@ -218,6 +220,9 @@ def measure(compiled, target: aot.Target, variant: str, program: str, policy: st
             calibrated_s = calibrated.program_seconds(ks, counts, rates)
             by_class = tuple((c, n, t) for c, (n, t) in
                              calibrated.seconds_by_class(ks, counts, rates).items() if n)
+            calibrated_top = tuple(
+                (k.name, cls, t, k.bytes, k.shape[:70], why) for t, cls, k, why in
+                calibrated.slowest_kernels(ks, counts, rates, TOP_KERNELS))
     top = ()
     if target.kind != "cpu":  # the slowest kernels under the rates roofline
         timed = sorted(((k.name, k.category, rates_roofline([k], target, kernel_s) - R.LAUNCH_S,
@@ -245,7 +250,8 @@ def measure(compiled, target: aot.Target, variant: str, program: str, policy: st
                 compile_s=compile_s, top=top, rates_s=rates_roofline(ks, target, kernel_s),
                 rates_alu_s=rates_roofline(ks, target, kernel_s, alu_s),
                 alu_unmatched=len(unmatched), flops_by_class=flops_by_class(ks),
-                attention=attention, calibrated_s=calibrated_s, calibrated_by_class=by_class)
+                attention=attention, calibrated_s=calibrated_s, calibrated_by_class=by_class,
+                calibrated_top=calibrated_top)
 
 
 class KernelCycles:

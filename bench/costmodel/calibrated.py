@@ -45,7 +45,8 @@ from bench.costmodel import rates as R
 
 __all__ = ["KERNEL_CLASSES", "CalibratedRates", "Counts", "TritonKernel", "blocks_per_core",
            "derive", "kernel_class", "kernel_seconds", "load_counts", "occupancy",
-           "program_seconds", "rates_for", "seconds_by_class", "wave_factor", "waves"]
+           "program_seconds", "rates_for", "seconds_by_class", "slowest_kernels",
+           "wave_factor", "waves"]
 
 COMPILED_DIR = cal.CALIBRATION_DIR / "compiled"
 # The ceilings section's copy (bench/device/gpu.py, full sizes): x + 1 on f32[2^28], bytes
@@ -218,6 +219,23 @@ def seconds_by_class(ks: list[hk.Kernel], counts: Counts, rates: CalibratedRates
         n, s = out[c]
         out[c] = (n + 1, s + kernel_seconds(k, counts, rates))
     return out
+
+
+def slowest_kernels(ks: list[hk.Kernel], counts: Counts, rates: CalibratedRates, n: int
+                    ) -> list[tuple[float, str, hk.Kernel, str]]:
+    """The ``n`` kernels the model charges most, slowest first: (seconds with the launch,
+    `kernel_class`, the kernel, what set a Triton kernel's time: its occupancy, registers
+    per thread, SASS instructions per thread and waves; '' for other kernels)."""
+    rows = []
+    for k in ks:
+        why = ""
+        if k.name in counts.triton:
+            tk = counts.triton[k.name]
+            why = (f"occupancy {occupancy(tk, rates.limits):.0%} ({tk.registers} registers), "
+                   f"{tk.sass} SASS per thread, {waves(tk, rates.limits)} waves")
+        rows.append((kernel_seconds(k, counts, rates), kernel_class(k, counts, rates), k, why))
+    rows.sort(key=lambda r: -r[0])
+    return rows[:n]
 
 
 # --- counts of a compile: from XLA's dump, or committed as JSON ---------------------------
