@@ -59,7 +59,8 @@ from mxjax.formats import E2M1, Rounding
 from mxjax.routes import threefry
 
 __all__ = ["DEFAULT_LAUNCH", "NONFINITE_SENTINEL", "TILE", "Launch", "Mxfp4Codec", "SliceDraws",
-           "abs_max_bits", "check_contraction", "check_matrix", "cvt_e2m1x2", "has_e2m1_cvt",
+           "abs_max_bits", "check_contraction", "check_matrix", "cvt_e2m1x2", "group_slices",
+           "has_e2m1_cvt",
            "kernel_name", "launch_for", "mxfp4_operand", "mxfp4_operand_pair",
            "nearest_even_code", "quantize_slices", "rotate_slices", "run_codec", "signs_array",
            "takes_kernel"]
@@ -198,6 +199,22 @@ def abs_max_bits(values):
     """The uint32 abs bits of the largest magnitude among f32 arrays of one shape (elementwise
     across the list: a block's amax when the list holds its slices)."""
     return functools.reduce(jnp.maximum, [_bits.f32_bits(v) & _bits.ABS_MASK for v in values])
+
+
+def group_slices(x2: jax.Array, axis: int) -> list[jax.Array]:
+    """The 32 strided slices of a 2-D array along ``axis`` (0 or 1) that `rotate_slices`
+    takes: slice j holds element j of every 32-group (the axis zero-padded to a multiple
+    of 32), the other axis kept. Outside a kernel XLA fuses them with their consumer."""
+    pad = (-x2.shape[axis]) % _MX
+    if pad:
+        widths = [(0, 0), (0, 0)]
+        widths[axis] = (0, pad)
+        x2 = jnp.pad(x2, widths)
+    if axis == 1:
+        groups = x2.reshape(x2.shape[0], -1, _MX)
+        return [groups[:, :, j] for j in range(_MX)]
+    groups = x2.reshape(-1, _MX, x2.shape[1])
+    return [groups[:, j, :] for j in range(_MX)]
 
 
 def rotate_slices(xs, hadamard_size, signs, *, last_stage=True):

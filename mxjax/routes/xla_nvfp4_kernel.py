@@ -80,17 +80,8 @@ def tensor_scale(x2: jax.Array, axis: int, *, hadamard_size: int | None, signs,
     # read of x. `mxjax.hadamard`'s reshaped stages made XLA write the f32 rotation and read
     # it back (8B layer, B200: three passes, 2.1 GB, per wgrad operand of 14336 columns).
     # The same values: `rotate_slices` runs mxjax.hadamard's butterflies in its order.
-    pad = (-x.shape[axis]) % fp4k._MX  # zero 16-halves rotate to zero: amax unchanged
-    if pad:
-        widths = [(0, 0), (0, 0)]
-        widths[axis] = (0, pad)
-        x = jnp.pad(x, widths)
-    if axis == 1:
-        groups = x.reshape(x.shape[0], -1, fp4k._MX)
-        xs = [groups[:, :, j] for j in range(fp4k._MX)]
-    else:
-        groups = x.reshape(-1, fp4k._MX, x.shape[1])
-        xs = [groups[:, j, :] for j in range(fp4k._MX)]
+    # (Zero padding to the 32-group rotates to zeros: the amax is unchanged.)
+    xs = fp4k.group_slices(x, axis)
     norm = jnp.float32(1.0 / hadamard_size ** 0.5)
     v = [r * norm for r in fp4k.rotate_slices(xs, hadamard_size, signs)]
     amax_bits = jnp.max(fp4k.abs_max_bits(v))
