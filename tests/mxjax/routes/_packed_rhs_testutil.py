@@ -42,3 +42,15 @@ def normal_operands(shape_a=(64, 96), shape_b=(96, 80), dtype=jnp.bfloat16, seed
     rng = np.random.default_rng(seed)
     return (jnp.asarray(rng.standard_normal(shape_a), dtype),
             jnp.asarray(rng.standard_normal(shape_b), dtype))
+
+
+def assert_randomized_backward_recipes_are_the_gemms(both, preset, dims):
+    """A route's packed-rhs GEMM is its GEMM, bit for bit, for a randomized preset's dgrad and
+    wgrad recipes with their key. ``both(a, b, key, dims=, recipe=)``: the two results."""
+    from mxjax import policies
+
+    a, b = normal_operands()
+    for gemm in ("dgrad", "wgrad"):
+        recipe = getattr(policies.get(preset), gemm)
+        primal, packed = both(a, b, jax.random.key(3), dims=dims, recipe=recipe)
+        chex.assert_trees_all_equal(primal, packed)

@@ -31,7 +31,10 @@ from mxjax.quantization import quantize_with
 from mxjax.recipes import GemmRecipe
 from mxjax.rotation import hadamard
 from mxjax.routes import xla_fp4
-from tests.mxjax.routes._packed_rhs_testutil import normal_operands
+from tests.mxjax.routes._packed_rhs_testutil import (
+    assert_randomized_backward_recipes_are_the_gemms,
+    normal_operands,
+)
 
 MXFP4 = OperandRecipe(fmt=mxjax.MXFP4, scale_rule=ScaleRule.EVEN)
 _SLOW = pytest.mark.slow
@@ -188,11 +191,7 @@ def test_the_lhs_by_the_one_pass_kernel():
 @pytest.mark.parametrize("preset", ["tseng", pytest.param("mxfp4_all_sr", marks=_SLOW),
                                     pytest.param("mxfp4_all_rht16", marks=_SLOW)])
 def test_the_backward_recipes_of_randomized_presets_with_their_keys(preset):
-    a, b = normal_operands()
-    for gemm in ("dgrad", "wgrad"):
-        recipe = getattr(policies.get(preset), gemm)
-        primal, packed = _both(a, b, jax.random.key(3), dims=_MM, recipe=recipe)
-        chex.assert_trees_all_equal(primal, packed)
+    assert_randomized_backward_recipes_are_the_gemms(_both, preset, _MM)
 
 
 def test_the_packed_rhs_gemm_rejects_a_q_of_another_contraction():

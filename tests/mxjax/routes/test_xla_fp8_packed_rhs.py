@@ -29,6 +29,7 @@ from mxjax.quantization import quantize_with
 from mxjax.routes import xla_fp8
 from tests.mxjax.routes._packed_rhs_testutil import (
     assert_packed_gradients_are_the_bf16_residuals,
+    assert_randomized_backward_recipes_are_the_gemms,
     normal_operands,
 )
 
@@ -130,11 +131,7 @@ def test_batch_axes_a_contraction_not_last_and_a_bf16_result():
 @_SLOW
 @pytest.mark.parametrize("preset", ["tseng", "mxfp4_all_sr"])
 def test_the_backward_recipes_of_randomized_presets_with_their_keys(preset):
-    a, b = normal_operands()
-    for gemm in ("dgrad", "wgrad"):
-        recipe = getattr(policies.get(preset), gemm)
-        primal, packed = _both(a, b, jax.random.key(3), dims=_MM, recipe=recipe)
-        chex.assert_trees_all_equal(primal, packed)
+    assert_randomized_backward_recipes_are_the_gemms(_both, preset, _MM)
 
 
 def test_the_packed_rhs_gemm_refuses_other_formats_and_layouts():
