@@ -137,6 +137,7 @@ def _profile_main(policies, sections, budget_s, tmp_path) -> int:
                          str(tmp_path), "--tag", "dry"])
 
 
+@pytest.mark.slow
 def test_dry_run_writes_a_schema_valid_measurement_file(tmp_path, capsys):
     doc = _dry_run(tmp_path, "bf16")
     out = capsys.readouterr().out

@@ -68,6 +68,7 @@ def test_short_error_keeps_the_end_of_a_long_message():
     assert text.endswith("got 'xla_fp8'")
 
 
+@pytest.mark.slow
 def test_layer8b_section_on_cpu_times_rows_and_reports_an_unknown_backend():
     table = harness.Table()
     rows_spec = layer8b.parse_layer_rows("bf16/fused,mxfp4_all_h16@no_such_backend")

@@ -195,6 +195,7 @@ def _loss_and_grads(model, tokens, **kw):
     return nnx.jit(lambda m: nnx.value_and_grad(loss)(m))(model)
 
 
+@pytest.mark.slow
 def test_scan_equals_unrolled_forward_and_grads(tokens):
     cfg = small(n_layers=3)
     scanned = Llama(cfg, rngs=nnx.Rngs(3))
@@ -239,6 +240,7 @@ def test_remat_equals_no_remat(tokens):
     assert max(jax.tree.leaves(jax.tree.map(max_abs, gp, gu))) <= 1e-5
 
 
+@pytest.mark.slow
 def test_remat_keeping_quantized_residuals_equals_no_remat(tokens):
     # The packed residuals saved by the remat policy are those the forward made: the
     # gradients are bit for bit those without remat and with the default (full) remat.

@@ -116,6 +116,7 @@ def _pad(spec, n):
     return [tuple(a) if isinstance(a, list) else a for a in spec]
 
 
+@pytest.mark.slow
 def test_sharded_forward_on_8_fake_devices_matches_single_device():
     res = run_on_8_fake_devices(_SCRIPT)
     print(f"max |sharded - single-device logits| = {res['max_diff']:.3g}")

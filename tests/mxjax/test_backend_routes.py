@@ -19,7 +19,8 @@ def _loss_and_grads(policy, x, w, key):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
 
 
-@pytest.mark.parametrize("name", ["mxfp4_all_h16", "mxfp4_all_sr"])
+@pytest.mark.parametrize("name", ["mxfp4_all_h16",
+                                  pytest.param("mxfp4_all_sr", marks=pytest.mark.slow)])
 def test_routes_match_the_emulation_for_all_three_gemms(name):
     # Every route in one test: the emulation's program is compiled once for them.
     x = jax.random.normal(jax.random.key(1), (16, 64), jnp.float32)

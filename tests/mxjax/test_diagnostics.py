@@ -255,7 +255,7 @@ def _dn():
 
 
 # mxfp4_all: every GEMM quantized; tseng: a pass-through fprop, and keys (SR, random H64)
-@pytest.mark.parametrize("name", ["mxfp4_all", "tseng"])
+@pytest.mark.parametrize("name", ["mxfp4_all", pytest.param("tseng", marks=pytest.mark.slow)])
 def test_interceptor_records_every_gemm(name):
     """Two layers under lax.scan with a key folded per layer inside the body (as the model does)."""
     pol = policies.get(name)

@@ -187,7 +187,13 @@ def _assert_same(got, want, label):
 
 
 # ----------------------------------------------------------------------------- bitwise
-@pytest.mark.parametrize("policy", FULL_POLICIES + tuple(SOME_CASES) + TWO_D_POLICIES)
+# The default run: every case of one policy, H16 and NVFP4; the rest under make test-slow.
+_DEFAULT_HAND_WRITTEN = ("mxfp4_all", "mxfp4_all_h16", "nvfp4")
+
+
+@pytest.mark.parametrize("policy", [
+    p if p in _DEFAULT_HAND_WRITTEN else pytest.param(p, marks=pytest.mark.slow)
+    for p in FULL_POLICIES + tuple(SOME_CASES) + TWO_D_POLICIES])
 def test_each_gemm_equals_hand_written(policy):
     cases = FULL_CASES if policy in FULL_POLICIES else SOME_CASES.get(policy, ("2d",))
     _check_each_gemm(policy, cases)

@@ -165,6 +165,7 @@ def _run(presets, checks: bool):
     assert ("CHECKS_OK" in r.stdout) == checks
 
 
+@pytest.mark.slow
 def test_explicit_sharding_hadamard_and_per_tensor_presets():
     """The two failures seen (the rotation's reshape, the backward's sharded contraction),
     out_sharding and sharded contracting dims as lax.dot_general, the collectives.

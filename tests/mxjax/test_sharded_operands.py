@@ -115,6 +115,7 @@ def _check(res):
             assert not {"1024", "512", "64"} & set(dims), (name, gathers)
 
 
+@pytest.mark.slow
 def test_sharded_layer_is_the_unsharded_bits_emulation():
     """The essential check (~11 s on 2 cores): mxjax.dot_general on XLA:CPU and the
     emulation's GPU form."""

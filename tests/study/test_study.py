@@ -183,6 +183,7 @@ def _same_arrays(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow
 def test_branches_are_paired_and_the_exact_branch_continues_the_reference(bench, tmp_path):
     _, b = bench
     saved = {}
@@ -295,6 +296,7 @@ def test_fixed_budget_tokens_are_read_off_the_baselines_curve():
     assert d["mean"] == pytest.approx(0.5) and d["separated"] is True
 
 
+@pytest.mark.slow
 def test_report_end_to_end_on_a_tiny_study(tmp_path, data_cache, capsys):
     # Same steps as the `bench` fixture: the reference's programs come from the persistent
     # compilation cache.

@@ -58,6 +58,7 @@ def h16_capture(params):
 
 
 # --------------------------------------------------------------------------- capture
+@pytest.mark.slow
 def test_capture_sees_every_projection_of_every_layer(h16_capture, params):
     loss, caps, grads = h16_capture
     want = {(f"L{i}.{p}", k) for i in range(CFG.n_layers) for p in PROJ

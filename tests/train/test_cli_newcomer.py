@@ -37,6 +37,7 @@ def _err_lines(err: str) -> list[str]:
 
 
 # --------------------------------------------------------------------------- items 4, 5, 10
+@pytest.mark.slow
 def test_quiet_prints_no_progress(tmp_path, data_cache, capsys):
     code = main(["--quiet", *_args(tmp_path / "run", data_cache, "train.steps=2",
                                    "train.progress=lines")])

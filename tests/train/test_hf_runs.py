@@ -208,7 +208,7 @@ def _fast(out, cache):
     return fast_sets(out, cache)
 
 
-@pytest.mark.long
+@pytest.mark.slow
 def test_init_from_an_export_then_resume_without_it(run_a, exported, data_cache, tmp_path):
     cfg_a, sum_a = run_a
     hf_dir = tmp_path / "hf"

@@ -56,6 +56,7 @@ def mlperf_run(tmp_path_factory):
     return cfg, loop.run(cfg, verbose=False)
 
 
+@pytest.mark.slow
 def test_compliance_checker_on_the_shrunk_mlperf_run(mlperf_run):
     cfg, summary = mlperf_run
     assert summary.status == "completed" and summary.steps == 4

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.train.train_testutil import ROOT
 
 # One subprocess: both cases need a process whose JAX backends are not initialized yet.
@@ -29,6 +31,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_no_cluster_and_missing_peer_exit_8_with_a_message():
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "OMPI_", "PMI_", "JAX_COORDINATOR"))}

@@ -76,7 +76,7 @@ def _small(argv: list[str], cache) -> list[str]:
     return [*argv[:i], *small, *argv[i:], "--set", STEPS]
 
 
-@pytest.mark.long
+@pytest.mark.slow
 def test_readme_commands_run_in_order(tmp_path, data_cache, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "configs").symlink_to(ROOT / "configs")

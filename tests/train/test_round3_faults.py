@@ -56,7 +56,7 @@ def test_every_out_of_memory_advice_resumes_the_run(data_cache, tmp_path):
         compat.check_compatible(meta, compat.fingerprint(new), tmp_path, "passthrough")
 
 
-@pytest.mark.long
+@pytest.mark.slow
 def test_resume_with_remat_and_another_micro_batch_says_so(data_cache, tmp_path, capsys):
     """Item 10 and UNCLEAR (micro_batch/mesh/eval_batch on resume): remat switched on and a
     smaller micro-batch resume the run; a notice names both and says the continuation is

@@ -83,6 +83,7 @@ def test_second_live_run_on_one_out_is_refused(tmp_path, cache, done):
     assert [r["step"] for r in recs] == list(range(1, len(recs) + 1))
 
 
+@pytest.mark.slow
 def test_completed_run_in_read_only_dir_reports_and_exits_0(done, cache):
     before = {p: p.stat().st_mtime_ns for p in done.rglob("*")}
     r = run_read_only(done, [sys.executable, "-m", "train",

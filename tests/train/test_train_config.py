@@ -147,6 +147,7 @@ def test_policy_by_full_dict(tmp_path, cache):
     assert plan.policy_name == "my_sr"
 
 
+@pytest.mark.slow
 def test_cli_reports_config_errors_before_compiling(tmp_path, cache):
     out = tmp_path / "run"
     sets = []

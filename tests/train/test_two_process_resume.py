@@ -192,7 +192,7 @@ def _assert_matches_one_process(two: Path, one: Path) -> list[dict]:
     return two_recs
 
 
-@pytest.mark.long
+@pytest.mark.slow
 def test_a_signal_to_one_process_stops_both_at_one_step_with_a_joint_checkpoint(tmp_path):
     """The default run's two-process case (2 processes): SIGTERM to process 1 only; both stop
     after the same step, save it jointly and exit 75, and the checkpoint restores on one

@@ -215,6 +215,7 @@ print("ok", n_files)
 """
 
 
+@pytest.mark.slow
 def test_the_persistent_compilation_cache_changes_nothing(tmp_path):
     # In a fresh process (JAX sets the cache up once per process): plain, then wrapped;
     # then, JAX's in-memory caches cleared, wrapped and plain again from the disk cache.

@@ -265,7 +265,7 @@ def test_bf16_results_are_the_emulations_rounded_once(backend, scale):
     chex.assert_trees_all_equal(out, emu.astype(jnp.bfloat16).reshape(out.shape))
 
 
-@pytest.mark.parametrize("backend", ["xla_fp8", "xla_fp4"])
+@pytest.mark.parametrize("backend", [pytest.param("xla_fp8", marks=pytest.mark.slow), "xla_fp4"])
 def test_backend_through_the_policy_fwd_and_bwd_equals_the_emulation_on_cpu(backend):
     # XLA:CPU contracts the carriers (and expands xla_fp4's block-scaled dot) into exact
     # f32 products summed in f32, as the emulation's dot: the same values here.
@@ -377,9 +377,13 @@ def test_policy_at_backend_names():
 # --- 'xla_fp4' in place: the same operands written as NVFP4 for the block-scaled dot ------
 
 
-@pytest.mark.parametrize("layout", sorted(DIMS))
-@pytest.mark.parametrize("preset", ["mxfp4_all_h16", "mxfp4_all_sr"])
-def test_fp4_route_takes_the_block_scaled_dot_and_equals_the_emulation_on_cpu(layout, preset):
+# The default run: H16 on K = 200 and two contractions, SR on K = 200; the rest is slow.
+@pytest.mark.parametrize("preset,layout", [
+    (p, d) if (p, d) in {("mxfp4_all_h16", "xw"), ("mxfp4_all_h16", "two_contract"),
+                         ("mxfp4_all_sr", "xw")}
+    else pytest.param(p, d, marks=pytest.mark.slow)
+    for p in ("mxfp4_all_h16", "mxfp4_all_sr") for d in sorted(DIMS)])
+def test_fp4_route_takes_the_block_scaled_dot_and_equals_the_emulation_on_cpu(preset, layout):
     shape_a, shape_b, dims = DIMS[layout]
     a, b = _operands(shape_a, shape_b, seed=10, dtype=jnp.bfloat16)
     recipe = _recipe(preset, "xla_fp4")

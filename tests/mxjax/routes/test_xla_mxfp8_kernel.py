@@ -86,6 +86,7 @@ def test_takes_kernel_and_bad_arguments():
     assert_refuses_bad_arguments(K.mxfp8_operand, K.mxfp8_operand_pair, RCEIL_E4M3, sr)
 
 
+@pytest.mark.slow
 def test_route_with_the_kernel_is_the_in_place_form():
     """The mxfp8 preset's fprop (X [M, K] · W [K, N]; W by the pair, X with K = 100 along
     one axis) and an f32 operand cast to bf16 in the kernel, with and without it."""

@@ -148,6 +148,7 @@ def test_tensor_scale_of_a_rotated_operand_is_the_emulations(axis, shape, jit):
     np.testing.assert_array_equal(got.view(np.uint32), np.float32(want).view(np.uint32))
 
 
+@pytest.mark.slow
 def test_one_direction_with_a_contraction_not_a_multiple_of_the_block():
     # K = 100 along axis 1 (the quantizer pads to 112, the kernel to 128); K = 40 along
     # axis 0 with H16 (padded to 48 for the rotation).
@@ -264,8 +265,10 @@ def test_stochastic_rounding_of_a_non_finite_tensor():
     assert np.isnan(np.asarray(got[2])) and (np.asarray(got[1]) == 0x7F).all()
 
 
-# wgrad (SR dY from a key, H16 X) in the default run; fprop (~30 s on 2 cores) in the slow one
-@pytest.mark.parametrize("gemm", [pytest.param("fprop", marks=pytest.mark.slow), "wgrad"])
+# ~50 s (wgrad) and ~30 s (fprop) on 2 cores: the slow run; the default run checks the kernel
+# against the emulation operand by operand (the pair and SR tests above)
+@pytest.mark.slow
+@pytest.mark.parametrize("gemm", ["fprop", "wgrad"])
 def test_route_with_the_kernel_is_the_xla_form(gemm):
     """The nvfp4 preset's fprop (X [M, K] · W [K, N]: W by the pair, X along one axis)
     and wgrad (dY and X contracted over M, H16 with fixed signs: dY's stochastic rounding

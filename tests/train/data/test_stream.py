@@ -358,7 +358,7 @@ def grain_run(tmp_path_factory, shards, data_cache):
     return root, cfg, loop.run(cfg, verbose=False)
 
 
-@pytest.mark.long
+@pytest.mark.slow
 def test_resumed_training_is_bit_identical(grain_run, shards, data_cache):
     """Stop after 5 steps (a checkpoint with the loader's state, mid-chunk), resume to 8: the
     losses, grad norms and eval losses equal the uninterrupted run's bit for bit."""
@@ -464,6 +464,7 @@ def test_a_changed_shard_list_on_resume_names_the_files(grain_run, shards, tmp_p
     assert "model.init_from=HF_DIR" in str(e.value)
 
 
+@pytest.mark.slow
 def test_resume_after_files_went_missing_mid_run(shards, tmp_path, data_cache):
     """Issue 45 FAIL 6 and 7: a tokenizer, validation file or shard glob missing when a
     checkpoint was written killed the run with nothing saved (every save re-read them for

@@ -324,6 +324,7 @@ def test_workers_die_with_a_killed_trainer(shards):
         p.communicate(timeout=30)
 
 
+@pytest.mark.slow
 def test_ctrl_c_reaches_no_worker(shards):
     """Issue 45 FAIL 13: Ctrl-C (SIGINT to the terminal's whole process group) printed a
     worker's KeyboardInterrupt traceback and a leaked shared_memory warning."""
