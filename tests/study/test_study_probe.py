@@ -102,6 +102,7 @@ _lib_rotate = jax.jit(lambda x: mxjax.hadamard(x, 16, axis=-1))
 _lib_fq = jax.jit(lambda x: mxjax.fake_quantize(x, MXFP4, -1, scale_rule=ScaleRule.EVEN))
 
 
+@pytest.mark.slow
 def test_h16_every_gemm_equals_an_independent_reference(h16_capture):
     """Every GEMM of the model under mxfp4_all_h16 equals Q(H a)·Q(H b)ᵀ built in numpy."""
     _, caps, _ = h16_capture

@@ -47,6 +47,7 @@ def test_quiet_prints_no_progress(tmp_path, data_cache, capsys):
     assert cap.out.startswith("status: completed")  # the result is still printed
 
 
+@pytest.mark.slow
 def test_compile_is_announced_and_the_summary_spans_the_resume(tmp_path, data_cache, capsys):
     """Two steps, then the same run to step 4 (a second segment, resumed from step 2)."""
     out = tmp_path / "run"

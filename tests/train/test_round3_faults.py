@@ -166,7 +166,7 @@ def test_metrics_file_missing_on_resume_is_a_warning(tmp_path):
     assert [r["step"] for r in read_jsonl(path)] == [1, 2, 3, 4, 5, 6] and not warnings
 
 
-@pytest.mark.long
+@pytest.mark.slow
 def test_summary_counts_the_evaluations_after_metrics_jsonl_is_deleted(data_cache, tmp_path,
                                                                         capsys):
     """Item 11: metrics.jsonl deleted mid-run (here by an on_record hook at step 2): the file

@@ -95,6 +95,7 @@ def test_completed_run_in_read_only_dir_reports_and_exits_0(done, cache):
     assert {p: p.stat().st_mtime_ns for p in done.rglob("*")} == before
 
 
+@pytest.mark.slow
 def test_incomplete_run_in_read_only_dir_is_a_clear_error(done, cache, tmp_path):
     run = tmp_path / "partial"
     shutil.copytree(done, run)

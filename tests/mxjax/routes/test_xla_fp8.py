@@ -287,6 +287,7 @@ _F8_DOT = re.compile(r"stablehlo\.dot_general [^:]*?(?:precision = \[(\w+), \w+\
                      r"\(tensor<\w+xf8E5M2>, tensor<\w+xf8E4M3FN>\) -> tensor<(\w+)x\w+>")
 
 
+@pytest.mark.slow
 def test_accumulation_per_gemm_in_the_program_exported_for_an_h200():
     """The policy's GEMM names reach the route: fprop's carriers' dot at precision DEFAULT
     (cuBLASLt fast accumulation), dgrad's and wgrad's at HIGHEST (promoted), as fp8's

@@ -57,7 +57,8 @@ def _both(a, b, dims, recipe, key, *, gpu):
     return want, got
 
 
-@pytest.mark.parametrize("gemm,gpu", [("dgrad", False), ("wgrad", False), ("wgrad", True),
+@pytest.mark.parametrize("gemm,gpu", [("dgrad", False), ("wgrad", False),
+                                      pytest.param("wgrad", True, marks=pytest.mark.slow),
                                       pytest.param("dgrad", True, marks=pytest.mark.slow)])
 def test_the_packed_rhs_gemm_is_the_routes_gemm_bit_for_bit(gemm, gpu):
     # dgrad: SR lhs (dY), no Hadamard; wgrad: SR lhs, H16 on both (fixed signs).
