@@ -42,7 +42,7 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_data2_fsdp4_matches_single_device(tmp_path, data_cache):
     env = dict(os.environ, XLA_FLAGS=xla_flags(8),
                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests" / "train")]))
