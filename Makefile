@@ -41,10 +41,11 @@ LINT_PATHS := mxjax models train study tests bench scripts
 # --dist loadfile: each test file runs on one worker, so its module-scoped fixtures (a
 # trained run, a compiled model) are built once; --no-loadscope-reorder keeps the order of
 # tests/conftest.py (files with a `long` test first; xdist would put files with many tests
-# first, leaving the long single-test files to the end).
+# first, leaving the long single-test files to the end). --durations=15 prints the slowest
+# tests: the run must stay under CI's 10 minutes on 2 cores (move slower ones to `slow`).
 test: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -q $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -q --durations=15 $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -n 2 -q -m slow $(PYTEST_ARGS)
