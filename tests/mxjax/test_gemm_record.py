@@ -112,6 +112,7 @@ def _expected(policy, key, x, w, g, canon):
     return out
 
 
+@pytest.mark.slow
 def test_records_of_the_three_gemms():
     policy = policies.get("mxfp4_all_rht16")  # randomized H16: every key is used
     recs, key, (x, w, g), y, (dx, dw) = _records(policy)

@@ -31,6 +31,7 @@ X = jax.random.normal(jax.random.key(1), (16, 32))
 PARAMS = MLP().init(jax.random.key(0), X)
 
 
+@pytest.mark.slow
 def test_wrapped_equals_injected_and_passthrough_is_exact():
     policy = policies.get("mxfp4_all")
     wrapped = mnn.wrap(MLP(), policy)

@@ -101,6 +101,7 @@ def test_the_kernel_pack_declines_stochastic_rounding():
                           interpret=True) is None
 
 
+@pytest.mark.slow
 def test_dot_generals_gradients_on_the_route_are_the_same_with_packed_residuals(monkeypatch):
     x, w = _ab((3, 37, 50), (50, 45))
     assert_packed_gradients_are_the_bf16_residuals(
