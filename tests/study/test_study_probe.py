@@ -140,7 +140,6 @@ def test_h16_every_gemm_equals_an_independent_reference(h16_capture):
     assert flips <= 1e-4 * total, (flips, total)
 
 
-@pytest.mark.slow
 def test_h16_rotation_only_gemms_equal_the_exact_product(h16_capture):
     """BF16 operands + the policy's H16 through mxjax's GEMM (the record's run of that
     variant on the same operands): the rotation cancels."""
