@@ -60,8 +60,7 @@ from mxjax.routes import threefry
 
 __all__ = ["DEFAULT_LAUNCH", "NONFINITE_SENTINEL", "TILE", "Launch", "Mxfp4Codec", "SliceDraws",
            "abs_max_bits", "check_contraction", "check_matrix", "cvt_e2m1x2", "group_slices",
-           "has_e2m1_cvt",
-           "kernel_name", "launch_for", "mxfp4_operand", "mxfp4_operand_pair",
+           "has_e2m1_cvt", "kernel_name", "launch_for", "mxfp4_operand", "mxfp4_operand_pair",
            "nearest_even_code", "quantize_slices", "rotate_slices", "run_codec", "signs_array",
            "takes_kernel"]
 
